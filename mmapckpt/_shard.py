@@ -1,0 +1,101 @@
+"""One mapped shard file: validated header, tensors as views over the mapping.
+
+The header and every entry's bounds are checked against the file's size before
+anything is mapped, so a view never reaches past the end of the file as it was
+when opened (a file truncated later can still raise SIGBUS: see docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import torch
+
+from . import format as fmt
+from ._io import map_file, pread_into
+from .errors import CheckpointError, ChecksumError, TruncatedFileError
+
+__all__ = ["Shard", "is_mmapckpt_shard"]
+
+
+def is_mmapckpt_shard(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(fmt.MAGIC)) == fmt.MAGIC
+
+
+class Shard:
+    """A validated, mapped mmapckpt shard file.
+
+    Attributes:
+        path: the file's path.
+        header: its decoded header.
+        size: its size when opened.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError("shard file is missing", path=path) from None
+        except OSError as e:
+            raise CheckpointError(f"cannot open shard: {e.strerror}", path=path) from None
+        try:
+            self.size = os.fstat(fd).st_size
+            pre = os.pread(fd, fmt.PREAMBLE_SIZE, 0)
+            minor, order, hlen, hcrc = fmt.decode_preamble(pre, self.size, path)
+            body = bytearray(hlen)
+            pread_into(fd, body, fmt.PREAMBLE_SIZE, path=path)
+            self.header = fmt.decode_header(bytes(body), header_crc=hcrc, byte_order=order, minor=minor,
+                                            file_size=self.size, path=path)
+        finally:
+            os.close(fd)
+        self._entries = self.header.by_key()
+        self._mmap = map_file(path, self.size)
+        # One buffer export for the whole file; entries are slices of it.
+        self._base = torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None else None
+
+    def entry(self, fqn: str, chunk_offsets: tuple[int, ...] | None) -> fmt.Entry:
+        try:
+            return self._entries[(fqn, chunk_offsets)]
+        except KeyError:
+            label = fqn if chunk_offsets is None else f"{fqn}@{list(chunk_offsets)}"
+            raise CheckpointError("entry is not in this shard's header", path=self.path, entry=label) from None
+
+    def raw(self, e: fmt.Entry) -> torch.Tensor:
+        """The entry's bytes as a uint8 view over the mapping (no copy)."""
+        if e.length == 0 or self._base is None:
+            return torch.empty(0, dtype=torch.uint8)
+        return self._base[e.offset:e.offset + e.length]
+
+    def tensor(self, e: fmt.Entry) -> torch.Tensor:
+        """The entry as a tensor of its dtype and shape, a copy-on-write view over the mapping."""
+        dtype = fmt.DTYPES[e.dtype][0]  # type: ignore[index]
+        if e.length == 0:
+            return torch.empty(e.shape, dtype=dtype)
+        return self.raw(e).view(dtype).view(e.shape)
+
+    def read_bytes(self, e: fmt.Entry) -> bytes:
+        return self.raw(e).numpy().tobytes()
+
+    def verify(self, e: fmt.Entry) -> None:
+        """Raise ChecksumError if the entry's bytes do not match their CRC-32."""
+        got = zlib.crc32(self.raw(e).numpy()) if e.length else 0
+        if got != e.crc32:
+            raise ChecksumError(f"CRC-32 of the data is {got:08x}, the header says {e.crc32:08x}",
+                                path=self.path, entry=e.label)
+
+
+def check_size_unchanged(shard: Shard) -> None:
+    """Raise if the mapped file shrank since it was opened (touching those pages would SIGBUS).
+
+    The mapping holds its own descriptor, so this checks the same inode even if the
+    path was since replaced by a rename.
+    """
+    if shard._mmap is None:
+        return
+    now = shard._mmap.size()
+    if now < shard.size:
+        raise TruncatedFileError(f"file shrank from {shard.size} to {now} bytes while it was being read",
+                                 path=shard.path)

@@ -1,0 +1,230 @@
+"""MmapReader: a DCP StorageReader over mapped shard files.
+
+For each read item it builds the stored chunk as a view over the mapping,
+narrows it to the requested hypercube (touching only those pages) and copies it
+into the planner's target. Stock torch.save-format checkpoints are read too,
+detected per shard file, so one reader serves both.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from . import format as fmt
+from ._io import open_inside, pread_into
+from ._shard import Shard, check_size_unchanged, is_mmapckpt_shard
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    FormatError,
+    IncompleteCheckpointError,
+    SizeMismatchError,
+    TruncatedFileError,
+)
+from .metafile import METADATA_NAME, read_metadata_file
+
+__all__ = ["MmapReader", "find_metadata"]
+
+
+def find_metadata(path: str, rank: int | None = None) -> str:
+    """The metadata file of the checkpoint at ``path``; raise if there is none committed."""
+    name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+    meta = os.path.join(path, name)
+    if os.path.isfile(meta):
+        return meta
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError("no checkpoint directory here", path=path)
+    if any(n.endswith(".distcp") or ".distcp.tmp-" in n for n in os.listdir(path)):
+        raise IncompleteCheckpointError(
+            f"incomplete checkpoint: shard files but no committed {name} (the save did not finish)", path=path)
+    raise CheckpointNotFoundError(f"no checkpoint here (no {name})", path=path)
+
+
+def _label(idx: MetadataIndex) -> str:
+    return idx.fqn if idx.offset is None else f"{idx.fqn}@{list(idx.offset)}"
+
+
+class MmapReader(StorageReader):
+    """Reads mmapckpt (and stock DCP) checkpoints for ``dcp.load``.
+
+    Args:
+        path: the checkpoint directory.
+        thread_count: shard files read in parallel.
+        verify: check each entry's CRC-32 before using it (reads every byte of the entries used).
+
+    Example:
+        >>> import torch.distributed.checkpoint as dcp
+        >>> sd = {"w": torch.empty(4)}
+        >>> dcp.load(sd, storage_reader=MmapReader("/tmp/ckpt"))
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1, verify: bool = False) -> None:
+        super().__init__()
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        self.path = os.fspath(path)
+        self.thread_count = thread_count
+        self.verify = verify
+        self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self.state_dict_metadata: dict[str, Any] = {}
+        self.load_id = str(uuid.uuid4())
+
+    # ------------------------------------------------------------------ DCP interface
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        _, md = read_metadata_file(find_metadata(self.path, kwargs.get("rank")))
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise FormatError("metadata has no storage data", path=self.path)
+        self.storage_data = metadata.storage_data
+        self.state_dict_metadata = metadata.state_dict_metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            info = self._info(req.storage_index)
+            per_file.setdefault(info.relative_path, []).append(req)
+        jobs = [(rel, sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset))
+                for rel, reqs in per_file.items()]
+        if self.thread_count > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="mmapckpt-read") as pool:
+                devices = [d for ds in pool.map(lambda j: self._read_file(j[0], j[1], planner), jobs) for d in ds]
+        else:
+            devices = [d for rel, reqs in jobs for d in self._read_file(rel, reqs, planner)]
+        for dev in set(devices):  # copies to accelerators were issued non_blocking
+            torch.get_device_module(dev).synchronize(dev)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        s = os.fspath(checkpoint_id)
+        return "://" not in s and os.path.isfile(os.path.join(s, METADATA_NAME))
+
+    # ------------------------------------------------------------------ internals
+    def _info(self, idx: MetadataIndex) -> _StorageInfo:
+        try:
+            return self.storage_data[idx]
+        except KeyError:
+            raise FormatError("metadata has no storage record for this entry", path=self.path,
+                              entry=_label(idx)) from None
+
+    def _read_file(self, rel: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+        path = open_inside(self.path, rel)
+        if not os.path.exists(path):
+            raise CheckpointError("shard file named in the metadata is missing", path=path,
+                                  entry=_label(reqs[0].storage_index))
+        if is_mmapckpt_shard(path):
+            return self._read_mmapckpt(path, reqs, planner)
+        return self._read_stock(path, reqs, planner)
+
+    def _read_mmapckpt(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+        shard = Shard(path)
+        devices = []
+        for req in reqs:
+            idx = req.storage_index
+            e = shard.entry(idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
+            info = self.storage_data[idx]
+            if (info.offset, info.length) != (e.offset, e.length):
+                raise FormatError(
+                    f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
+                    f"[{e.offset}, +{e.length})", path=path, entry=e.label)
+            if self.verify:
+                shard.verify(e)
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(shard.read_bytes(e)))
+                continue
+            self._check_dtype(idx, e.dtype, path)
+            dev = self._copy(shard.tensor(e), req, planner, path)
+            if dev is not None:
+                devices.append(dev)
+        check_size_unchanged(shard)
+        return devices
+
+    def _check_dtype(self, idx: MetadataIndex, dtype: str | None, path: str) -> None:
+        md = self.state_dict_metadata.get(idx.fqn)
+        if isinstance(md, TensorStorageMetadata) and fmt.dtype_name(md.properties.dtype) != dtype:
+            raise FormatError(f"shard holds {dtype} but the metadata says {md.properties.dtype}",
+                              path=path, entry=_label(idx))
+
+    def _copy(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str) -> torch.device | None:
+        try:
+            src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
+        except (RuntimeError, IndexError) as e:
+            raise SizeMismatchError(f"requested region {list(req.storage_offsets)}+{list(req.lengths)} is outside "
+                                    f"the stored chunk {list(src.shape)}: {e}", path=path,
+                                    entry=_label(req.storage_index)) from None
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != src.size():
+            raise SizeMismatchError(f"stored region has shape {list(src.size())} but the target has "
+                                    f"{list(target.size())}", path=path, entry=_label(req.storage_index))
+        on_device = target.device.type != "cpu"
+        target.copy_(src, non_blocking=on_device)
+        planner.commit_tensor(req, target)
+        return target.device if on_device else None
+
+    def _read_stock(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+        """A stock (torch.save per item) shard: each item is loaded with weights_only=True."""
+        devices = []
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            for req in reqs:
+                info = self.storage_data[req.storage_index]
+                label = _label(req.storage_index)
+                if getattr(info, "transform_descriptors", None):
+                    raise FormatError("stream transforms are not supported", path=path, entry=label)
+                if info.offset + info.length > size:
+                    raise TruncatedFileError(f"item [{info.offset}, +{info.length}) runs past the end of the "
+                                             f"{size}-byte file", path=path, entry=label)
+                buf = bytearray(info.length)
+                pread_into(fd, buf, info.offset, path=path, entry=label)
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(buf))
+                    continue
+                try:
+                    src = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+                except Exception as e:
+                    raise FormatError(f"stock item could not be loaded: {type(e).__name__}: {e}",
+                                      path=path, entry=label) from None
+                if not isinstance(src, torch.Tensor):
+                    raise FormatError(f"stock item holds {type(src).__name__}, not a tensor", path=path, entry=label)
+                dev = self._copy(src, req, planner, path)
+                if dev is not None:
+                    devices.append(dev)
+        finally:
+            os.close(fd)
+        return devices

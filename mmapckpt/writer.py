@@ -1,0 +1,282 @@
+"""MmapWriter: a DCP StorageWriter that writes raw, aligned tensor bytes.
+
+It turns a DCP save plan into shard layouts (format.py) and positional writes
+(_io.py), and records (file, offset, length) for every item in the storage data,
+like the stock writer, so that any DCP planner works unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import io
+import os
+import uuid
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import format as fmt
+from ._io import atomic_write, fsync_dir, pwrite_all
+from .errors import CheckpointExistsError, CheckpointWriteError
+from .metafile import METADATA_NAME, encode_metadata
+
+__all__ = ["MmapWriter", "WriterOptions"]
+
+DCP_VERSION = "1.0.0"
+SHARD_SUFFIX = ".distcp"
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    thread_count: int = 1
+    sync_files: bool = True
+    alignment: int = 4096
+    overwrite: bool = True
+
+    def __post_init__(self) -> None:
+        if self.thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {self.thread_count}")
+        fmt.layout_entries([], self.alignment)  # validates the alignment
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    prefix: str
+
+
+def _chunk_nbytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    assert td is not None  # a TENSOR/SHARD item always has tensor_data (DCP invariant, not file content)
+    n = 1
+    for s in td.chunk.sizes:
+        n *= s
+    return n * torch._utils._element_size(td.properties.dtype)
+
+
+def _split_into_files(n: int, items: list[WriteItem]) -> list[list[WriteItem]]:
+    """Spread items over ``n`` files of similar byte counts (greedy, largest first)."""
+    if n == 1:
+        return [list(items)] if items else []
+    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensor_items = sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=_chunk_nbytes, reverse=True)
+    for k, it in enumerate(byte_items):
+        buckets[k % n].append(it)
+    for it in tensor_items:
+        k = sizes.index(min(sizes))
+        buckets[k].append(it)
+        sizes[k] += _chunk_nbytes(it)
+    return [b for b in buckets if b]
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's own bytes in C order, from its memory where it is contiguous."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.resolve_conj().resolve_neg().contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class MmapWriter(StorageWriter):
+    """Writes a DCP checkpoint as raw, aligned tensor bytes behind a JSON header.
+
+    Args:
+        path: the checkpoint directory (created if missing).
+        thread_count: files written in parallel per rank (one shard file each).
+        sync_files: fsync every shard and the directory before the metadata commit.
+        alignment: data offset alignment for entries at least this long (power of two >= 64).
+        overwrite: allow replacing an existing checkpoint in ``path``.
+
+    Example:
+        >>> import torch.distributed.checkpoint as dcp
+        >>> dcp.save({"w": torch.ones(4)}, storage_writer=MmapWriter("/tmp/ckpt"), no_dist=True)
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1, sync_files: bool = True,
+                 alignment: int = 4096, overwrite: bool = True) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.options = WriterOptions(thread_count, sync_files, alignment, overwrite)
+        self.save_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.is_coordinator = False
+
+    # ------------------------------------------------------------------ DCP interface
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        os.makedirs(self.path, exist_ok=True)
+        meta = self._metadata_path(None if self.use_collectives else self.rank)
+        if os.path.exists(meta) or (not self.use_collectives and os.path.exists(self._metadata_path(0))):
+            if not self.options.overwrite:
+                raise CheckpointExistsError("a checkpoint already exists here and overwrite=False", path=self.path)
+            if not self.use_collectives:
+                self._invalidate(meta)
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs on the coordinator before any rank writes a shard: the old commit goes
+        # first, so no metadata ever points at shards being rewritten.
+        if self.use_collectives:
+            self._invalidate(self._metadata_path(None))
+        return [p if p.storage_data is not None else dataclasses.replace(p, storage_data=_Prefix(f"__{i}_"))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data.prefix
+        files = [(f"{prefix}{i}{SHARD_SUFFIX}", bucket)
+                 for i, bucket in enumerate(_split_into_files(self.options.thread_count, plan.items))]
+        if self.options.thread_count > 1 and len(files) > 1:
+            with ThreadPoolExecutor(self.options.thread_count, thread_name_prefix="mmapckpt-write") as pool:
+                per_file = list(pool.map(lambda f: self._write_file(f[0], f[1], planner), files))
+        else:
+            per_file = [self._write_file(name, bucket, planner) for name, bucket in files]
+        if self.options.sync_files and files:
+            fsync_dir(self.path)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result([r for rs in per_file for r in rs])
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        target = self._metadata_path(None if self.use_collectives else self.rank)
+        try:
+            data = encode_metadata(metadata)
+        except (TypeError, ValueError) as e:
+            raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}", path=target) from e
+        try:
+            atomic_write(target, data, sync=self.options.sync_files)
+        except OSError as e:
+            raise CheckpointWriteError(f"committing the metadata failed: {e}", path=target) from e
+        if self.use_collectives:
+            self._remove_stale_shards({info.relative_path for info in metadata.storage_data.values()})
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        s = os.fspath(checkpoint_id)
+        if "://" in s:
+            return False
+        p = os.path.abspath(s)
+        while True:
+            if os.path.isdir(p):
+                return os.access(p, os.W_OK)
+            parent = os.path.dirname(p)
+            if parent == p:
+                return False
+            p = parent
+
+    # ------------------------------------------------------------------ internals
+    def _metadata_path(self, rank: int | None) -> str:
+        name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+        return os.path.join(self.path, name)
+
+    def _invalidate(self, meta: str) -> None:
+        try:
+            os.unlink(meta)
+        except FileNotFoundError:
+            return
+        if self.options.sync_files:
+            fsync_dir(self.path)
+
+    def _remove_stale_shards(self, referenced: set[str]) -> None:
+        """Drop shard files of an overwritten checkpoint that the new one does not use."""
+        for p in glob.glob(os.path.join(glob.escape(self.path), f"__*_*{SHARD_SUFFIX}")):
+            if os.path.basename(p) not in referenced:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        """Lay out and write one shard under a temporary name, then rename it into place.
+
+        A new inode replaces the old file, so readers that mapped the old one keep valid pages.
+        """
+        final = os.path.join(self.path, name)
+        tmp = os.path.join(self.path, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            byte_payloads, specs = {}, []
+            for it in items:  # BYTE_IO payloads are small: resolve them first to know every size
+                if it.type == WriteItemType.BYTE_IO:
+                    data = planner.resolve_data(it)
+                    payload = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                    byte_payloads[it.index] = payload
+                    specs.append(fmt.EntrySpec(it.index.fqn, None, fmt.KIND_BYTES, None, (), len(payload)))
+                else:
+                    td = it.tensor_data
+                    specs.append(fmt.EntrySpec(it.index.fqn, tuple(td.chunk.offsets), fmt.KIND_TENSOR,
+                                               fmt.dtype_name(td.properties.dtype), tuple(td.chunk.sizes),
+                                               _chunk_nbytes(it)))
+            entries, file_size = fmt.layout_entries(specs, self.options.alignment)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, file_size)
+                done = [self._write_entry(fd, e, it, byte_payloads, planner) for e, it in zip(entries, items)]
+                pwrite_all(fd, fmt.encode_header(done), 0)
+                if self.options.sync_files:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as e:
+            _unlink_quietly(tmp)
+            raise CheckpointWriteError(f"writing shard failed: {e}", path=final) from e
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        return [WriteResult(index=it.index, size_in_bytes=e.length, storage_data=_StorageInfo(name, e.offset, e.length))
+                for e, it in zip(done, items)]
+
+    def _write_entry(self, fd: int, e: fmt.Entry, it: WriteItem, byte_payloads: dict[Any, bytes],
+                     planner: SavePlanner) -> fmt.Entry:
+        if it.type == WriteItemType.BYTE_IO:
+            buf: Any = byte_payloads[it.index]
+        else:
+            t = planner.resolve_data(it)
+            if tuple(t.shape) != e.shape or fmt.dtype_name(t.dtype) != e.dtype:
+                raise ValueError(f"planner resolved {it.index.fqn!r} to {tuple(t.shape)} {t.dtype}, "
+                                 f"but the plan said {e.shape} {e.dtype}")
+            buf = _tensor_bytes(t) if e.length else b""
+        if len(buf) != e.length:
+            raise ValueError(f"{it.index.fqn!r}: {len(buf)} bytes resolved, {e.length} planned")
+        if e.length:
+            pwrite_all(fd, buf, e.offset)
+        return dataclasses.replace(e, crc32=zlib.crc32(buf))
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
