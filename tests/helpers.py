@@ -1,0 +1,66 @@
+"""Shared test utilities: bitwise comparison and real multi-process gloo runs."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's bytes in C order (NaN payloads and -0.0 preserved)."""
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{what}: {type(a)} vs {type(b)}"
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert tensor_bytes(a) == tensor_bytes(b), f"{what}: bytes differ"
+
+
+def assert_tree_equal(a: Any, b: Any, what: str = "root") -> None:
+    """Nested dicts/lists/tuples: tensors bitwise, everything else with ==."""
+    if isinstance(a, torch.Tensor):
+        assert_bitwise_equal(a, b, what)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{what}: keys {set(a)} != {set(b) if isinstance(b, dict) else b}"
+        for k in a:
+            assert_tree_equal(a[k], b[k], f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{what}: {a!r} != {b!r}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_equal(x, y, f"{what}[{i}]")
+    else:
+        assert a == b, f"{what}: {a!r} != {b!r}"
+
+
+def _entry(rank: int, fn: Callable, world_size: int, init_file: str, args: tuple) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` real gloo ranks (spawned processes).
+
+    ``fn`` must be a module-level function (it is pickled by reference). Any rank's
+    exception fails the call (torch.multiprocessing raises ProcessRaisedException).
+    """
+    fd, init_file = tempfile.mkstemp(prefix="mmapckpt-pg-")
+    os.close(fd)
+    os.unlink(init_file)  # the FileStore must start absent
+    try:
+        mp.start_processes(_entry, args=(fn, world_size, init_file, args), nprocs=world_size,
+                           join=True, start_method="spawn")
+    finally:
+        if os.path.exists(init_file):
+            os.unlink(init_file)
