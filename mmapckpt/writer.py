@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import format as fmt
+from ._d2h import stage_to_host
 from ._io import atomic_write, fsync_dir, pwrite_all
 from .errors import CheckpointExistsError, CheckpointWriteError
 from .metafile import METADATA_NAME, encode_metadata
@@ -242,7 +243,7 @@ class MmapWriter(StorageWriter):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.ftruncate(fd, file_size)
-                done = [self._write_entry(fd, e, it, byte_payloads, planner) for e, it in zip(entries, items)]
+                done = self._write_entries(fd, entries, items, byte_payloads, planner)
                 pwrite_all(fd, fmt.encode_header(done), 0)
                 if self.options.sync_files:
                     os.fsync(fd)
@@ -258,21 +259,30 @@ class MmapWriter(StorageWriter):
         return [WriteResult(index=it.index, size_in_bytes=e.length, storage_data=_StorageInfo(name, e.offset, e.length))
                 for e, it in zip(done, items)]
 
-    def _write_entry(self, fd: int, e: fmt.Entry, it: WriteItem, byte_payloads: dict[Any, bytes],
-                     planner: SavePlanner) -> fmt.Entry:
-        if it.type == WriteItemType.BYTE_IO:
-            buf: Any = byte_payloads[it.index]
-        else:
-            t = planner.resolve_data(it)
+    def _write_entries(self, fd: int, entries: list[fmt.Entry], items: list[WriteItem],
+                       byte_payloads: dict[Any, bytes], planner: SavePlanner) -> list[fmt.Entry]:
+        """Write every entry's bytes at its offset; return the entries with their CRC-32s."""
+        entry_of = {id(it): e for e, it in zip(entries, items)}
+        done: dict[int, fmt.Entry] = {}
+        for it in items:
+            if it.type == WriteItemType.BYTE_IO:
+                done[id(it)] = _write_at(fd, entry_of[id(it)], byte_payloads[it.index])
+        tensor_items = [it for it in items if it.type != WriteItemType.BYTE_IO]
+        for it, t in stage_to_host(tensor_items, planner.resolve_data):
+            e = entry_of[id(it)]
             if tuple(t.shape) != e.shape or fmt.dtype_name(t.dtype) != e.dtype:
                 raise ValueError(f"planner resolved {it.index.fqn!r} to {tuple(t.shape)} {t.dtype}, "
                                  f"but the plan said {e.shape} {e.dtype}")
-            buf = _tensor_bytes(t) if e.length else b""
-        if len(buf) != e.length:
-            raise ValueError(f"{it.index.fqn!r}: {len(buf)} bytes resolved, {e.length} planned")
-        if e.length:
-            pwrite_all(fd, buf, e.offset)
-        return dataclasses.replace(e, crc32=zlib.crc32(buf))
+            done[id(it)] = _write_at(fd, e, _tensor_bytes(t) if e.length else b"")
+        return [done[id(it)] for it in items]
+
+
+def _write_at(fd: int, e: fmt.Entry, buf: Any) -> fmt.Entry:
+    if len(buf) != e.length:
+        raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
+    if e.length:
+        pwrite_all(fd, buf, e.offset)
+    return dataclasses.replace(e, crc32=zlib.crc32(buf))
 
 
 def _unlink_quietly(path: str) -> None:
