@@ -60,7 +60,8 @@ def stage_to_host(items: Iterable[Any], resolve: Callable[[Any], torch.Tensor],
     source = iter(items)
     exhausted = False
     while True:
-        while not exhausted and (not pending or inflight < budget):
+        # Run ahead only while device copies are in flight: CPU tensors gain nothing from it.
+        while not exhausted and (not pending or (inflight < budget and pending[-1].event is not None)):
             try:
                 item = next(source)
             except StopIteration:
