@@ -7,21 +7,42 @@ when opened (a file truncated later can still raise SIGBUS: see docs/reliability
 
 from __future__ import annotations
 
+import mmap
 import os
+import stat
 import zlib
 
 import torch
 
 from . import format as fmt
-from ._io import map_file, pread_into
+from ._io import pread_into
 from .errors import CheckpointError, ChecksumError, TruncatedFileError
 
 __all__ = ["Shard", "is_mmapckpt_shard"]
 
 
+def _open_regular(path: str) -> int:
+    """Open ``path`` read-only; refuse anything but a regular file (a FIFO would block, a device never ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointError("shard file is missing", path=path) from None
+    except OSError as e:
+        raise CheckpointError(f"cannot open shard: {e.strerror}", path=path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError("shard is not a regular file", path=path)
+    return fd
+
+
 def is_mmapckpt_shard(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(len(fmt.MAGIC)) == fmt.MAGIC
+    fd = _open_regular(path)
+    try:
+        return os.pread(fd, len(fmt.MAGIC), 0) == fmt.MAGIC
+    except OSError as e:
+        raise CheckpointError(f"cannot read shard: {e.strerror}", path=path) from None
+    finally:
+        os.close(fd)
 
 
 class Shard:
@@ -35,12 +56,7 @@ class Shard:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointError("shard file is missing", path=path) from None
-        except OSError as e:
-            raise CheckpointError(f"cannot open shard: {e.strerror}", path=path) from None
+        fd = _open_regular(path)
         try:
             self.size = os.fstat(fd).st_size
             pre = os.pread(fd, fmt.PREAMBLE_SIZE, 0)
@@ -49,10 +65,14 @@ class Shard:
             pread_into(fd, body, fmt.PREAMBLE_SIZE, path=path)
             self.header = fmt.decode_header(bytes(body), header_crc=hcrc, byte_order=order, minor=minor,
                                             file_size=self.size, path=path)
+            # Map the descriptor the header was read from, never the path again: a file
+            # renamed over the path in between would pair this header with other bytes.
+            self._mmap = _map_fd(fd, self.size, path)
+        except OSError as e:
+            raise CheckpointError(f"cannot read shard: {e.strerror or e}", path=path) from None
         finally:
             os.close(fd)
         self._entries = self.header.by_key()
-        self._mmap = map_file(path, self.size)
         # One buffer export for the whole file; entries are slices of it.
         self._base = torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None else None
 
@@ -85,6 +105,20 @@ class Shard:
         if got != e.crc32:
             raise ChecksumError(f"CRC-32 of the data is {got:08x}, the header says {e.crc32:08x}",
                                 path=self.path, entry=e.label)
+
+
+def _map_fd(fd: int, size: int, path: str) -> mmap.mmap | None:
+    """Map ``size`` bytes of ``fd`` copy-on-write (MAP_PRIVATE, readable and writable).
+
+    Writable private pages let torch build ordinary tensors over them: writing to
+    one copies that page and never changes the file. Returns None for ``size`` 0.
+    """
+    if size == 0:
+        return None
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot map file: {e}", path=path) from None
 
 
 def check_size_unchanged(shard: Shard) -> None:

@@ -182,6 +182,8 @@ class ShardHeader:
     data_start: int
     byte_order: int
     minor: int
+    #: The id of the save that wrote this shard (matches the metadata's storage_meta.save_id), if recorded.
+    save_id: str | None = None
 
     def by_key(self) -> dict[tuple[str, tuple[int, ...] | None], Entry]:
         return {e.key: e for e in self.entries}
@@ -196,7 +198,8 @@ def entry_alignment(length: int, alignment: int) -> int:
     return alignment if length >= alignment else MIN_ALIGNMENT
 
 
-def layout_entries(specs: Sequence[EntrySpec], alignment: int = 4096) -> tuple[list[Entry], int]:
+def layout_entries(specs: Sequence[EntrySpec], alignment: int = 4096,
+                   save_id: str | None = None) -> tuple[list[Entry], int]:
     """Give every entry an aligned data offset; return the entries and the file size.
 
     The header's length depends on the offsets' digits, so the first data byte is
@@ -211,20 +214,28 @@ def layout_entries(specs: Sequence[EntrySpec], alignment: int = 4096) -> tuple[l
             pos = _align_up(pos, entry_alignment(s.length, alignment))
             entries.append(Entry(s.fqn, s.chunk_offsets, s.kind, s.dtype, s.shape, pos, s.length, 0))
             pos += s.length
-        header_end = PREAMBLE_SIZE + len(_header_json(entries))
+        header_end = PREAMBLE_SIZE + len(_header_json(entries, save_id))
         if header_end <= data_start:
             return entries, _align_up(max(pos, data_start), alignment)
         data_start = _align_up(header_end, MIN_ALIGNMENT)
 
 
-def _header_json(entries: Iterable[Entry]) -> bytes:
-    doc = {"format": "mmapckpt", "entries": [e.to_json() for e in entries]}
+def _header_json(entries: Iterable[Entry], save_id: str | None = None) -> bytes:
+    doc: dict[str, Any] = {"format": "mmapckpt"}
+    if save_id is not None:
+        doc["save_id"] = save_id
+    doc["entries"] = [e.to_json() for e in entries]
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-def encode_header(entries: Sequence[Entry]) -> bytes:
-    """The preamble followed by the JSON header, ready to be written at offset 0."""
-    body = _header_json(entries)
+def encode_header(entries: Sequence[Entry], save_id: str | None = None) -> bytes:
+    """The preamble followed by the JSON header, ready to be written at offset 0.
+
+    ``save_id`` (optional) ties the shard to one save: a reader compares it with the
+    metadata's ``storage_meta.save_id`` so that shards of a later save are never read
+    through an earlier save's metadata.
+    """
+    body = _header_json(entries, save_id)
     pre = _PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, host_byte_order(), len(body), zlib.crc32(body))
     return pre + body
 
@@ -260,9 +271,13 @@ def decode_preamble(pre: bytes, file_size: int, path: str) -> tuple[int, int, in
     return minor, order, hlen, hcrc
 
 
+#: Every integer in a header (offsets, lengths, dims) must fit torch's int64 sizes.
+MAX_INT = 2**63 - 1
+
+
 def _int(v: object, what: str, path: str, entry: str | None, *, lo: int = 0) -> int:
-    if type(v) is not int or v < lo:  # bool is an int subclass: refuse it too
-        raise FormatError(f"{what} must be an integer >= {lo}, got {v!r}", path=path, entry=entry)
+    if type(v) is not int or not lo <= v <= MAX_INT:  # bool is an int subclass: refuse it too
+        raise FormatError(f"{what} must be an integer in [{lo}, 2**63), got {v!r}"[:300], path=path, entry=entry)
     return v
 
 
@@ -323,6 +338,9 @@ def decode_header(body: bytes, *, header_crc: int, byte_order: int, minor: int, 
         raise FormatError(f"header is not valid JSON: {e}", path=path) from None
     if not isinstance(doc, dict) or doc.get("format") != "mmapckpt" or not isinstance(doc.get("entries"), list):
         raise FormatError("header is not an mmapckpt header object with an 'entries' list", path=path)
+    save_id = doc.get("save_id")
+    if save_id is not None and not (isinstance(save_id, str) and len(save_id) <= 256):
+        raise FormatError(f"'save_id' must be a string of at most 256 characters, got {save_id!r}"[:300], path=path)
     data_start = PREAMBLE_SIZE + len(body)
     entries = tuple(_decode_entry(raw, path, i) for i, raw in enumerate(doc["entries"]))
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
@@ -340,4 +358,4 @@ def decode_header(body: bytes, *, header_crc: int, byte_order: int, minor: int, 
                 path=path, entry=e.label)
         if e.length:
             prev_end, prev = e.offset + e.length, e
-    return ShardHeader(entries, data_start, byte_order, minor)
+    return ShardHeader(entries, data_start, byte_order, minor, save_id)

@@ -100,6 +100,7 @@ class MmapReader(StorageReader):
             raise FormatError("metadata has no storage data", path=self.path)
         self.storage_data = metadata.storage_data
         self.state_dict_metadata = metadata.state_dict_metadata
+        self.save_id = getattr(metadata.storage_meta, "save_id", None)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -153,6 +154,10 @@ class MmapReader(StorageReader):
 
     def _read_mmapckpt(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
         shard = Shard(path)
+        if shard.header.save_id is not None and getattr(self, "save_id", None) not in (None, shard.header.save_id):
+            raise IncompleteCheckpointError(
+                f"shard was written by save {shard.header.save_id}, but the metadata read belongs to save "
+                f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=path)
         devices = []
         for req in reqs:
             idx = req.storage_index

@@ -52,6 +52,7 @@ class WriterOptions:
 @dataclass(frozen=True)
 class _Prefix:
     prefix: str
+    save_id: str | None = None  # the coordinator's save id, written into every shard header
 
 
 def _chunk_nbytes(item: WriteItem) -> int:
@@ -126,7 +127,10 @@ class MmapWriter(StorageWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot create the checkpoint directory: {e}", path=self.path) from e
         meta = self._metadata_path(None if self.use_collectives else self.rank)
         if os.path.exists(meta) or (not self.use_collectives and os.path.exists(self._metadata_path(0))):
             if not self.options.overwrite:
@@ -134,7 +138,7 @@ class MmapWriter(StorageWriter):
             if not self.use_collectives:
                 self._invalidate(meta)
         if self.rank is not None and not self.use_collectives:
-            plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_"))
+            plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_", self.save_id))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -142,11 +146,12 @@ class MmapWriter(StorageWriter):
         # first, so no metadata ever points at shards being rewritten.
         if self.use_collectives:
             self._invalidate(self._metadata_path(None))
-        return [p if p.storage_data is not None else dataclasses.replace(p, storage_data=_Prefix(f"__{i}_"))
+        return [p if p.storage_data is not None else dataclasses.replace(p, storage_data=_Prefix(f"__{i}_", self.save_id))
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
+        self._shard_save_id = getattr(plan.storage_data, "save_id", None)
         files = [(f"{prefix}{i}{SHARD_SUFFIX}", bucket)
                  for i, bucket in enumerate(_split_into_files(self.options.thread_count, plan.items))]
         if self.options.thread_count > 1 and len(files) > 1:
@@ -155,7 +160,10 @@ class MmapWriter(StorageWriter):
         else:
             per_file = [self._write_file(name, bucket, planner) for name, bucket in files]
         if self.options.sync_files and files:
-            fsync_dir(self.path)
+            try:
+                fsync_dir(self.path)
+            except OSError as e:
+                raise CheckpointWriteError(f"syncing the checkpoint directory failed: {e}", path=self.path) from e
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([r for rs in per_file for r in rs])
         return fut
@@ -205,14 +213,20 @@ class MmapWriter(StorageWriter):
     def _invalidate(self, meta: str) -> None:
         try:
             os.unlink(meta)
+            if self.options.sync_files:
+                fsync_dir(self.path)
         except FileNotFoundError:
             return
-        if self.options.sync_files:
-            fsync_dir(self.path)
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot remove the previous checkpoint's metadata: {e}", path=meta) from e
 
     def _remove_stale_shards(self, referenced: set[str]) -> None:
-        """Drop shard files of an overwritten checkpoint that the new one does not use."""
-        for p in glob.glob(os.path.join(glob.escape(self.path), f"__*_*{SHARD_SUFFIX}")):
+        """Drop shard files of an overwritten checkpoint that the new one does not use,
+        and temporary files left by earlier saves that were killed (this save's are renamed by now)."""
+        d = glob.escape(self.path)
+        leftovers = glob.glob(os.path.join(d, f".__*_*{SHARD_SUFFIX}.tmp-*")) + glob.glob(
+            os.path.join(d, f".{METADATA_NAME}.tmp-*"))
+        for p in glob.glob(os.path.join(d, f"__*_*{SHARD_SUFFIX}")) + leftovers:
             if os.path.basename(p) not in referenced:
                 try:
                     os.unlink(p)
@@ -239,12 +253,13 @@ class MmapWriter(StorageWriter):
                     specs.append(fmt.EntrySpec(it.index.fqn, tuple(td.chunk.offsets), fmt.KIND_TENSOR,
                                                fmt.dtype_name(td.properties.dtype), tuple(td.chunk.sizes),
                                                _chunk_nbytes(it)))
-            entries, file_size = fmt.layout_entries(specs, self.options.alignment)
+            save_id = getattr(self, "_shard_save_id", None)
+            entries, file_size = fmt.layout_entries(specs, self.options.alignment, save_id)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.ftruncate(fd, file_size)
                 done = self._write_entries(fd, entries, items, byte_payloads, planner)
-                pwrite_all(fd, fmt.encode_header(done), 0)
+                pwrite_all(fd, fmt.encode_header(done, save_id), 0)
                 if self.options.sync_files:
                     os.fsync(fd)
             finally:
