@@ -1,0 +1,514 @@
+"""Lazy access to a checkpoint: ``mmapckpt.open`` (shaped like ``safetensors.safe_open``) and ``mmapckpt.load``.
+
+Works on mmapckpt checkpoints and on stock DCP (``FileSystemWriter``) checkpoints.
+In an mmapckpt checkpoint a tensor stored as one chunk is returned as a
+copy-on-write view over the MAP_PRIVATE mapping of its shard file: nothing is
+read until the bytes are used, the view keeps its mapping alive after the handle
+is closed, and writing to it copies the touched pages and never changes the
+file. Tensors stored as several chunks (saved from several ranks) are assembled
+into one new tensor; slices read only the chunks and pages they need. Stock
+items are read with ``torch.load(weights_only=True)``, one whole item at a time.
+
+Inside this module ``open`` is the checkpoint opener; files are opened with
+``builtins.open``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import mmap
+import operator
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterator, Union
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from . import format as fmt
+from ._io import open_inside, pread_into
+from ._shard import Shard, check_size_unchanged, is_mmapckpt_shard
+from ._staging import DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS, StagingPool
+from .errors import CheckpointError, FormatError, IncompleteCheckpointError, SizeMismatchError, TruncatedFileError
+from .metafile import read_metadata_file
+from .reader import find_metadata
+
+__all__ = ["open", "load", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
+
+KeySelector = Union[Collection[str], Callable[[str], bool], None]
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """One stored chunk of a tensor: its place in the global tensor and in its file."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str  # relative to the checkpoint directory
+    file_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What a checkpoint holds under one name.
+
+    ``kind`` is ``"tensor"`` or ``"object"`` (a pickled non-tensor value); ``dtype``
+    and ``shape`` are None for objects. ``chunks`` lists where the bytes are.
+    """
+
+    name: str
+    kind: str
+    dtype: torch.dtype | None
+    shape: tuple[int, ...] | None
+    chunks: tuple[ChunkInfo, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.length for c in self.chunks) if self.kind == "object" else (
+            _numel(self.shape or ()) * torch._utils._element_size(self.dtype))  # type: ignore[arg-type]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -((-a) // b)
+
+
+def _entries(md: Metadata, path: str) -> dict[str, EntryInfo]:
+    """Index the metadata by name, joining each chunk with its storage record."""
+    records = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): info
+               for idx, info in (md.storage_data or {}).items()}
+    out: dict[str, EntryInfo] = {}
+    for name, item in md.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            keys = [(name, None)]
+        elif isinstance(item, TensorStorageMetadata):
+            keys = [(name, tuple(c.offsets)) for c in item.chunks]
+        else:
+            raise FormatError(f"unknown metadata item type {type(item).__name__}", path=path, entry=name)
+        chunks = []
+        for key, c in zip(keys, getattr(item, "chunks", [None])):
+            info = records.get(key)
+            if info is None:
+                label = name if key[1] is None else f"{name}@{list(key[1])}"
+                raise FormatError("metadata has no storage record for this entry", path=path, entry=label)
+            sizes = () if c is None else tuple(c.sizes)
+            chunks.append(ChunkInfo(key[1] or (), sizes, info.relative_path, info.offset, info.length))
+        if isinstance(item, BytesStorageMetadata):
+            out[name] = EntryInfo(name, "object", None, None, tuple(chunks))
+        else:
+            out[name] = EntryInfo(name, "tensor", item.properties.dtype, tuple(item.size), tuple(chunks))
+    return out
+
+
+def _check_coverage(info: EntryInfo, path: str) -> None:
+    """The chunks must tile the tensor: inside it, disjoint, volumes adding up to it."""
+    shape = info.shape or ()
+    total = 0
+    for c in info.chunks:
+        if len(c.offsets) != len(shape) or any(o + s > g for o, s, g in zip(c.offsets, c.sizes, shape)):
+            raise FormatError(f"chunk {list(c.offsets)}+{list(c.sizes)} lies outside the tensor {list(shape)}",
+                              path=path, entry=info.name)
+        total += _numel(c.sizes)
+    live = [c for c in info.chunks if _numel(c.sizes)]
+    for i, a in enumerate(live):
+        for b in live[i + 1:]:
+            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                raise FormatError(f"chunks at {list(a.offsets)} and {list(b.offsets)} overlap", path=path,
+                                  entry=info.name)
+    if total != _numel(shape):
+        raise FormatError(f"chunks hold {total} of the tensor's {_numel(shape)} elements", path=path, entry=info.name)
+
+
+def _normalize_index(index: Any, shape: tuple[int, ...]) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """Basic indexing -> per-dimension (start, step, count) and the shape of the result."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if sum(i is Ellipsis for i in items) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (len(shape) - (len(items) - 1))
+    if len(items) > len(shape):
+        raise IndexError(f"too many indices for tensor of dimension {len(shape)}")
+    items += [slice(None)] * (len(shape) - len(items))
+    sel, out_shape = [], []
+    for dim, (it, size) in enumerate(zip(items, shape)):
+        if isinstance(it, slice):
+            start, stop, step = it.indices(size) if (it.step is None or it.step > 0) else (0, 0, 0)
+            if step <= 0:
+                raise ValueError("step must be greater than zero")
+            n = max(0, _ceil_div(stop - start, step))
+            sel.append((start, step, n))
+            out_shape.append(n)
+            continue
+        if isinstance(it, bool) or it is None:
+            raise TypeError(f"unsupported index {it!r}: use ints, slices and Ellipsis")
+        try:
+            i = operator.index(it)
+        except TypeError:
+            raise TypeError(f"unsupported index {it!r}: use ints, slices and Ellipsis") from None
+        if not -size <= i < size:
+            raise IndexError(f"index {i} is out of bounds for dimension {dim} with size {size}")
+        sel.append((i % size, 1, 1))
+    return sel, out_shape
+
+
+class _Files:
+    """The checkpoint's shard files: mmapckpt shards mapped, stock files read per item."""
+
+    def __init__(self, root: str, rels: set[str], save_id: str | None) -> None:
+        self.root = root
+        self.shards: dict[str, Shard] = {}
+        self.stock: dict[str, str] = {}
+        for rel in sorted(rels):
+            full = open_inside(root, rel)
+            if not os.path.isfile(full):
+                raise CheckpointError("shard file named in the metadata is missing", path=full)
+            if is_mmapckpt_shard(full):
+                shard = Shard(full)
+                sid = getattr(shard.header, "save_id", None)
+                if None not in (sid, save_id) and sid != save_id:
+                    raise IncompleteCheckpointError(
+                        f"shard was written by save {sid}, but the metadata belongs to save {save_id}: "
+                        "the checkpoint was replaced while it was being opened", path=full)
+                self.shards[rel] = shard
+            else:
+                self.stock[rel] = full
+
+    def is_mapped(self, c: ChunkInfo) -> bool:
+        return c.file in self.shards
+
+    def chunk(self, info: EntryInfo, c: ChunkInfo) -> torch.Tensor:
+        """The chunk as a CPU tensor: a view over the mapping, or a stock item loaded whole."""
+        label = f"{info.name}@{list(c.offsets)}"
+        shard = self.shards.get(c.file)
+        if shard is None:
+            t = self._load_stock(c, label)
+            if not isinstance(t, torch.Tensor):
+                raise FormatError(f"stock item holds {type(t).__name__}, not a tensor", path=self.stock[c.file],
+                                  entry=label)
+        else:
+            e = self._entry(shard, info.name, c, c.offsets)
+            if e.dtype != fmt.dtype_name(info.dtype):  # type: ignore[arg-type]
+                raise FormatError(f"shard holds {e.dtype} but the metadata says {info.dtype}", path=shard.path,
+                                  entry=label)
+            t = shard.tensor(e)
+        if t.dtype != info.dtype or tuple(t.shape) != c.sizes:
+            raise SizeMismatchError(f"stored chunk is {t.dtype} {list(t.shape)}, the metadata says {info.dtype} "
+                                    f"{list(c.sizes)}", path=os.path.join(self.root, c.file), entry=label)
+        return t
+
+    def object_bytes(self, info: EntryInfo) -> bytes:
+        c = info.chunks[0]
+        shard = self.shards.get(c.file)
+        if shard is None:
+            return self._read_stock(c, info.name)
+        return shard.read_bytes(self._entry(shard, info.name, c, None))
+
+    def _entry(self, shard: Shard, name: str, c: ChunkInfo, offsets: tuple[int, ...] | None) -> fmt.Entry:
+        e = shard.entry(name, offsets)
+        if (e.offset, e.length) != (c.file_offset, c.length):
+            raise FormatError(f"metadata says bytes [{c.file_offset}, +{c.length}) but the shard header says "
+                              f"[{e.offset}, +{e.length})", path=shard.path, entry=e.label)
+        return e
+
+    def _read_stock(self, c: ChunkInfo, label: str) -> bytes:
+        path = self.stock[c.file]
+        with builtins.open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if c.file_offset + c.length > size:
+                raise TruncatedFileError(f"item [{c.file_offset}, +{c.length}) runs past the end of the "
+                                         f"{size}-byte file", path=path, entry=label)
+            buf = bytearray(c.length)
+            pread_into(f.fileno(), buf, c.file_offset, path=path, entry=label)
+        return bytes(buf)
+
+    def _load_stock(self, c: ChunkInfo, label: str) -> Any:
+        try:
+            t = torch.load(io.BytesIO(self._read_stock(c, label)), map_location="cpu", weights_only=True)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise FormatError(f"stock item could not be loaded: {type(e).__name__}: {e}", path=self.stock[c.file],
+                              entry=label) from None
+        return t.contiguous() if isinstance(t, torch.Tensor) else t
+
+    def advise(self, c: ChunkInfo, advice: int) -> None:
+        """Pass a madvise hint for the chunk's pages (no-op for stock files)."""
+        shard = self.shards.get(c.file)
+        if shard is None or shard._mmap is None or not c.length:
+            return
+        start = c.file_offset - c.file_offset % mmap.PAGESIZE
+        shard._mmap.madvise(advice, start, c.file_offset + c.length - start)
+
+    def check_unchanged(self) -> None:
+        for shard in self.shards.values():
+            check_size_unchanged(shard)
+
+
+class TensorSlice:
+    """``handle.get_slice(name)``: index it to read part of a tensor (``[...]`` with ints, slices, Ellipsis)."""
+
+    def __init__(self, ckpt: LazyCheckpoint, info: EntryInfo) -> None:
+        self._ckpt, self._info = ckpt, info
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._info.shape  # type: ignore[return-value]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._info.dtype  # type: ignore[return-value]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """A new tensor holding ``full_tensor[index]``, read from only the chunks and pages it needs."""
+        sel, out_shape = _normalize_index(index, self.shape)
+        return self._ckpt._assemble(self._info, sel).view(out_shape)
+
+
+class LazyCheckpoint:
+    """An open checkpoint; see :func:`open`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        meta = find_metadata(self.path)
+        self.kind, md = read_metadata_file(meta)
+        self._entries = _entries(md, meta)
+        rels = {c.file for e in self._entries.values() for c in e.chunks}
+        self._files: _Files | None = _Files(self.path, rels, getattr(md.storage_meta, "save_id", None))
+        self._covered: set[str] = set()
+
+    # ------------------------------------------------------------------ safe_open-like surface
+    def __enter__(self) -> LazyCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Forget the shard mappings. Tensors already returned keep theirs alive and stay valid."""
+        self._files = None
+
+    def keys(self) -> list[str]:
+        """Every entry's fully-qualified name (tensors and objects), in the metadata's order."""
+        return list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def metadata(self, name: str) -> EntryInfo:
+        """dtype, global shape and chunks of ``name``."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not in the checkpoint at {self.path}") from None
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The full (unsharded) tensor ``name``, on the CPU.
+
+        A tensor stored as one chunk of an mmapckpt checkpoint is a copy-on-write view
+        over the file mapping (no byte read until used); otherwise a new tensor.
+
+        Raises:
+            KeyError: no such name.
+            CheckpointError: ``name`` is not a tensor, or its stored bytes are inconsistent.
+        """
+        info = self._tensor_info(name)
+        files = self._open_files()
+        if len(info.chunks) == 1 and info.chunks[0].sizes == info.shape and files.is_mapped(info.chunks[0]):
+            return files.chunk(info, info.chunks[0])
+        return self._assemble(info, [(0, 1, s) for s in info.shape or ()])
+
+    def get_slice(self, name: str) -> TensorSlice:
+        """A sliceable proxy for ``name``: ``get_slice(name)[2:, ::3]`` reads only what it needs."""
+        return TensorSlice(self, self._tensor_info(name))
+
+    def get_object(self, name: str, *, allow_unpickle: bool = False) -> Any:
+        """The non-tensor value stored under ``name``.
+
+        Such values are pickles: unpickling an untrusted file can run code, so this
+        needs ``allow_unpickle=True`` (it then uses ``torch.load(weights_only=False)``, as DCP does).
+
+        Raises:
+            CheckpointError: ``allow_unpickle`` is not set, or ``name`` is a tensor.
+        """
+        info = self.metadata(name)
+        if info.kind != "object":
+            raise CheckpointError("entry is a tensor; use get_tensor()", path=self.path, entry=name)
+        if not allow_unpickle:
+            raise CheckpointError("entry is a pickled non-tensor value; loading it can run code from the file. "
+                                  "Pass allow_unpickle=True if you trust this checkpoint", path=self.path, entry=name)
+        data = self._open_files().object_bytes(info)
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise FormatError(f"object could not be unpickled: {type(e).__name__}: {e}", path=self.path,
+                              entry=name) from None
+
+    # ------------------------------------------------------------------ internals
+    def _open_files(self) -> _Files:
+        if self._files is None:
+            raise ValueError(f"I/O operation on a closed checkpoint handle ({self.path})")
+        return self._files
+
+    def _tensor_info(self, name: str) -> EntryInfo:
+        info = self.metadata(name)
+        if info.kind != "tensor":
+            raise CheckpointError("entry is a pickled non-tensor value, not a tensor; use "
+                                  "get_object(name, allow_unpickle=True) if you trust this checkpoint",
+                                  path=self.path, entry=name)
+        return info
+
+    def _assemble(self, info: EntryInfo, sel: list[tuple[int, int, int]]) -> torch.Tensor:
+        """A new tensor holding the selection (start, step, count per dim) across all chunks."""
+        files = self._open_files()
+        if info.name not in self._covered:
+            _check_coverage(info, self.path)
+            self._covered.add(info.name)
+        out = torch.empty([n for _, _, n in sel], dtype=info.dtype)
+        if out.numel() == 0:
+            return out
+        for c in info.chunks:
+            src, dst = [], []
+            for (start, step, n), off, size in zip(sel, c.offsets, c.sizes):
+                k0, k1 = max(0, _ceil_div(off - start, step)), min(n, _ceil_div(off + size - start, step))
+                if k0 >= k1:
+                    break
+                src.append(slice(start + k0 * step - off, start + (k1 - 1) * step - off + 1, step))
+                dst.append(slice(k0, k1))
+            else:
+                out[tuple(dst)].copy_(files.chunk(info, c)[tuple(src)])
+        files.check_unchanged()
+        return out
+
+
+def open(path: str | os.PathLike[str]) -> LazyCheckpoint:  # noqa: A001 - mirrors safetensors.safe_open
+    """Open a checkpoint directory (mmapckpt or stock DCP) for lazy reading.
+
+    Args:
+        path: the checkpoint directory (holding ``.metadata``).
+
+    Returns:
+        A :class:`LazyCheckpoint`, usable as a context manager.
+
+    Raises:
+        CheckpointError: no committed checkpoint at ``path``, or a damaged or foreign-endian file.
+
+    Example:
+        >>> with mmapckpt.open("/tmp/ckpt") as f:
+        ...     w = f.get_tensor("layer.weight")          # a view: nothing read yet
+        ...     rows = f.get_slice("embed.weight")[100:200]
+    """
+    return LazyCheckpoint(path)
+
+
+def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], bool]:
+    """The names ``keys`` selects, and whether they were named explicitly."""
+    if keys is None:
+        return names, False
+    if callable(keys):
+        return [n for n in names if keys(n)], False
+    if isinstance(keys, str):
+        raise TypeError("keys must be a collection of names or a predicate, not a single string")
+    wanted = set(keys)
+    missing = wanted.difference(names)
+    if missing:
+        raise KeyError(f"not in the checkpoint at {path}: {sorted(missing)}")
+    return [n for n in names if n in wanted], True
+
+
+def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+         keys: KeySelector = None, allow_unpickle: bool = False, prefetch: bool = False,
+         buffer_bytes: int = DEFAULT_BUFFER_BYTES, num_buffers: int = DEFAULT_NUM_BUFFERS) -> dict[str, Any]:
+    """Load a checkpoint's full (unsharded) state dict as a flat ``{fqn: tensor}`` dict.
+
+    On the CPU, tensors stored as one chunk of an mmapckpt checkpoint are copy-on-write
+    views over the file mappings: the call costs time per tensor, not per byte, and
+    memory is only used (as shared page cache) when the bytes are touched. On an
+    accelerator the bytes go through ``num_buffers`` pinned buffers of ``buffer_bytes``
+    each, reading one while the last is copied; the result is synchronised.
+
+    Args:
+        path: the checkpoint directory.
+        device: where the tensors go.
+        dtype: cast floating-point tensors to this dtype (others are kept as stored).
+        keys: names to load, or a predicate on names; None loads every tensor.
+        allow_unpickle: also load non-tensor entries (pickles; only for trusted files).
+            Without it they are left out, and naming one in ``keys`` raises CheckpointError.
+        prefetch: ask the kernel to start reading the selected tensors' pages now
+            (MADV_WILLNEED); see docs/lazy.md for when that pays.
+        buffer_bytes, num_buffers: the pinned staging pool for accelerator devices.
+
+    Returns:
+        ``{fqn: tensor}`` (plus objects with ``allow_unpickle``), ready for
+        ``model.load_state_dict(sd, assign=True)``.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = MyModel()
+        >>> model.load_state_dict(mmapckpt.load("/tmp/ckpt"), assign=True)
+    """
+    device = torch.device(device)
+    with LazyCheckpoint(path) as ckpt:
+        names, explicit = _select(ckpt.keys(), keys, ckpt.path)
+        objects = [n for n in names if ckpt.metadata(n).kind == "object"]
+        if objects and explicit and not allow_unpickle:
+            ckpt.get_object(objects[0])  # raises the explanatory CheckpointError
+        out: dict[str, Any] = {}
+        tensors = [n for n in names if ckpt.metadata(n).kind == "tensor"]
+        if prefetch:
+            files = ckpt._open_files()
+            for n in tensors:
+                for c in ckpt.metadata(n).chunks:
+                    files.advise(c, mmap.MADV_WILLNEED)
+        if device.type == "cpu":
+            for n in tensors:
+                out[n] = ckpt.get_tensor(n)
+        else:
+            out.update(_load_to_device(ckpt, tensors, device, buffer_bytes, num_buffers))
+        if dtype is not None:
+            for n in tensors:
+                if out[n].is_floating_point() and out[n].dtype != dtype:
+                    out[n] = out[n].to(dtype)
+        if allow_unpickle:
+            for n in objects:
+                out[n] = ckpt.get_object(n, allow_unpickle=True)
+        return {n: out[n] for n in names if n in out}
+
+
+def _load_to_device(ckpt: LazyCheckpoint, names: list[str], device: torch.device, buffer_bytes: int,
+                    num_buffers: int) -> dict[str, torch.Tensor]:
+    """Every chunk through the pinned staging pool into one device tensor per name."""
+    files = ckpt._open_files()
+    out: dict[str, torch.Tensor] = {}
+    with StagingPool(device, buffer_bytes=buffer_bytes, num_buffers=num_buffers) as pool:
+        for n in names:
+            info = ckpt.metadata(n)
+            if not (len(info.chunks) == 1 and info.chunks[0].sizes == info.shape):
+                _check_coverage(info, ckpt.path)
+            t = torch.empty(info.shape or (), dtype=info.dtype, device=device)
+            for c in info.chunks:
+                region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
+                pool.copy(files.chunk(info, c), t[region])
+            out[n] = t
+    files.check_unchanged()
+    return out
