@@ -173,7 +173,13 @@ class MmapReader(StorageReader):
                 planner.load_bytes(req, io.BytesIO(shard.read_bytes(e)))
                 continue
             self._check_dtype(idx, e.dtype, path)
-            dev = self._copy(shard.tensor(e), req, planner, path)
+            view = shard.tensor(e)
+            # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
+            # may keep the mapped view of the whole stored chunk instead of having it copied.
+            accept_view = getattr(planner, "accept_view", None)
+            if accept_view is not None and accept_view(req, view):
+                continue
+            dev = self._copy(view, req, planner, path)
             if dev is not None:
                 devices.append(dev)
         check_size_unchanged(shard)
