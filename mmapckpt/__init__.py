@@ -21,6 +21,8 @@ from .errors import (
     UnsafePickleError,
     UnsupportedVersionError,
 )
+from .lazy import ChunkInfo, EntryInfo, LazyCheckpoint, TensorSlice, load, open
+from .planner import SafeLoadPlanner, ZeroCopyLoadPlanner
 from .reader import MmapReader
 from .writer import MmapWriter
 
@@ -29,6 +31,14 @@ __version__ = "0.1.0"
 __all__ = [
     "MmapWriter",
     "MmapReader",
+    "open",
+    "load",
+    "LazyCheckpoint",
+    "TensorSlice",
+    "EntryInfo",
+    "ChunkInfo",
+    "ZeroCopyLoadPlanner",
+    "SafeLoadPlanner",
     "CheckpointError",
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",
