@@ -130,8 +130,8 @@ def _need(cond: bool, what: str) -> None:
 
 
 def _ints(v: Any, what: str) -> list[int]:
-    _need(isinstance(v, list) and len(v) <= fmt.MAX_NDIM and all(type(x) is int and x >= 0 for x in v),
-          f"{what} must be a list of non-negative integers")
+    _need(isinstance(v, list) and len(v) <= fmt.MAX_NDIM and all(type(x) is int and 0 <= x <= fmt.MAX_INT for x in v),
+          f"{what} must be a list of integers in [0, 2**63)")
     return v
 
 
@@ -185,8 +185,8 @@ def _dec_doc(doc: Any, path: str) -> Metadata:
         _need(isinstance(rel, str), f"storage record of {r['fqn']!r} needs a string 'relative_path'")
         safe_relative_path(rel, path)
         fo, ln = r.get("file_offset"), r.get("length")
-        _need(type(fo) is int and fo >= 0 and type(ln) is int and ln >= 0,
-              f"storage record of {r['fqn']!r} needs non-negative integer 'file_offset' and 'length'")
+        _need(type(fo) is int and 0 <= fo <= fmt.MAX_INT and type(ln) is int and 0 <= ln <= fmt.MAX_INT,
+              f"storage record of {r['fqn']!r} needs integer 'file_offset' and 'length' in [0, 2**63)")
         storage[MetadataIndex(r["fqn"], off, index)] = _StorageInfo(rel, fo, ln)
     sm_raw = doc.get("storage_meta")
     sm = None
@@ -196,8 +196,27 @@ def _dec_doc(doc: Any, path: str) -> Metadata:
         _need(isinstance(mods, list) and all(isinstance(m, str) for m in mods), "'modules' must be strings")
         sm = StorageMeta(checkpoint_id=_opt_str(sm_raw.get("checkpoint_id"), "checkpoint_id"),
                          save_id=_opt_str(sm_raw.get("save_id"), "save_id"), modules=list(mods))
+    _check_records(sdm, storage)
     return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
                     storage_meta=sm, version=_opt_str(doc.get("version"), "version"))
+
+
+def _check_records(sdm: dict[str, Any], storage: dict[MetadataIndex, _StorageInfo]) -> None:
+    """Every stored item belongs to a described item, and a tensor chunk's record has its byte length."""
+    for idx, info in storage.items():
+        md = sdm.get(idx.fqn)
+        _need(md is not None, f"storage record of {idx.fqn!r} names no item of the state dict")
+        if isinstance(md, BytesStorageMetadata):
+            _need(idx.offset is None, f"storage record of bytes item {idx.fqn!r} has chunk offsets")
+            continue
+        _need(idx.offset is not None, f"storage record of tensor {idx.fqn!r} has no chunk offsets")
+        chunk = next((c for c in md.chunks if tuple(c.offsets) == tuple(idx.offset)), None)
+        _need(chunk is not None, f"storage record of {idx.fqn!r}@{list(idx.offset)} matches no chunk")
+        n = fmt.DTYPES[fmt.dtype_name(md.properties.dtype)][1]
+        for s in chunk.sizes:
+            n *= s
+        _need(info.length == n, f"storage record of {idx.fqn!r}@{list(idx.offset)} is {info.length} bytes, "
+                                f"its chunk holds {n}")
 
 
 def decode_metadata(data: bytes, path: str) -> Metadata:
@@ -274,7 +293,28 @@ def _decode_stock(data: bytes, path: str) -> Metadata:
         if not isinstance(info.relative_path, str):
             raise FormatError(f"storage record of {idx.fqn!r} has no path", path=path)
         safe_relative_path(info.relative_path, path)
+        if not all(type(v) is int and 0 <= v <= fmt.MAX_INT for v in (info.offset, info.length)):
+            raise FormatError(f"storage record of {idx.fqn!r} has an invalid offset or length", path=path)
+    for fqn, item in md.state_dict_metadata.items():
+        if not _stock_item_ok(item):
+            raise FormatError(f"state_dict_metadata[{fqn!r}] is not a valid DCP item description", path=path)
     return md
+
+
+def _is_dims(v: Any) -> bool:
+    return isinstance(v, torch.Size) and len(v) <= fmt.MAX_NDIM and all(0 <= x <= fmt.MAX_INT for x in v)
+
+
+def _stock_item_ok(item: Any) -> bool:
+    """The unpickled objects have the types and shapes DCP's own code expects of them."""
+    if isinstance(item, BytesStorageMetadata):
+        return True
+    if not (isinstance(item, TensorStorageMetadata) and isinstance(item.properties, TensorProperties)
+            and isinstance(item.properties.dtype, torch.dtype) and _is_dims(item.size)
+            and isinstance(item.chunks, list)):
+        return False
+    return all(isinstance(c, ChunkStorageMetadata) and _is_dims(c.offsets) and _is_dims(c.sizes)
+               and len(c.offsets) == len(c.sizes) == len(item.size) for c in item.chunks)
 
 
 def metadata_kind(head: bytes) -> str | None:
