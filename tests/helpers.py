@@ -64,3 +64,31 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> None:
     finally:
         if os.path.exists(init_file):
             os.unlink(init_file)
+
+
+# --------------------------------------------------------------------------- single-process DCP (core tests)
+def dcp_failure(exc: BaseException, rank: int = 0) -> BaseException:
+    """The original exception inside a CheckpointException (``failures[rank]``), else ``exc``.
+
+    torch 2.13 stores either the exception or an ``(exception, traceback frames)`` pair.
+    """
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return exc
+    f = failures[rank]
+    return f[0] if isinstance(f, tuple) else f
+
+
+def dcp_save(sd: Any, writer: Any) -> None:
+    """``dcp.save(sd, storage_writer=writer, no_dist=True)``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+
+
+def dcp_load(targets: Any, reader: Any) -> Any:
+    """``dcp.load(targets, storage_reader=reader, no_dist=True)``; returns ``targets``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(targets, storage_reader=reader, no_dist=True)
+    return targets
