@@ -216,7 +216,7 @@ class _StockSource(_DcpSource):
 
     def __init__(self, path: str, md: Metadata) -> None:
         super().__init__(path, "dcp", md)
-        self.version += " (torch.save items)"
+        self.version += ", torch.save items"
         self._fds: dict[str, tuple[int, int, str]] = {}
 
     def _slice(self, idx: MetadataIndex) -> _FileSlice:
@@ -304,7 +304,7 @@ class _SafetensorsSource(Source):
         self.metadata, order = _flat_metadata(specs, {k: (k,) for k in specs})
         self.layout = [(SINGLE_FILE, order)]
         self.files = len(files)
-        self.version = "safetensors" + (f", {len(files)} shards with index" if os.path.isdir(path) else "")
+        self.version = f"{len(files)} shards with index" if os.path.isdir(path) else "single file"
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         return self._handles[self._where[idx.fqn]].get_tensor(idx.fqn)

@@ -1,0 +1,8 @@
+"""``python -m mmapckpt``: the command line (see mmapckpt.cli)."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
