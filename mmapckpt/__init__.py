@@ -21,9 +21,12 @@ from .errors import (
     UnsafePickleError,
     UnsupportedVersionError,
 )
+from .convert import ConversionWarning, ConvertResult, convert
+from .describe import CheckpointInfo, inspect_checkpoint
 from .lazy import ChunkInfo, EntryInfo, LazyCheckpoint, TensorSlice, load, open
 from .planner import SafeLoadPlanner, ZeroCopyLoadPlanner
 from .reader import MmapReader
+from .verify import VerifyReport, verify_checkpoint
 from .writer import MmapWriter
 
 __version__ = "0.1.0"
@@ -39,6 +42,13 @@ __all__ = [
     "ChunkInfo",
     "ZeroCopyLoadPlanner",
     "SafeLoadPlanner",
+    "convert",
+    "ConvertResult",
+    "ConversionWarning",
+    "inspect_checkpoint",
+    "CheckpointInfo",
+    "verify_checkpoint",
+    "VerifyReport",
     "CheckpointError",
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",

@@ -15,11 +15,11 @@ from . import format as fmt
 from ._convert_src import open_source
 from ._progress import human_bytes
 
-__all__ = ["EntryInfo", "CheckpointInfo", "inspect_checkpoint", "format_table"]
+__all__ = ["EntrySummary", "CheckpointInfo", "inspect_checkpoint", "format_table"]
 
 
 @dataclass(frozen=True)
-class EntryInfo:
+class EntrySummary:
     """One state-dict entry.
 
     Attributes:
@@ -47,7 +47,7 @@ class CheckpointInfo:
     format: str
     version: str
     files: int
-    entries: tuple[EntryInfo, ...]
+    entries: tuple[EntrySummary, ...]
 
     @property
     def total_bytes(self) -> int:
@@ -92,10 +92,10 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
                 n = item.properties.dtype.itemsize
                 for s in item.size:
                     n *= s
-                entries.append(EntryInfo(name, "tensor", _dtype(item.properties.dtype), tuple(item.size),
+                entries.append(EntrySummary(name, "tensor", _dtype(item.properties.dtype), tuple(item.size),
                                          len(item.chunks), n))
             else:
-                entries.append(EntryInfo(name, "bytes", None, None, 1, src.bytes_length(MetadataIndex(name))))
+                entries.append(EntrySummary(name, "bytes", None, None, 1, src.bytes_length(MetadataIndex(name))))
         return CheckpointInfo(os.fspath(path), src.kind, src.version, src.files, tuple(entries))
 
 
