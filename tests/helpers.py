@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The tensor's bytes in C order (NaN payloads and -0.0 preserved)."""
-    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    # clone, not contiguous(): a size-1 dim may keep a stride != 1, which view(uint8) refuses
+    t = t.detach().cpu().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
