@@ -144,7 +144,8 @@ class StagingPool:
             raise ValueError(f"cannot stage {src.dtype} {list(src.shape)} on {src.device} into "
                              f"{dst.dtype} {list(dst.shape)}")
         src = src.contiguous()
-        flat = src.reshape(-1).view(torch.uint8) if src.numel() else src
+        # as_strided, not reshape: a contiguous tensor may keep a stride != 1 on a size-1 dim
+        flat = src.as_strided((src.numel(),), (1,)).view(torch.uint8) if src.numel() else src
         itemsize = src.element_size()
         for b in plan_blocks(tuple(src.shape), itemsize, self.buffer_bytes):
             i = self._acquire()
