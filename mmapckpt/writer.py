@@ -86,8 +86,10 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
-    t = t.resolve_conj().resolve_neg().contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if t.numel() == 1 and t.stride(0) != 1:  # one element counts as contiguous whatever its stride
+        t = t.clone()
+    return memoryview(t.view(torch.uint8).numpy())
 
 
 class MmapWriter(StorageWriter):
