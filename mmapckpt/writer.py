@@ -88,7 +88,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.to("cpu")
     t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
     if t.numel() == 1 and t.stride(0) != 1:  # one element counts as contiguous whatever its stride
-        t = t.clone()
+        t = t.clone(memory_format=torch.contiguous_format)
     return memoryview(t.view(torch.uint8).numpy())
 
 
