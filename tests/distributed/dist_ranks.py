@@ -292,6 +292,7 @@ PHASES: dict[str, dict[str, Any]] = {
     "four": {"world": 4, "async": None,
              "saves": [("4r", "1d", "save", "m4", "s4", 1), ("4r-2d", "2d", "mesh2d", "m4_2d", None, 1)],
              "loads": [("2r->4r", "1d", "alt", "resharded", _LOADS_2),
+                       ("4r->4r", "1d", "save", "same-sharding", _LOADS_4),
                        ("4r->4r", "1d", "alt", "resharded", _LOADS_4),
                        ("4r->4r", "2d", "mesh2d", "2d-mesh", _LOADS_4)]},
     "two_load": {"world": 2, "async": None, "saves": [],
