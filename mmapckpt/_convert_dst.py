@@ -38,8 +38,12 @@ _ALIGN = 4096
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes in C order; no copy where it is already contiguous on the CPU."""
-    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    if flat.stride(0) != 1:  # one element counts as contiguous whatever its stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def _nbytes(md: TensorStorageMetadata) -> int:
