@@ -24,6 +24,7 @@ import helpers
 import lazy_dist
 import mmapckpt
 from mmapckpt import format as fmt
+from mmapckpt.lazy import _load_to_device
 from mmapckpt.metafile import encode_metadata, read_metadata_file
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -90,10 +91,27 @@ def _check_checkpoint(path: str, spec: lazy_dist.Spec, data: st.DataObject, n_sl
             helpers.assert_bitwise_equal(f.get_tensor(name), targets[name], f"get_tensor {name}")
             info = f.metadata(name)
             assert (info.dtype, info.shape) == (exp.dtype, tuple(exp.shape))
+        staged = _load_to_device(f, sorted(expected), torch.device("cpu"), buffer_bytes=16, num_buffers=2)
+        for name, exp in expected.items():
+            helpers.assert_bitwise_equal(staged[name], exp, f"staged {name}")
         for _ in range(n_slices):
             name = data.draw(st.sampled_from(sorted(expected)))
             idx = data.draw(basic_index(expected[name].shape))
             helpers.assert_bitwise_equal(f.get_slice(name)[idx], expected[name][idx], f"{name}[{idx}]")
+
+
+def _check_zero_copy_planner(path: str, spec: lazy_dist.Spec) -> None:
+    """Single-chunk entries become views (new tensors); multi-chunk ones are copied into the targets."""
+    expected = {name: lazy_dist.full_tensor(dt, shape, seed) for name, dt, shape, _, _, seed in spec}
+    targets = {n: _fill(torch.empty(t.shape, dtype=t.dtype)) for n, t in expected.items()}
+    originals = dict(targets)
+    dcp.load(targets, storage_reader=mmapckpt.MmapReader(path), planner=mmapckpt.ZeroCopyLoadPlanner(),
+             no_dist=True)
+    with mmapckpt.open(path) as f:
+        for name, exp in expected.items():
+            helpers.assert_bitwise_equal(targets[name], exp, f"zero-copy dcp.load {name}")
+            one_chunk = len(f.metadata(name).chunks) == 1 and exp.numel() > 0
+            assert (targets[name] is not originals[name]) == one_chunk, name
 
 
 def _property(world: int, specs_: list[lazy_dist.Spec], data: st.DataObject, tmp_path_factory) -> None:
@@ -103,6 +121,7 @@ def _property(world: int, specs_: list[lazy_dist.Spec], data: st.DataObject, tmp
         for i, spec in enumerate(specs_):
             for kind in ("mm", "stock"):
                 _check_checkpoint(os.path.join(root, str(i), kind), spec, data, n_slices=15)
+            _check_zero_copy_planner(os.path.join(root, str(i), "mm"), spec)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
