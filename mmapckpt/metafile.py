@@ -333,7 +333,7 @@ def read_metadata_file(path: str | os.PathLike[str]) -> tuple[str, Metadata]:
         size = os.fstat(f.fileno()).st_size
         if size > MAX_METADATA_SIZE:
             raise FormatError(f"metadata file of {size} bytes exceeds the limit of {MAX_METADATA_SIZE}", path=p)
-        data = f.read(MAX_METADATA_SIZE + 1)
+        data = f.read(size)  # not read(MAX_METADATA_SIZE + 1): that allocates the full 1 GiB up front
     kind = metadata_kind(data[:8])
     if kind == KIND_MMAPCKPT:
         return kind, decode_metadata(data, p)
