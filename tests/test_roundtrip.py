@@ -104,6 +104,22 @@ def test_roundtrip_matches_stock_bitwise(sd: dict[str, Any], writer_threads: int
         check_storage_records(mm, sd)
 
 
+@pytest.mark.slow
+@settings(PROPERTY, max_examples=250)
+@given(sd=state_dicts(), writer_threads=st.integers(1, 3))
+def test_roundtrip_many_examples(sd: dict[str, Any], writer_threads: int) -> None:
+    """The property above with more examples (CI runs it; deselect with -m 'not slow')."""
+    with tempfile.TemporaryDirectory() as d:
+        stock, mm = os.path.join(d, "stock"), os.path.join(d, "mm")
+        dcp_save(sd, FileSystemWriter(stock, sync_files=False))
+        dcp_save(sd, mmapckpt.MmapWriter(mm, sync_files=False, thread_count=writer_threads))
+        from_stock = dcp_load(fresh_like(sd, 0xA5), mmapckpt.MmapReader(stock))
+        from_mm = dcp_load(fresh_like(sd, 0xA5), mmapckpt.MmapReader(mm))
+        assert_tree_equal(sd, from_stock, "stock+MmapReader")
+        assert_tree_equal(sd, from_mm, "mmap+MmapReader")
+        check_storage_records(mm, sd)
+
+
 @PROPERTY
 @given(sd=tensor_state_dicts(), alignment=st.sampled_from([64, 128, 512, 8192]))
 def test_custom_alignment_property(sd: dict[str, Any], alignment: int) -> None:
