@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 from .errors import CheckpointError, TruncatedFileError, UnsafePathError
 
-__all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "open_inside"]
+__all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "open_inside", "is_cached",
+           "ReadJob", "pread_jobs"]
 
 
 def fsync_dir(path: str) -> None:
@@ -95,3 +97,54 @@ def map_file(path: str, size: int) -> mmap.mmap | None:
             return mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot map file: {e}", path=path) from e
+
+
+def is_cached(fd: int, offsets: list[int]) -> bool:
+    """Whether the bytes at ``offsets`` are all in the page cache (a probe that starts no I/O wait).
+
+    Each probe is a one-byte ``preadv`` with RWF_NOWAIT, which fails with EAGAIN instead of
+    waiting for the disk. Where the flag is unsupported the file counts as not cached.
+    """
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return False
+    probe = bytearray(1)
+    for off in offsets:
+        try:
+            if os.preadv(fd, [probe], off, flag) != 1:
+                return False
+        except OSError:  # EAGAIN: not cached; EOPNOTSUPP/EINVAL: cannot tell
+            return False
+    return True
+
+
+class ReadJob(NamedTuple):
+    """Read ``len(buf)`` bytes at ``offset`` into ``buf``; ``entry`` names it in errors."""
+
+    buf: Any
+    offset: int
+    entry: str | None
+
+
+#: Reads are split into pieces of at most this size, so that threads share long entries.
+READ_PIECE = 32 << 20
+
+
+def pread_jobs(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> None:
+    """Run every read job: in file order on one thread, or spread over ``threads``.
+
+    One sequential stream suits a cold file (the kernel's readahead sees one pattern);
+    several threads suit a cached one, where the copy out of the page cache is the cost.
+    """
+    pieces = []
+    for j in sorted(jobs, key=lambda j: j.offset):
+        mv = memoryview(j.buf).cast("B")
+        for start in range(0, len(mv), READ_PIECE):
+            pieces.append(ReadJob(mv[start:start + READ_PIECE], j.offset + start, j.entry))
+    if threads <= 1 or len(pieces) <= 1:
+        for p in pieces:
+            pread_into(fd, p.buf, p.offset, path=path, entry=p.entry)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="mmapckpt-pread") as pool:
+        for fut in [pool.submit(pread_into, fd, p.buf, p.offset, path=path, entry=p.entry) for p in pieces]:
+            fut.result()

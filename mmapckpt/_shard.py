@@ -52,13 +52,16 @@ class Shard:
         path: the file's path.
         header: its decoded header.
         size: its size when opened.
+        ident: (st_dev, st_ino) of the file when opened.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         fd = _open_regular(path)
         try:
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self.size = st.st_size
+            self.ident = (st.st_dev, st.st_ino)  # lets a reader check that a descriptor it opens is this file
             pre = os.pread(fd, fmt.PREAMBLE_SIZE, 0)
             minor, order, hlen, hcrc = fmt.decode_preamble(pre, self.size, path)
             body = bytearray(hlen)

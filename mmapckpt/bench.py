@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "current one, so on its disk rather than a tmpfs /tmp)")
     parser.add_argument("--methods", default=",".join(m.key for m in METHODS),
                         help="comma-separated subset of: " + ", ".join(m.key for m in METHODS))
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's own choice); on a busy machine 1 "
+                             "avoids copy_ stalling at OpenMP barriers")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-load memory measurement")
     parser.add_argument("--quick", action="store_true", help="a tiny run (8MB, 1 repetition) to try it out")
 
@@ -200,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"mmapckpt bench: {e}", file=sys.stderr)
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     bench_dir = args.dir or os.getcwd()
     os.makedirs(bench_dir, exist_ok=True)
     doc = run_benchmark(size=cfg["size"], dtype=cfg["dtype"], layers=cfg["layers"], repeats=cfg["repeats"],
