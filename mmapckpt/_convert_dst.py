@@ -57,11 +57,11 @@ def _fsync_file(fd: int) -> None:
     os.fsync(fd)
 
 
-def _out_metadata(src: Source, storage: dict[MetadataIndex, _StorageInfo], checkpoint_id: str) -> Metadata:
+def _out_metadata(src: Source, storage: dict[MetadataIndex, _StorageInfo], checkpoint_id: str,
+                  save_id: str) -> Metadata:
     md = src.metadata
     old = md.storage_meta
-    meta = StorageMeta(checkpoint_id=checkpoint_id, save_id=(old.save_id if old and old.save_id else str(uuid.uuid4())),
-                       modules=list(old.modules) if old else [])
+    meta = StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id, modules=list(old.modules) if old else [])
     return Metadata(state_dict_metadata=md.state_dict_metadata, planner_data=md.planner_data,
                     storage_data=storage, storage_meta=meta, version=md.version or "1.0.0")
 
@@ -71,11 +71,13 @@ def write_mmapckpt(src: Source, out_dir: str, *, checkpoint_id: str, progress: P
     """Write ``src`` as an mmapckpt checkpoint in ``out_dir``, one shard per source file."""
     os.makedirs(out_dir)
     sizes = tensor_chunk_sizes(src.metadata)
+    save_id = str(uuid.uuid4())  # a new checkpoint: its shards and metadata name the same new save
     storage: dict[MetadataIndex, _StorageInfo] = {}
     for rel, items in src.layout:
-        for idx, info in _write_mmapckpt_shard(src, os.path.join(out_dir, rel), rel, items, sizes, progress):
+        for idx, info in _write_mmapckpt_shard(src, os.path.join(out_dir, rel), rel, items, sizes, save_id,
+                                               progress):
             storage[idx] = info
-    md = _out_metadata(src, storage, checkpoint_id)
+    md = _out_metadata(src, storage, checkpoint_id, save_id)
     try:
         data = encode_metadata(md)
     except (TypeError, ValueError) as e:
@@ -85,7 +87,7 @@ def write_mmapckpt(src: Source, out_dir: str, *, checkpoint_id: str, progress: P
 
 
 def _write_mmapckpt_shard(src: Source, path: str, rel: str, items: list[MetadataIndex],
-                          sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]],
+                          sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]], save_id: str,
                           progress: Progress) -> list[tuple[MetadataIndex, _StorageInfo]]:
     specs, payloads = [], {}
     for idx in items:
@@ -103,7 +105,7 @@ def _write_mmapckpt_shard(src: Source, path: str, rel: str, items: list[Metadata
             n *= s
         specs.append(fmt.EntrySpec(idx.fqn, tuple(idx.offset), fmt.KIND_TENSOR, fmt.dtype_name(item.properties.dtype),
                                    shape, n * item.properties.dtype.itemsize))
-    entries, file_size = fmt.layout_entries(specs, _ALIGN)
+    entries, file_size = fmt.layout_entries(specs, _ALIGN, save_id)
     done = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -119,7 +121,7 @@ def _write_mmapckpt_shard(src: Source, path: str, rel: str, items: list[Metadata
             del buf
             if idx not in payloads:
                 progress.advance(e.length)
-        pwrite_all(fd, fmt.encode_header(done), 0)
+        pwrite_all(fd, fmt.encode_header(done, save_id), 0)
         _fsync_file(fd)
     finally:
         os.close(fd)
@@ -153,7 +155,8 @@ def write_dcp(src: Source, out_dir: str, *, checkpoint_id: str, progress: Progre
                 storage[idx] = _StorageInfo(rel, start, f.tell() - start)
             f.flush()
             _fsync_file(f.fileno())
-    atomic_write(os.path.join(out_dir, METADATA_NAME), pickle.dumps(_out_metadata(src, storage, checkpoint_id)))
+    atomic_write(os.path.join(out_dir, METADATA_NAME), pickle.dumps(_out_metadata(src, storage, checkpoint_id,
+                                                                                   str(uuid.uuid4()))))
     return [rel for rel, _ in src.layout]
 
 

@@ -156,7 +156,12 @@ class _MmapckptSource(_DcpSource):
 
     def _shard(self, rel: str) -> Shard:
         if rel not in self._shards:
-            self._shards[rel] = Shard(open_inside(self.path, rel))
+            shard = Shard(open_inside(self.path, rel))
+            want = getattr(self.metadata.storage_meta, "save_id", None)
+            if shard.header.save_id is not None and want is not None and shard.header.save_id != want:
+                raise FormatError(f"shard was written by save {shard.header.save_id}, the metadata by save {want}",
+                                  path=shard.path)
+            self._shards[rel] = shard
         return self._shards[rel]
 
     def _entry(self, idx: MetadataIndex, chunk: tuple[int, ...] | None) -> tuple[Shard, fmt.Entry]:

@@ -172,6 +172,10 @@ def _check_shard(p: str, rel: str, records: list[MetadataIndex], md: Metadata, r
     except CheckpointError as e:
         report.problems.append(Problem.of(e, os.path.join(p, rel)))
         return
+    save_id = getattr(md.storage_meta, "save_id", None)
+    if shard.header.save_id is not None and save_id is not None and shard.header.save_id != save_id:
+        report.problems.append(Problem(full, None, f"shard was written by save {shard.header.save_id}, the metadata "
+                                       f"by save {save_id}: a shard of another checkpoint was mixed in"))
     used = set()
     for idx in records:
         kind, dtype, shape = _expect(md, idx)
