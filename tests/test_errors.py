@@ -359,11 +359,8 @@ def test_metadata_record_disagrees_with_header(ckpt: Path) -> None:
             if r["fqn"] == "b":
                 r["file_offset"] += 64
     rewrite_metadata(ckpt / ".metadata", shift)
-    try:
-        err = load_failure(ckpt)
-    except pytest.fail.Exception:
-        raise
-    assert isinstance(err, mmapckpt.FormatError)
+    err = load_failure(ckpt)
+    assert isinstance(err, mmapckpt.FormatError) and "shard header says" in str(err)
     assert_names(err, ckpt / SHARD, "b@[0]")
 
 
@@ -450,3 +447,17 @@ def test_errors_survive_pickling(ckpt: Path) -> None:
     err = load_failure(ckpt)
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is type(err) and back.path == err.path and back.entry == err.entry and str(back) == str(err)
+
+
+def test_shards_of_another_save_are_refused(tmp_path) -> None:
+    """An old .metadata paired with the shards of a later save (same names, same layout) must not
+    load the later save's bytes as if they were the old ones."""
+    path = tmp_path / "c"
+    old = {"w": torch.full((10,), 1.0)}
+    dcp_save(old, mmapckpt.MmapWriter(path, sync_files=False))
+    old_meta = (path / ".metadata").read_bytes()
+    dcp_save({"w": torch.full((10,), 2.0)}, mmapckpt.MmapWriter(path, sync_files=False))
+    (path / ".metadata").write_bytes(old_meta)
+    err = load_failure(path, targets={"w": torch.zeros(10)})
+    assert type(err) is mmapckpt.IncompleteCheckpointError, f"{type(err).__name__}: {err}"
+    assert_names(err, path / SHARD)
