@@ -79,7 +79,6 @@ def _add_lazy(name: str, p: argparse.ArgumentParser) -> dict[str, str]:
         p.set_defaults(_run=mod.run)
         return {}
     except Exception as e:  # a missing or broken module disables this subcommand only
-        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         return {name: f"the {name!r} command is unavailable: {type(e).__name__}: {e}"}
 
 
@@ -167,6 +166,8 @@ def _show_warning(message: Any, category: Any, filename: str, lineno: int, file:
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     parser, broken = build_parser(_chosen_command(argv))
     try:
+        if broken:  # the chosen command could not load its arguments: accept whatever follows it
+            return parser.parse_known_args(argv)[0], broken
         return parser.parse_args(argv), broken
     except SystemExit as e:  # --help, --version and usage errors: argparse has printed already
         raise _UsageExit(e.code if isinstance(e.code, int) else 2) from None
