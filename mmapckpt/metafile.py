@@ -285,20 +285,57 @@ def _decode_stock(data: bytes, path: str) -> Metadata:
         raise UnsafePickleError(e.message, path=path) from None
     except Exception as e:  # any malformed pickle: truncated, bad opcodes, wrong arguments
         raise FormatError(f"stock DCP metadata could not be unpickled: {type(e).__name__}: {e}", path=path) from None
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
-        raise FormatError("stock DCP metadata does not hold a Metadata object with storage data", path=path)
-    for idx, info in md.storage_data.items():
+    try:
+        _check_stock(md, path)
+    except (AttributeError, TypeError) as e:  # objects built by the pickle with odd fields
+        raise FormatError(f"stock DCP metadata has malformed objects: {type(e).__name__}: {e}", path=path) from None
+    return md
+
+
+_MISSING = object()
+
+
+def _get(obj: Any, name: str, ok: Any, path: str, what: str) -> Any:
+    """``obj.name`` (a pickle's BUILD may have dropped or replaced it), checked with ``ok``."""
+    v = getattr(obj, name, _MISSING)
+    if v is _MISSING or not ok(v):
+        raise FormatError(f"stock DCP metadata: {what} has a missing or invalid field {name!r}", path=path)
+    return v
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= fmt.MAX_INT
+
+
+def _check_stock(md: Any, path: str) -> None:
+    """The unpickled objects have the types and fields DCP's own code expects of them."""
+    if not isinstance(md, Metadata):
+        raise FormatError("stock DCP metadata does not hold a Metadata object", path=path)
+    sdm = _get(md, "state_dict_metadata", lambda v: isinstance(v, dict), path, "Metadata")
+    storage = _get(md, "storage_data", lambda v: isinstance(v, dict), path, "Metadata")
+    _get(md, "planner_data", lambda v: v is None or isinstance(v, dict), path, "Metadata")
+    _get(md, "version", lambda v: v is None or isinstance(v, str), path, "Metadata")
+    sm = _get(md, "storage_meta", lambda v: v is None or isinstance(v, StorageMeta), path, "Metadata")
+    if sm is not None:
+        _get(sm, "save_id", lambda v: v is None or isinstance(v, str), path, "StorageMeta")
+        _get(sm, "load_id", lambda v: v is None or isinstance(v, str), path, "StorageMeta")
+        _get(sm, "modules", lambda v: isinstance(v, list), path, "StorageMeta")
+        _get(sm, "checkpoint_id", lambda v: v is None or isinstance(v, (str, os.PathLike)), path, "StorageMeta")
+    for idx, info in storage.items():
         if not isinstance(idx, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise FormatError("stock DCP metadata has storage records of unexpected types", path=path)
-        if not isinstance(info.relative_path, str):
-            raise FormatError(f"storage record of {idx.fqn!r} has no path", path=path)
-        safe_relative_path(info.relative_path, path)
-        if not all(type(v) is int and 0 <= v <= fmt.MAX_INT for v in (info.offset, info.length)):
-            raise FormatError(f"storage record of {idx.fqn!r} has an invalid offset or length", path=path)
-    for fqn, item in md.state_dict_metadata.items():
-        if not _stock_item_ok(item):
+        fqn = _get(idx, "fqn", lambda v: isinstance(v, str), path, "a storage index")
+        _get(idx, "offset", lambda v: v is None or _is_dims(v), path, f"storage index of {fqn!r}")
+        _get(idx, "index", lambda v: v is None or _is_int(v), path, f"storage index of {fqn!r}")
+        rel = _get(info, "relative_path", lambda v: isinstance(v, str), path, f"storage record of {fqn!r}")
+        safe_relative_path(rel, path)
+        for name in ("offset", "length"):
+            _get(info, name, _is_int, path, f"storage record of {fqn!r}")
+        _get(info, "transform_descriptors", lambda v: v is None or isinstance(v, (list, tuple)), path,
+             f"storage record of {fqn!r}")
+    for fqn, item in sdm.items():
+        if not isinstance(fqn, str) or not _stock_item_ok(item):
             raise FormatError(f"state_dict_metadata[{fqn!r}] is not a valid DCP item description", path=path)
-    return md
 
 
 def _is_dims(v: Any) -> bool:
@@ -306,15 +343,17 @@ def _is_dims(v: Any) -> bool:
 
 
 def _stock_item_ok(item: Any) -> bool:
-    """The unpickled objects have the types and shapes DCP's own code expects of them."""
     if isinstance(item, BytesStorageMetadata):
         return True
-    if not (isinstance(item, TensorStorageMetadata) and isinstance(item.properties, TensorProperties)
-            and isinstance(item.properties.dtype, torch.dtype) and _is_dims(item.size)
-            and isinstance(item.chunks, list)):
+    props = getattr(item, "properties", None)
+    chunks = getattr(item, "chunks", None)
+    if not (isinstance(item, TensorStorageMetadata) and isinstance(props, TensorProperties)
+            and isinstance(getattr(props, "dtype", None), torch.dtype) and _is_dims(getattr(item, "size", None))
+            and isinstance(chunks, list)):
         return False
-    return all(isinstance(c, ChunkStorageMetadata) and _is_dims(c.offsets) and _is_dims(c.sizes)
-               and len(c.offsets) == len(c.sizes) == len(item.size) for c in item.chunks)
+    return all(isinstance(c, ChunkStorageMetadata) and _is_dims(getattr(c, "offsets", None))
+               and _is_dims(getattr(c, "sizes", None))
+               and len(c.offsets) == len(c.sizes) == len(item.size) for c in chunks)
 
 
 def metadata_kind(head: bytes) -> str | None:

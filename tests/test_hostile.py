@@ -399,3 +399,18 @@ def test_sigbus_only_when_a_mapped_file_is_truncated_in_place(tmp_path, mode):
     else:
         assert r.returncode == 0, r.stderr[-2000:]
         assert float(r.stdout.strip()) == float(sum(range(1 << 20)))  # the old bytes, still mapped
+
+
+@pytest.mark.parametrize("field", [b"state_dict_metadata", b"storage_data", b"relative_path", b"fqn", b"chunks",
+                                   b"properties", b"sizes"])
+def test_stock_metadata_with_a_renamed_field_is_refused(tmp_path, field):
+    """A bit flip inside a field name makes the pickle build objects lacking that field (found by the fuzzer)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "stock")
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    data = _read(path, ".metadata")
+    assert field in data
+    _write(path, ".metadata", data.replace(field, bytes([field[0] ^ 1]) + field[1:]))
+    with pytest.raises(FormatError):
+        MmapReader(path).read_metadata()
