@@ -297,12 +297,14 @@ PHASES: dict[str, dict[str, Any]] = {
                            ("2r->2r", "1d", "alt", "resharded", _LOADS_2)]},
     "four": {"world": 4, "async": None,
              "saves": [("4r", "1d", "save", "m4", "s4", 1), ("4r-2d", "2d", "mesh2d", "m4_2d", None, 1)],
-             "loads": [("2r->4r", "1d", "alt", "resharded", _LOADS_2),
+             "loads": [("2r->4r", "1d", "save", "same-placements", _LOADS_2),
+                       ("2r->4r", "1d", "alt", "resharded", _LOADS_2),
                        ("4r->4r", "1d", "save", "same-sharding", _LOADS_4),
                        ("4r->4r", "1d", "alt", "resharded", _LOADS_4),
                        ("4r->4r", "2d", "mesh2d", "2d-mesh", _LOADS_4)]},
     "two_load": {"world": 2, "async": None, "saves": [],
-                 "loads": [("4r->2r", "1d", "alt", "resharded", _LOADS_4),
+                 "loads": [("4r->2r", "1d", "save", "same-placements", _LOADS_4),
+                           ("4r->2r", "1d", "alt", "resharded", _LOADS_4),
                            ("4r-2d->2r", "1d", "alt", "resharded", [("m4_2d", "mmap")])]},
 }
 
