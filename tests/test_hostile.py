@@ -414,3 +414,19 @@ def test_stock_metadata_with_a_renamed_field_is_refused(tmp_path, field):
     _write(path, ".metadata", data.replace(field, bytes([field[0] ^ 1]) + field[1:]))
     with pytest.raises(FormatError):
         MmapReader(path).read_metadata()
+
+
+def test_dcp_load_with_the_safe_planner_never_unpickles_payloads(tmp_path):
+    """Non-tensor values are pickles inside the shards. DCP's DefaultLoadPlanner unpickles them with
+    weights_only=False (DCP's behaviour, shown as the control); SafeLoadPlanner refuses the payload."""
+    import torch.distributed.checkpoint as dcp
+
+    path, marker = str(tmp_path / "objs"), str(tmp_path / "pwned")
+    dcp_save({"t": torch.ones(3), "obj": _Payload(marker)}, MmapWriter(path))
+    with pytest.raises(BaseException) as info:
+        dcp.load({"t": torch.zeros(3), "obj": None}, storage_reader=MmapReader(path),
+                 planner=mmapckpt.SafeLoadPlanner(), no_dist=True)
+    assert isinstance(dcp_failure(info.value), CheckpointError), dcp_failure(info.value)
+    assert not os.path.exists(marker)
+    dcp.load({"t": torch.zeros(3), "obj": None}, storage_reader=MmapReader(path), no_dist=True)
+    assert os.path.exists(marker)  # the stock planner ran the payload: use SafeLoadPlanner for untrusted files
