@@ -77,8 +77,9 @@ def test_rank_check(phase: str, check: str, request: pytest.FixtureRequest) -> N
 
 
 # ---------------------------------------------------------------------------- N ranks -> 1 process
-@pytest.mark.parametrize("ckpt,reader", [("m4", "mmap"), ("m4", "mmap-mapped"), ("s4", "mmap"), ("s4", "stock"), ("m2", "mmap"),
-                                         ("s2", "mmap"), ("s2", "stock"), ("a2", "mmap"), ("m4_2d", "mmap")])
+@pytest.mark.parametrize("ckpt,reader", [("m4", "mmap"), ("m4", "mmap-mapped"), ("s4", "mmap"), ("s4", "stock"),
+                                         ("m2", "mmap"), ("s2", "mmap"), ("s2", "stock"), ("a2", "mmap"),
+                                         ("m4_2d", "mmap")])
 def test_single_process_load_of_full_tensors(ckpt: str, reader: str, root: str, four: Any) -> None:
     sd = dr.load_into(os.path.join(root, ckpt), reader, None, dr.PLAIN, no_dist=True)
     dr.check_state_dict(sd, None, dr.PLAIN)
