@@ -12,6 +12,8 @@ import itertools
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -373,3 +375,75 @@ def test_bytes_identical_to_the_source_chunks(tmp_path) -> None:
     e2 = {e.key: (e.crc32, e.length) for e in Shard(str(tmp_path / "m2" / "__0_0.distcp")).header.entries}
     assert e1 == e2
     assert tensor_bytes(mmapckpt.load(tmp_path / "m2")["a"]) == tensor_bytes(sd["a"])
+
+
+# --------------------------------------------------------------------------- bounded memory
+_MEASURE = r'''
+import json, os, sys, tempfile, threading, time
+
+def anon():
+    # Anonymous resident memory only: mapped file pages (sources, outputs) are not the conversion's copies.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+import torch
+from mmapckpt import convert
+
+src, dst, to, warm = sys.argv[1:5]
+def job():
+    if to == "control":  # what a whole-state-dict conversion costs, to show the probe sees it
+        return torch.load(src, weights_only=True)
+    return convert(src, dst, to=to)
+if to != "control":
+    with tempfile.TemporaryDirectory() as d:  # import every lazily imported module before measuring
+        convert(warm, os.path.join(d, "w"), to=to)
+base = anon()
+peak, stop = [base], threading.Event()
+def sample():
+    while not stop.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.0002)
+t = threading.Thread(target=sample, daemon=True)
+t.start()
+kept = job()
+stop.set()
+t.join()
+print(json.dumps({"base": base, "peak": max(peak[0], anon())}))
+'''
+
+MiB = 1 << 20
+
+
+@pytest.mark.slow
+def test_conversion_memory_stays_near_the_largest_tensor(tmp_path) -> None:
+    """Peak anonymous memory of a conversion, in a fresh process, against a 36 MiB checkpoint whose
+    largest tensor is 4 MiB: it must stay under that tensor plus 8 MiB, while loading the state dict
+    whole (the control) costs its full size."""
+    g = torch.Generator().manual_seed(0)
+    sd = {f"layer.{i}.w": torch.randn(MiB // 2, generator=g) for i in range(16)}  # 2 MiB each
+    sd["emb"] = torch.randn(MiB, generator=g)  # 4 MiB: the largest
+    total, largest = sum(t.nbytes for t in sd.values()), 4 * MiB
+    small = {"a": torch.ones(10)}
+    for fmt in ("mmapckpt", "dcp", "safetensors", "torch"):
+        write_source(fmt, sd, str(tmp_path / f"src_{fmt}"))
+        write_source(fmt, small, str(tmp_path / f"warm_{fmt}"))
+    script = tmp_path / "measure.py"
+    script.write_text(_MEASURE)
+
+    def peak(src: str, to: str) -> int:
+        p = subprocess.run([sys.executable, str(script), str(tmp_path / f"src_{src}"), str(tmp_path / f"o_{src}_{to}"),
+                            to, str(tmp_path / f"warm_{src}")], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        return r["peak"] - r["base"]
+
+    control = peak("torch", "control")
+    assert control >= 0.9 * total, f"the probe missed a whole-state-dict load: {control / MiB:.1f} MiB"
+    for src, to in [("mmapckpt", "safetensors"), ("mmapckpt", "torch"), ("mmapckpt", "dcp"), ("dcp", "mmapckpt"),
+                    ("safetensors", "dcp"), ("torch", "mmapckpt")]:
+        grew = peak(src, to)
+        print(f"{src} -> {to}: peak anonymous memory +{grew / MiB:.1f} MiB (checkpoint {total / MiB:.0f} MiB)")
+        assert grew <= largest + 8 * MiB, f"{src} -> {to} used {grew / MiB:.1f} MiB"
