@@ -123,6 +123,9 @@ def leaf_values() -> st.SearchStrategy[Any]:
 
 
 _KEYS = st.from_regex(r"[a-z_][a-z0-9_]{0,7}", fullmatch=True)  # no "." (DCP's fqn separator)
+#: Top-level keys are any text: real state dicts have dotted keys, and names must survive
+#: JSON headers with quotes, control characters, non-ASCII and lone surrogates.
+_TOP_KEYS = st.one_of(_KEYS, st.text(max_size=10))
 
 
 def _tree(leaf: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -143,7 +146,20 @@ def state_dicts(*, with_values: bool = True) -> st.SearchStrategy[dict[str, Any]
     the planner); lists holding tensors or dicts are traversed into entries.
     """
     leaf = st.one_of(tensors(), leaf_values()) if with_values else tensors()
-    return st.dictionaries(_KEYS, _tree(leaf), min_size=1, max_size=5)
+    return st.dictionaries(_TOP_KEYS, _tree(leaf), min_size=1, max_size=5).filter(_fqns_unique)
+
+
+def _count_leaves(sd: Any) -> int:
+    if isinstance(sd, dict):
+        return sum(_count_leaves(v) for v in sd.values())
+    if isinstance(sd, list) and not _is_terminal(sd):
+        return sum(_count_leaves(v) for v in sd)
+    return 1
+
+
+def _fqns_unique(sd: dict[str, Any]) -> bool:
+    """Top-level keys may hold '.', so {"a.b": x, "a": {"b": y}} would give one fqn twice."""
+    return len(flatten(sd)) == _count_leaves(sd)
 
 
 def tensor_state_dicts() -> st.SearchStrategy[dict[str, Any]]:
@@ -161,17 +177,17 @@ def _is_terminal(value: Any) -> bool:
     return all(not isinstance(v, (dict, torch.Tensor)) and _is_terminal(v) for v in value)
 
 
-def flatten(sd: Any, prefix: str = "") -> dict[str, Any]:
-    """``{fqn: leaf}`` as DCP flattens a state dict (keys and list indices joined by '.')."""
+def flatten(sd: Any, path: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``{fqn: leaf}`` as DCP flattens a state dict (the path's keys and list indices joined by '.')."""
     if isinstance(sd, dict):
         items = [(str(k), v) for k, v in sd.items()]
-    elif isinstance(sd, list) and not _is_terminal(sd):
+    elif isinstance(sd, list) and path and not _is_terminal(sd):
         items = [(str(i), v) for i, v in enumerate(sd)]
     else:
-        return {prefix: sd}
+        return {".".join(path): sd}
     out: dict[str, Any] = {}
     for k, v in items:
-        out.update(flatten(v, f"{prefix}.{k}" if prefix else k))
+        out.update(flatten(v, path + (k,)))
     return out
 
 
