@@ -218,4 +218,5 @@ def _describe(e: Exception) -> str:
         msg = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
     else:
         msg = f"{type(e).__name__}: {e}"
-    return " ".join(msg.split()) + " (use --debug for the traceback)" * (not isinstance(e, (CheckpointError, OSError)))
+    expected = isinstance(e, (CheckpointError, OSError, ValueError))  # messages meant for users
+    return " ".join(msg.split()) + " (use --debug for the traceback)" * (not expected)
