@@ -11,13 +11,12 @@ one tensor plus one chunk, whatever the checkpoint's size.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
 import uuid
 import zlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
