@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import pickle
+import pickletools
 import struct
 import zlib
 from typing import Any
@@ -278,7 +279,29 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise UnsafePickleError("stock DCP metadata uses persistent ids; refusing")
 
 
+_MEMO_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
+
+
+def _prescan(data: bytes, path: str) -> None:
+    """Walk the opcodes before unpickling: the C unpickler allocates by numbers in the file.
+
+    A memo index of 2**31 makes it grow its memo table to that many slots (gigabytes),
+    and a counted bytes/str opcode allocates its claimed length before reading it.
+    pickletools checks every counted length against the bytes that are there; memo
+    indices larger than the file itself cannot come from a real pickle.
+    """
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in _MEMO_OPS and isinstance(arg, int) and not 0 <= arg <= len(data):
+                raise FormatError(f"stock DCP metadata uses memo index {arg} in a {len(data)}-byte pickle", path=path)
+    except FormatError:
+        raise
+    except Exception as e:  # ValueError for truncated or unknown opcodes
+        raise FormatError(f"stock DCP metadata is not a valid pickle: {type(e).__name__}: {e}"[:500], path=path) from None
+
+
 def _decode_stock(data: bytes, path: str) -> Metadata:
+    _prescan(data, path)
     try:
         md = _RestrictedUnpickler(io.BytesIO(data)).load()
     except UnsafePickleError as e:

@@ -430,3 +430,26 @@ def test_dcp_load_with_the_safe_planner_never_unpickles_payloads(tmp_path):
     assert not os.path.exists(marker)
     dcp.load({"t": torch.zeros(3), "obj": None}, storage_reader=MmapReader(path), no_dist=True)
     assert os.path.exists(marker)  # the stock planner ran the payload: use SafeLoadPlanner for untrusted files
+
+
+@pytest.mark.parametrize("name,evil", [
+    # push None, then LONG_BINPUT at memo index 2**31: the C unpickler grows its memo table to 2**31 slots
+    ("huge memo index", b"\x80\x04N" + b"r" + struct.pack("<I", 2**31) + b"."),
+    ("huge memo get", b"\x80\x04" + b"j" + struct.pack("<I", 2**31 - 1) + b"."),
+    # BINBYTES8 and BINUNICODE8 claiming 2**40 bytes: allocated before the read finds nothing there
+    ("huge bytes8", b"\x80\x04\x8e" + struct.pack("<Q", 2**40) + b"xx."),
+    ("huge unicode8", b"\x80\x04\x8d" + struct.pack("<Q", 2**33) + b"xx."),
+    ("huge frame", b"\x80\x04\x95" + struct.pack("<Q", 2**62) + b"N."),
+])
+def test_stock_metadata_pickle_claiming_huge_sizes_is_refused_before_allocating(tmp_path, name, evil):
+    """Found by the atheris harness (fuzz/): a mutated memo index made the unpickler allocate gigabytes."""
+    path = tmp_path / "stock"
+    path.mkdir()
+    (path / ".metadata").write_bytes(evil)
+    tracemalloc.start()
+    with pytest.raises(FormatError) as info:
+        MmapReader(str(path)).read_metadata()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert "MemoryError" not in str(info.value)
+    assert peak < 16 * 2**20, f"{name}: {peak} bytes allocated"
