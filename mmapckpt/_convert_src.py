@@ -257,7 +257,9 @@ class _StockSource(_DcpSource):
 
 # --------------------------------------------------------------------------- detection
 def _safetensors_index(path: str) -> dict[str, list[str]]:
-    idx_path = os.path.join(path, SAFETENSORS_INDEX)
+    idx_path = _index_file(path)
+    if idx_path is None:
+        raise CheckpointNotFoundError("no *.safetensors.index.json here", path=path)
     try:
         with open(idx_path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -273,6 +275,14 @@ def _safetensors_index(path: str) -> dict[str, list[str]]:
             raise CheckpointError("shard file named in the index is missing", path=full, entry=name)
         files.setdefault(full, []).append(name)
     return files
+
+
+def _index_file(path: str) -> str | None:
+    """The directory's safetensors index: model.safetensors.index.json, else the only *.safetensors.index.json."""
+    if os.path.isfile(os.path.join(path, SAFETENSORS_INDEX)):
+        return os.path.join(path, SAFETENSORS_INDEX)
+    found = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
+    return os.path.join(path, found[0]) if len(found) == 1 else None
 
 
 def _looks_like_safetensors(path: str) -> bool:
@@ -301,7 +311,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             if kind is None:
                 raise FormatError("neither mmapckpt nor stock DCP metadata", path=os.path.join(p, METADATA_NAME))
             return kind
-        if os.path.isfile(os.path.join(p, SAFETENSORS_INDEX)):
+        if _index_file(p) is not None:
             return "safetensors"
         find_metadata(p)  # raises IncompleteCheckpointError or CheckpointNotFoundError
     if not os.path.exists(p):

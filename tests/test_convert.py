@@ -320,6 +320,11 @@ def test_source_detection(tmp_path) -> None:
                             ("safetensors-sharded", "sh", "safetensors"), ("torch", "t.bin", "torch")]:
         write_source(fmt, sd, str(tmp_path / name))
         assert detect_format(tmp_path / name) == want
+    os.rename(tmp_path / "sh" / "model.safetensors.index.json",
+              tmp_path / "sh" / "diffusion_pytorch_model.safetensors.index.json")  # another HF library's name
+    assert detect_format(tmp_path / "sh") == "safetensors"
+    convert(tmp_path / "sh", tmp_path / "sh.pt", to="torch")
+    assert_bitwise_equal(torch.load(tmp_path / "sh.pt", weights_only=True)["a"], sd["a"])
     (tmp_path / "junk").write_bytes(b"hello world")
     (tmp_path / "empty").mkdir()
     for bad in ("junk", "empty", "missing"):
