@@ -26,7 +26,7 @@ from torch.futures import Future
 
 from . import format as fmt
 from ._d2h import stage_to_host
-from ._io import atomic_write, fsync_dir, pwrite_all
+from ._io import DirectWriter, atomic_write, fsync_dir, open_direct, pwrite_all
 from .errors import CheckpointExistsError, CheckpointWriteError
 from .metafile import METADATA_NAME, encode_metadata
 
@@ -42,6 +42,7 @@ class WriterOptions:
     sync_files: bool = True
     alignment: int = 4096
     overwrite: bool = True
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
         if self.thread_count < 1:
@@ -101,6 +102,11 @@ class MmapWriter(StorageWriter):
         sync_files: fsync every shard and the directory before the metadata commit.
         alignment: data offset alignment for entries at least this long (power of two >= 64).
         overwrite: allow replacing an existing checkpoint in ``path``.
+        direct_io: write shards with O_DIRECT through page-aligned bounce buffers, bypassing
+            the page cache (on a disk whose buffered write path is CPU-bound this saves two to
+            three times faster; the saved files are then not in the page cache). Where the
+            filesystem refuses O_DIRECT (tmpfs, some network filesystems) the shard is written
+            buffered instead, automatically. ``write_paths`` records which path each shard took.
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -108,10 +114,12 @@ class MmapWriter(StorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1, sync_files: bool = True,
-                 alignment: int = 4096, overwrite: bool = True) -> None:
+                 alignment: int = 4096, overwrite: bool = True, direct_io: bool = True) -> None:
         super().__init__()
         self.path = os.fspath(path)
-        self.options = WriterOptions(thread_count, sync_files, alignment, overwrite)
+        self.options = WriterOptions(thread_count, sync_files, alignment, overwrite, direct_io)
+        #: shard file name -> "direct" (O_DIRECT) or "buffered", for the last save
+        self.write_paths: dict[str, str] = {}
         self.save_id = str(uuid.uuid4())
         self.rank: int | None = None
         self.use_collectives = True
@@ -122,6 +130,7 @@ class MmapWriter(StorageWriter):
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.save_id = str(uuid.uuid4())
+        self.write_paths = {}
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -257,11 +266,17 @@ class MmapWriter(StorageWriter):
                                                _chunk_nbytes(it)))
             save_id = getattr(self, "_shard_save_id", None)
             entries, file_size = fmt.layout_entries(specs, self.options.alignment, save_id)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = open_direct(tmp) if self.options.direct_io else None
+            self.write_paths[name] = "buffered" if fd is None else "direct"
+            if fd is None:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.ftruncate(fd, file_size)
-                done = self._write_entries(fd, entries, items, byte_payloads, planner)
-                pwrite_all(fd, fmt.encode_header(done, save_id), 0)
+                if self.write_paths[name] == "direct":
+                    done = self._write_entries_direct(fd, entries, items, byte_payloads, planner, save_id, file_size)
+                else:
+                    done = self._write_entries(fd, entries, items, byte_payloads, planner)
+                    pwrite_all(fd, fmt.encode_header(done, save_id), 0)
                 if self.options.sync_files:
                     os.fsync(fd)
             finally:
@@ -292,6 +307,38 @@ class MmapWriter(StorageWriter):
                                  f"but the plan said {e.shape} {e.dtype}")
             done[id(it)] = _write_at(fd, e, _tensor_bytes(t) if e.length else b"")
         return [done[id(it)] for it in items]
+
+    def _write_entries_direct(self, fd: int, entries: list[fmt.Entry], items: list[WriteItem],
+                              byte_payloads: dict[Any, bytes], planner: SavePlanner, save_id: Any,
+                              file_size: int) -> list[fmt.Entry]:
+        """_write_entries through a DirectWriter: entries in file order, then the header."""
+        sink = DirectWriter(fd, min((e.offset for e in entries), default=file_size))
+        try:
+            staged = stage_to_host([it for it in items if it.type != WriteItemType.BYTE_IO], planner.resolve_data)
+            done = []
+            for e, it in zip(entries, items):  # layout order is item order: ascending offsets
+                if it.type == WriteItemType.BYTE_IO:
+                    buf: Any = byte_payloads[it.index]
+                else:
+                    sit, t = next(staged)
+                    if sit is not it or tuple(t.shape) != e.shape or fmt.dtype_name(t.dtype) != e.dtype:
+                        raise ValueError(f"planner resolved {it.index.fqn!r} to {tuple(t.shape)} {t.dtype}, "
+                                         f"but the plan said {e.shape} {e.dtype}")
+                    buf = _tensor_bytes(t) if e.length else b""
+                if len(buf) != e.length:
+                    raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
+                sink.put(e.offset, buf)
+                done.append(dataclasses.replace(e, crc32=zlib.crc32(buf)))
+            sink.finish(fmt.encode_header(done, save_id), file_size)
+        finally:
+            sink.close()
+        return done
+
+    @property
+    def write_path(self) -> str | None:
+        """How the last save wrote its shards: "direct", "buffered", "mixed", or None before one."""
+        kinds = set(self.write_paths.values())
+        return None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def _write_at(fd: int, e: fmt.Entry, buf: Any) -> fmt.Entry:
