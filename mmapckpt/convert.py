@@ -139,6 +139,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         raise ValueError("max_shard_size applies only to safetensors output")
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     src_s, dst_s = os.fspath(src), os.fspath(dst)
+    dst_s = dst_s.rstrip("/" + os.sep) or dst_s  # "out/" names the entry "out" (its temp sibling is ".out.tmp-*")
     _check_paths(src_s, dst_s, overwrite)
     tmp = os.path.join(os.path.dirname(os.path.abspath(dst_s)), f".{os.path.basename(dst_s)}.tmp-{uuid.uuid4().hex[:8]}")
     with open_source(src_s) as source:
