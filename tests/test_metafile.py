@@ -348,8 +348,8 @@ def test_persistent_ids_are_refused(tmp_path) -> None:
     (pickle.dumps(Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): ("a", 0, 1)}), protocol=2), "unexpected types"),
     (pickle.dumps(Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo("a", -1, 1)}), protocol=2), "offset"),
     (pickle.dumps(Metadata(state_dict_metadata={"w": "x"}, storage_data={}), protocol=2), "not a valid DCP item"),
-    (pickle.dumps(Metadata(state_dict_metadata={}), protocol=2)[:-10], "could not be unpickled"),
-    (b"\x80\x02garbage", "could not be unpickled"),
+    (pickle.dumps(Metadata(state_dict_metadata={}), protocol=2)[:-10], "pickle"),
+    (b"\x80\x02garbage", "pickle"),
 ], ids=["not-metadata", "record-tuple", "record-negative-offset", "item-str", "truncated", "garbage"])
 def test_malformed_stock_metadata(tmp_path, payload: bytes, words: str) -> None:
     (tmp_path / ".metadata").write_bytes(payload)
