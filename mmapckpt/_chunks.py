@@ -12,7 +12,7 @@ import io
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
@@ -23,6 +23,7 @@ from ._shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from .errors import CheckpointError, FormatError, IncompleteCheckpointError, SizeMismatchError, TruncatedFileError
 
 __all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles", "index_entries", "check_coverage", "numel"]
+
 
 @dataclass(frozen=True)
 class ChunkInfo:
@@ -130,9 +131,6 @@ class ChunkFiles:
             else:
                 self.stock[rel] = full
 
-    def is_mapped(self, c: ChunkInfo) -> bool:
-        return c.file in self.shards
-
     def chunk(self, info: EntryInfo, c: ChunkInfo) -> torch.Tensor:
         """The chunk as a CPU tensor: a view over the mapping, or a stock item loaded whole."""
         label = f"{info.name}@{list(c.offsets)}"
@@ -196,6 +194,9 @@ class ChunkFiles:
         start = c.file_offset - c.file_offset % mmap.PAGESIZE
         shard._mmap.madvise(advice, start, c.file_offset + c.length - start)
 
-    def check_unchanged(self) -> None:
-        for shard in self.shards.values():
-            check_size_unchanged(shard)
+    def check_unchanged(self, chunks: Iterable[ChunkInfo]) -> None:
+        """Raise TruncatedFileError if a mapped file holding one of ``chunks`` shrank since it was opened."""
+        for rel in {c.file for c in chunks}:
+            shard = self.shards.get(rel)
+            if shard is not None:
+                check_size_unchanged(shard)

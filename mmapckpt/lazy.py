@@ -153,7 +153,7 @@ class LazyCheckpoint:
         """
         info = self._tensor_info(name)
         files = self._open_files()
-        if len(info.chunks) == 1 and info.chunks[0].sizes == info.shape and files.is_mapped(info.chunks[0]):
+        if len(info.chunks) == 1 and info.chunks[0].sizes == info.shape:  # a view, or a stock item loaded whole
             return files.chunk(info, info.chunks[0])
         return self._assemble(info, [(0, 1, s) for s in info.shape or ()])
 
@@ -216,7 +216,7 @@ class LazyCheckpoint:
                 dst.append(slice(k0, k1))
             else:
                 out[tuple(dst)].copy_(files.chunk(info, c)[tuple(src)])
-        files.check_unchanged()
+        files.check_unchanged(info.chunks)
         return out
 
 
@@ -329,5 +329,5 @@ def _load_to_device(ckpt: LazyCheckpoint, names: list[str], device: torch.device
                 region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
                 pool.copy(files.chunk(info, c), t[region])
             out[n] = t
-    files.check_unchanged()
+    files.check_unchanged(c for n in names for c in ckpt.metadata(n).chunks)
     return out
