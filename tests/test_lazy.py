@@ -130,6 +130,7 @@ _DIST = settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.ge
                  suppress_health_check=list(HealthCheck))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @_DIST
 @given(specs_=st.lists(specs(1), min_size=2, max_size=3), data=st.data())
