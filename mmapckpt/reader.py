@@ -18,6 +18,7 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -167,7 +168,7 @@ class MmapReader(StorageReader):
                 f"shard was written by save {shard.header.save_id}, but the metadata read belongs to save "
                 f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=path)
         devices = []
-        direct = _DirectReads(shard, enabled=self.direct_reads)
+        direct = _DirectReads(shard, enabled=self.direct_reads and _defers_safely(planner))
         for req in reqs:
             idx = req.storage_index
             e = shard.entry(idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
@@ -295,14 +296,29 @@ class _DirectReads:
             else:
                 jobs = [j for j, _, _, _ in self.jobs]
                 cached = is_cached(fd, _probe_offsets(jobs))
-                if not cached:
+                if not cached:  # one stream, and let the kernel read ahead over the whole range now
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    lo = min(j.offset for j in jobs)
+                    os.posix_fadvise(fd, lo, max(j.offset + j.buf.nbytes for j in jobs) - lo, os.POSIX_FADV_WILLNEED)
                 pread_jobs(fd, jobs, threads=_CACHED_READ_THREADS if cached else 1, path=path)
         finally:
             os.close(fd)
         for _, req, target, _ in self.jobs:
             planner.commit_tensor(req, target)
         self.jobs.clear()
+
+
+def _defers_safely(planner: LoadPlanner) -> bool:
+    """Whether reads may be gathered and committed at the end of a file.
+
+    True for DefaultLoadPlanner and subclasses that keep its resolve_tensor and
+    commit_tensor: their targets are views of the state dict and committing does
+    nothing. A planner of its own may hand out a staging buffer per item and move it
+    in commit_tensor, so its items are copied one by one from the mapping, as before.
+    """
+    cls = type(planner)
+    return (isinstance(planner, DefaultLoadPlanner) and cls.resolve_tensor is DefaultLoadPlanner.resolve_tensor
+            and cls.commit_tensor is DefaultLoadPlanner.commit_tensor)
 
 
 def _probe_offsets(jobs: list[ReadJob], most: int = 16) -> list[int]:

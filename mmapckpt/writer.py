@@ -313,9 +313,12 @@ class MmapWriter(StorageWriter):
                               file_size: int) -> list[fmt.Entry]:
         """_write_entries through a DirectWriter: entries in file order, then the header."""
         sink = DirectWriter(fd, min((e.offset for e in entries), default=file_size))
+        # CRC-32s on a thread of their own (zlib releases the GIL): they overlap the copies into
+        # the bounce buffers, which overlap the disk writes.
+        crc_pool = ThreadPoolExecutor(1, thread_name_prefix="mmapckpt-crc")
         try:
             staged = stage_to_host([it for it in items if it.type != WriteItemType.BYTE_IO], planner.resolve_data)
-            done = []
+            done, crcs = [], []
             for e, it in zip(entries, items):  # layout order is item order: ascending offsets
                 if it.type == WriteItemType.BYTE_IO:
                     buf: Any = byte_payloads[it.index]
@@ -327,10 +330,13 @@ class MmapWriter(StorageWriter):
                     buf = _tensor_bytes(t) if e.length else b""
                 if len(buf) != e.length:
                     raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
+                crcs.append(crc_pool.submit(zlib.crc32, buf))
                 sink.put(e.offset, buf)
-                done.append(dataclasses.replace(e, crc32=zlib.crc32(buf)))
+                done.append(e)
+            done = [dataclasses.replace(e, crc32=c.result()) for e, c in zip(done, crcs)]
             sink.finish(fmt.encode_header(done, save_id), file_size)
         finally:
+            crc_pool.shutdown(wait=True)
             sink.close()
         return done
 
