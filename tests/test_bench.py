@@ -78,3 +78,17 @@ def test_bad_options_exit_2(tmp_path, capsys) -> None:
     assert bench.run(_args(tmp_path, "--methods", "nothing")) == 2
     assert bench.run(_args(tmp_path, "--repeats", "0")) == 2
     assert "mmapckpt bench:" in capsys.readouterr().err
+
+
+def test_cuda_benchmark_says_why_without_a_gpu() -> None:
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the script would run the real benchmark")
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "cuda_bench.py")
+    proc = subprocess.run([sys.executable, script, "--size", "8MB"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "no CUDA device is available" in proc.stderr and "nothing was measured" in proc.stderr
