@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's own choice); on a busy machine 1 "
                              "avoids copy_ stalling at OpenMP barriers")
+    parser.add_argument("--scan", choices=("sizes", "tensors"), default=None,
+                        help="instead of the comparison, scan time against total size (at --tensors) or "
+                             "against tensor count (at --size) for mmapckpt and safetensors")
+    parser.add_argument("--points", default=None,
+                        help="scan points, comma-separated: sizes (default 256MB,512MB,1GB,2GB,4GB) or "
+                             "tensor counts (default 10,100,1000,10000,100000)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-load memory measurement")
     parser.add_argument("--quick", action="store_true", help="a tiny run (8MB, 1 repetition) to try it out")
 
@@ -207,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     bench_dir = args.dir or os.getcwd()
     os.makedirs(bench_dir, exist_ok=True)
+    if args.scan:
+        return _run_scan(args, cfg, bench_dir)
     doc = run_benchmark(size=cfg["size"], dtype=cfg["dtype"], layers=cfg["layers"], repeats=cfg["repeats"],
                         methods=cfg["methods"], bench_dir=bench_dir, memory=not args.no_memory,
                         log=lambda s: print(s, file=sys.stderr, flush=True))
@@ -219,6 +227,27 @@ def run(args: argparse.Namespace) -> int:
     png = report.plot(doc, os.path.join(args.out, "bench.png"))
     print(f"chart: {png}" if png else "chart: skipped (install the 'plot' extra: matplotlib)")
     return 0 if all(doc["run"]["correct"].values()) else 1
+
+
+_SCAN_POINTS = {"sizes": "256MB,512MB,1GB,2GB,4GB", "tensors": "10,100,1000,10000,100000"}
+
+
+def _run_scan(args: argparse.Namespace, cfg: dict, bench_dir: str) -> int:
+    from . import _bench_scan
+
+    raw = (args.points or _SCAN_POINTS[args.scan]).split(",")
+    points = [parse_size(p) if args.scan == "sizes" else int(p) for p in raw]
+    fixed = args.tensors or _DEFAULTS["tensors"] if args.scan == "sizes" else cfg["size"]
+    methods = [m.key for m in cfg["methods"] if m.key in ("mmapckpt", "safetensors")] or ["mmapckpt"]
+    doc = _bench_scan.scan(args.scan, points, fixed=fixed, dtype=cfg["dtype"], repeats=cfg["repeats"],
+                           methods=methods, bench_dir=bench_dir, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(_bench_scan.render(doc))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"scan-{args.scan}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"\nJSON: {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
