@@ -5,8 +5,9 @@
 
 The first input byte picks a parser: the shard preamble and header
 (``format.decode_preamble`` + ``format.decode_header``, the bytes taken as a whole
-file), the mmapckpt ``.metadata`` codec, or the restricted unpickler for stock DCP
-metadata. The corpus starts from real files written by MmapWriter and FileSystemWriter.
+file), the mmapckpt ``.metadata`` codec, the restricted unpickler for stock DCP
+metadata, or one of the first two with the CRC recomputed (so that mutations get
+past the checksum to the JSON validation). The corpus starts from real files written by MmapWriter and FileSystemWriter.
 Any exception other than ``CheckpointError`` is a finding (atheris stops and saves
 the input as ``crash-*``).
 """
@@ -17,6 +18,7 @@ import os
 import sys
 import tempfile
 import warnings
+import zlib
 
 import atheris
 import torch  # noqa: F401  (imported first, so that only mmapckpt is instrumented below)
@@ -42,7 +44,23 @@ def _parse_stock(data: bytes) -> None:
     metafile._decode_stock(data, "fuzz")
 
 
-PARSERS = (_parse_shard, _parse_metadata, _parse_stock)
+def _parse_shard_valid_crc(data: bytes) -> None:
+    """The header CRC recomputed, so that mutations reach the JSON validation."""
+    if len(data) >= fmt.PREAMBLE_SIZE:
+        hlen = int.from_bytes(data[16:24], "little")
+        body = data[fmt.PREAMBLE_SIZE:fmt.PREAMBLE_SIZE + hlen]
+        data = data[:24] + zlib.crc32(body).to_bytes(4, "little") + data[28:]
+    _parse_shard(data)
+
+
+def _parse_metadata_valid_crc(data: bytes) -> None:
+    if len(data) >= 24:
+        body = data[24:]
+        data = data[:12] + zlib.crc32(body).to_bytes(4, "little") + len(body).to_bytes(8, "little") + body
+    _parse_metadata(data)
+
+
+PARSERS = (_parse_shard, _parse_metadata, _parse_stock, _parse_shard_valid_crc, _parse_metadata_valid_crc)
 
 
 def test_one_input(data: bytes) -> None:
@@ -66,7 +84,8 @@ def _seed_corpus(directory: str) -> None:
         dcp.save(sd, storage_writer=MmapWriter(os.path.join(tmp, "m"), alignment=64), no_dist=True)
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, "s")), no_dist=True)
         files = [(0, os.path.join(tmp, "m", "__0_0.distcp")), (1, os.path.join(tmp, "m", ".metadata")),
-                 (2, os.path.join(tmp, "s", ".metadata"))]
+                 (2, os.path.join(tmp, "s", ".metadata")), (3, os.path.join(tmp, "m", "__0_0.distcp")),
+                 (4, os.path.join(tmp, "m", ".metadata"))]
         for tag, path in files:
             with open(path, "rb") as f:
                 data = bytes([tag]) + f.read()

@@ -326,12 +326,13 @@ def fuzz_main(root: str, examples: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600 + 4 * EXAMPLES)
 def test_mutated_checkpoints_are_refused_or_load_bitwise():
     root = tempfile.mkdtemp(prefix="mmapckpt-fuzz-")
     try:
         prog = f"import sys; sys.path.insert(0, {TESTS!r}); import test_fuzz; test_fuzz.fuzz_main(sys.argv[1], int(sys.argv[2]))"
         r = subprocess.run([sys.executable, "-c", prog, root, str(EXAMPLES)], capture_output=True, text=True,
-                           timeout=1200)
+                           timeout=500 + 4 * EXAMPLES)
         assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
         report = json.loads(r.stdout.strip().splitlines()[-1])
     finally:
