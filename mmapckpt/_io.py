@@ -141,8 +141,12 @@ def pread_jobs(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> None
     """
     pieces = []
     for j in sorted(jobs, key=lambda j: j.offset):
+        n = j.buf.nbytes if hasattr(j.buf, "nbytes") else len(memoryview(j.buf).cast("B"))
+        if n <= READ_PIECE:
+            pieces.append(j)
+            continue
         mv = memoryview(j.buf).cast("B")
-        for start in range(0, len(mv), READ_PIECE):
+        for start in range(0, n, READ_PIECE):
             pieces.append(ReadJob(mv[start:start + READ_PIECE], j.offset + start, j.entry))
     if threads <= 1 or len(pieces) <= 1:
         for p in pieces:

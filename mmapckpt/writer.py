@@ -330,7 +330,8 @@ class MmapWriter(StorageWriter):
                     buf = _tensor_bytes(t) if e.length else b""
                 if len(buf) != e.length:
                     raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
-                crcs.append(crc_pool.submit(zlib.crc32, buf))
+                # small entries inline: a hand-off to the thread costs more than their checksum
+                crcs.append(crc_pool.submit(zlib.crc32, buf) if len(buf) >= _CRC_THREAD_MIN else _Done(zlib.crc32(buf)))
                 sink.put(e.offset, buf)
                 done.append(e)
             done = [dataclasses.replace(e, crc32=c.result()) for e, c in zip(done, crcs)]
@@ -345,6 +346,22 @@ class MmapWriter(StorageWriter):
         """How the last save wrote its shards: "direct", "buffered", "mixed", or None before one."""
         kinds = set(self.write_paths.values())
         return None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+#: Entries at least this long get their CRC-32 computed on the checksum thread.
+_CRC_THREAD_MIN = 1 << 20
+
+
+class _Done:
+    """A finished value with a Future's ``result()``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def result(self) -> int:
+        return self.value
 
 
 def _write_at(fd: int, e: fmt.Entry, buf: Any) -> fmt.Entry:
