@@ -19,7 +19,7 @@ from ._bench_sys import fsync_path
 from .reader import MmapReader
 from .writer import MmapWriter
 
-__all__ = ["Method", "METHODS", "method_by_key", "lazy_note"]
+__all__ = ["Method", "METHODS", "EXTRA_METHODS", "method_by_key", "lazy_note"]
 
 StateDict = dict[str, torch.Tensor]
 
@@ -72,6 +72,16 @@ def _mmap_lazy(path: str) -> StateDict:
     if fn is None:
         raise RuntimeError(lazy_note())
     return fn(path)
+
+
+def _base_save(sd: StateDict, path: str) -> MmapWriter:
+    w = MmapWriter(path, direct_io=False)
+    _quiet(lambda: dcp.save(sd, storage_writer=w, no_dist=True))
+    return w
+
+
+def _base_load(targets: StateDict, path: str) -> None:
+    _quiet(lambda: dcp.load(targets, storage_reader=MmapReader(path, direct_reads=False), no_dist=True))
 
 
 # ---------------------------------------------------------------- stock DCP
@@ -141,8 +151,15 @@ METHODS: tuple[Method, ...] = (
 )
 
 
+#: Selected only by name (``--methods``): mmapckpt with its fast paths off (buffered writes,
+#: copies out of the mapping), to show in one run what the fast paths move.
+EXTRA_METHODS: tuple[Method, ...] = (
+    Method("mmapckpt-base", "mmapckpt, buffered writes and mapped copies", _base_save, _base_load, None),
+)
+
+
 def method_by_key(key: str) -> Method:
-    for m in METHODS:
+    for m in METHODS + EXTRA_METHODS:
         if m.key == key:
             return m
     raise KeyError(f"unknown benchmark method {key!r}; known: {[m.key for m in METHODS]}")

@@ -93,15 +93,15 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
 
 
 def _table_rows(doc: dict[str, Any]) -> list[str]:
-    head = f"{'phase':<24}{'method':<13}{'median s':>9}{'min':>8}{'max':>8}{'GB/s':>7}  {'of limit':>8} {'limit':<24}{'vs DCP':>7}"
+    head = f"{'phase':<24}{'method':<15}{'median s':>9}{'min':>8}{'max':>8}{'GB/s':>7}  {'of limit':>8} {'limit':<24}{'vs DCP':>7}"
     lines = [head, "-" * len(head)]
     for name, s in doc["limits"].items():
         if name != "safetensors_lazy":
-            lines.append(f"{'limit: ' + s['label']:<37}{s['median_s']:>9.3f}{s['min_s']:>8.3f}{s['max_s']:>8.3f}"
+            lines.append(f"{'limit: ' + s['label']:<39}{s['median_s']:>9.3f}{s['min_s']:>8.3f}{s['max_s']:>8.3f}"
                          f"{s['gbps']:>7.2f}")
     for r in doc["rows"]:
         lim = LIMIT_LABELS.get(r["limit"], r["limit"])
-        lines.append(f"{PHASES[r['phase']][0]:<24}{r['method']:<13}{r['median_s']:>9.3f}{r['min_s']:>8.3f}"
+        lines.append(f"{PHASES[r['phase']][0]:<24}{r['method']:<15}{r['median_s']:>9.3f}{r['min_s']:>8.3f}"
                      f"{r['max_s']:>8.3f}{r['gbps']:>7.2f}  {_fmt(r['fraction_of_limit'], '8.2f')} {lim:<24}"
                      f"{_fmt(r['ratio_to_dcp'], '6.2f', 'x')}")
     return lines

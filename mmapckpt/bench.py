@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from . import _bench_report as report
-from ._bench_methods import METHODS, Method, lazy_note
+from ._bench_methods import EXTRA_METHODS, METHODS, Method, lazy_note
 from ._bench_sys import copy_limit, cold_read_limit, evict, files_under, machine_info, warm_up, write_limit
 from ._synthetic import parse_size, transformer_state_dict
 
@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write the checkpoints (default: a temporary directory under the "
                              "current one, so on its disk rather than a tmpfs /tmp)")
     parser.add_argument("--methods", default=",".join(m.key for m in METHODS),
-                        help="comma-separated subset of: " + ", ".join(m.key for m in METHODS))
+                        help="comma-separated subset of: " + ", ".join(m.key for m in METHODS + EXTRA_METHODS)
+                             + " (mmapckpt-base: mmapckpt with O_DIRECT writes and direct reads off)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's own choice); on a busy machine 1 "
                              "avoids copy_ stalling at OpenMP barriers")
@@ -71,7 +72,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, object]:
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {args.dtype!r}")
-    methods = [m for m in METHODS if m.key in {s.strip() for s in args.methods.split(",")}]
+    methods = [m for m in METHODS + EXTRA_METHODS if m.key in {s.strip() for s in args.methods.split(",")}]
     if not methods:
         raise ValueError(f"no known method in {args.methods!r}")
     repeats = args.repeats if args.repeats is not None else base["repeats"]

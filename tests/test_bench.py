@@ -60,7 +60,7 @@ def test_quick_run_produces_every_row_and_valid_json(tmp_path, capsys) -> None:
 
     # the table shows every row and every limit; the temporary checkpoints are gone
     for r in doc["rows"]:
-        assert f"{PHASES[r['phase']][0]:<24}{r['method']:<13}" in out
+        assert f"{PHASES[r['phase']][0]:<24}{r['method']:<15}" in out
     assert "limit: sequential cold read" in out and "against the targets" in out
     assert not [n for n in os.listdir(tmp_path / "work") if n.startswith(".mmapckpt-bench-")]
 
