@@ -161,6 +161,8 @@ class _MmapckptSource(_DcpSource):
         if (info.offset, info.length) != (e.offset, e.length):
             raise FormatError(f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
                               f"[{e.offset}, +{e.length})", path=shard.path, entry=e.label)
+        # Checked on every read: a conversion must not carry damaged bytes into a format without checksums.
+        shard.verify(e)
         return shard, e
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:

@@ -453,3 +453,29 @@ def test_conversion_memory_stays_near_the_largest_tensor(tmp_path) -> None:
         grew = peak(src, to)
         print(f"{src} -> {to}: peak anonymous memory +{grew / MiB:.1f} MiB (checkpoint {total / MiB:.0f} MiB)")
         assert grew <= largest + 8 * MiB, f"{src} -> {to} used {grew / MiB:.1f} MiB"
+
+
+def test_damaged_sources_are_refused_not_converted(tmp_path) -> None:
+    """A flipped byte in an mmapckpt source (checksums) or a truncated stock shard stops the conversion."""
+    from mmapckpt import ChecksumError, TruncatedFileError
+    from mmapckpt._shard import Shard
+
+    sd = {"a": torch.randn(64), "b": torch.randn(64)}
+    write_source("mmapckpt", sd, str(tmp_path / "m"))
+    shard = str(tmp_path / "m" / "__0_0.distcp")
+    e = next(e for e in Shard(shard).header.entries if e.fqn == "b")
+    with open(shard, "r+b") as f:
+        f.seek(e.offset + 9)
+        byte = f.read(1)[0]
+        f.seek(e.offset + 9)
+        f.write(bytes([byte ^ 0x10]))
+    for to in ("safetensors", "torch", "dcp", "mmapckpt"):
+        with pytest.raises(ChecksumError) as ei:
+            convert(tmp_path / "m", tmp_path / f"out_{to}", to=to)
+        assert ei.value.entry == e.label and ei.value.path == shard
+    write_source("dcp", sd, str(tmp_path / "d"))
+    stock = str(tmp_path / "d" / "__0_0.distcp")
+    os.truncate(stock, os.path.getsize(stock) - 10)
+    with pytest.raises(TruncatedFileError):
+        convert(tmp_path / "d", tmp_path / "out_d", to="mmapckpt")
+    assert sorted(os.listdir(tmp_path)) == ["d", "m"]
