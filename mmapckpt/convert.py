@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ._convert_dst import write_dcp, write_mmapckpt, write_safetensors, write_torch
-from ._convert_src import FORMATS, open_source
+from ._convert_src import FORMATS, Source, open_source
 from ._io import fsync_dir
 from ._progress import Progress
 from .errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
@@ -173,7 +173,7 @@ def _numel(size: tuple[int, ...]) -> int:
     return n
 
 
-def _write(source, tmp: str, to: str, limit: int | None, final: str, bar: Progress) -> list[str]:
+def _write(source: Source, tmp: str, to: str, limit: int | None, final: str, bar: Progress) -> list[str]:
     if to == "mmapckpt":
         write_mmapckpt(source, tmp, checkpoint_id=final, progress=bar)
         return []
