@@ -120,8 +120,8 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     ck, st = _make(args.dir, args.gib)
-    plan = [("warm", m) for m in ("mm_load", "mm_open_get_all", "mm_load_touch", "st_load_file",
-                                  "st_load_file_touch", "st_load_file_pread", "st_safe_open_get_all")]
+    plan = [("warm", m) for m in ("mm_load", "mm_load_touch", "st_load_file", "st_load_file_touch",
+                                  "st_load_file_pread")]
     plan += [("cold", m) for m in ("mm_load", "mm_load_prefetch", "mm_load_touch", "mm_load_prefetch_touch",
                                    "mm_load_seq_touch", "st_load_file", "st_load_file_touch", "st_load_file_pread",
                                    "mm_slice", "mm_slice_prefetch", "mm_slice_random")]
@@ -137,9 +137,12 @@ def main() -> None:
                     with open(p, "rb") as f:
                         while f.read(64 << 20):
                             pass
-            r = subprocess.run([sys.executable, "-c", _CHILD, mode, ck, st], capture_output=True, text=True,
-                               check=True)
+            r = subprocess.run([sys.executable, "-c", _CHILD, mode, ck, st], capture_output=True, text=True)
+            if r.returncode:
+                print(f"{cache}:{mode} failed: {r.stderr[-500:]}", file=sys.stderr)
+                continue
             out.setdefault(f"{cache}:{mode}", []).append(json.loads(r.stdout.strip().splitlines()[-1]))
+            print(cache, mode, out[f"{cache}:{mode}"][-1], file=sys.stderr, flush=True)
     med = {k: {"median_s": statistics.median(x["s"] for x in v),
                "median_anon_mib": statistics.median(x["anon"] for x in v) / 2**20, "runs": len(v)}
            for k, v in out.items()}
