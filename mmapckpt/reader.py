@@ -168,31 +168,36 @@ class MmapReader(StorageReader):
                 f"shard was written by save {shard.header.save_id}, but the metadata read belongs to save "
                 f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=path)
         devices = []
-        direct = _DirectReads(shard, enabled=self.direct_reads and _defers_safely(planner))
-        for req in reqs:
-            idx = req.storage_index
-            e = shard.entry(idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
-            info = self.storage_data[idx]
-            if (info.offset, info.length) != (e.offset, e.length):
-                raise FormatError(
-                    f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
-                    f"[{e.offset}, +{e.length})", path=path, entry=e.label)
-            if self.verify:
-                shard.verify(e)
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(shard.read_bytes(e)))
-                continue
-            self._check_dtype(idx, e.dtype, path)
-            view = shard.tensor(e)
-            # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
-            # may keep the mapped view of the whole stored chunk instead of having it copied.
-            accept_view = getattr(planner, "accept_view", None)
-            if accept_view is not None and accept_view(req, view):
-                continue
-            dev = self._copy(view, req, planner, path, direct=direct, entry=e)
-            if dev is not None:
-                devices.append(dev)
-        direct.run(planner)
+        ranges = [(self.storage_data[r.storage_index].offset, self.storage_data[r.storage_index].length)
+                  for r in reqs if r.type != LoadItemType.BYTE_IO and r.storage_index in self.storage_data]
+        direct = _DirectReads(shard, enabled=self.direct_reads and _defers_safely(planner), ranges=ranges)
+        try:
+            for req in reqs:
+                idx = req.storage_index
+                e = shard.entry(idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
+                info = self.storage_data[idx]
+                if (info.offset, info.length) != (e.offset, e.length):
+                    raise FormatError(
+                        f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
+                        f"[{e.offset}, +{e.length})", path=path, entry=e.label)
+                if self.verify:
+                    shard.verify(e)
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(shard.read_bytes(e)))
+                    continue
+                self._check_dtype(idx, e.dtype, path)
+                view = shard.tensor(e)
+                # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
+                # may keep the mapped view of the whole stored chunk instead of having it copied.
+                accept_view = getattr(planner, "accept_view", None)
+                if accept_view is not None and accept_view(req, view):
+                    continue
+                dev = self._copy(view, req, planner, path, direct=direct, entry=e)
+                if dev is not None:
+                    devices.append(dev)
+            direct.run(planner)
+        finally:
+            direct.close()
         check_size_unchanged(shard)
         return devices
 
@@ -264,13 +269,32 @@ class _DirectReads:
 
     Copying out of a mapping faults it in page by page: on a cold file that is many small
     synchronous reads, and even on a cached one the page-table work costs more than a read.
-    A read moves each byte once. Jobs are gathered while the plan is walked and run at the
-    end, in file order on one thread when the file is cold, on several when it is cached.
+    A read moves each byte once. On opening, a few RWF_NOWAIT probes tell whether the
+    ranges to be read are cached; if not, the kernel is asked at once to read them ahead,
+    so the disk works while the plan is walked. Jobs gathered during the walk then run in
+    file order on one thread (cold) or on several (cached).
     """
 
-    def __init__(self, shard: Shard, *, enabled: bool = True) -> None:
-        self.shard, self.enabled = shard, enabled
-        self.jobs: list[tuple[ReadJob, ReadItem, torch.Tensor, torch.Tensor]] = []
+    def __init__(self, shard: Shard, *, enabled: bool = True, ranges: list[tuple[int, int]] = ()) -> None:
+        self.shard, self.enabled, self.fd, self.cached = shard, enabled, -1, False
+        self.jobs: list[tuple[ReadJob, ReadItem, torch.Tensor]] = []
+        if enabled:
+            self._open([(o, n) for o, n in ranges if o >= 0 and n > 0])
+
+    def _open(self, ranges: list[tuple[int, int]]) -> None:
+        fd = os.open(self.shard.path, os.O_RDONLY)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != getattr(self.shard, "ident", None):
+            os.close(fd)  # replaced since it was mapped: the mapping is the file to read
+            self.enabled = False
+            return
+        self.fd = fd
+        step = max(1, len(ranges) // 16)
+        self.cached = is_cached(fd, [off for o, n in ranges[::step] for off in (o, o + n - 1)])
+        if ranges and not self.cached:  # one stream; let the kernel read the whole range ahead now
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            lo = min(o for o, _ in ranges)
+            os.posix_fadvise(fd, lo, max(o + n for o, n in ranges) - lo, os.POSIX_FADV_WILLNEED)
 
     def take(self, src: torch.Tensor, target: torch.Tensor, req: ReadItem, e: fmt.Entry) -> bool:
         """Queue the copy of ``src`` (a view of the mapping) into ``target`` if a read can do it."""
@@ -280,32 +304,23 @@ class _DirectReads:
             return False
         offset = e.offset + (src.data_ptr() - self.shard.raw(e).data_ptr())
         buf = target.reshape(-1).view(torch.uint8).numpy()
-        self.jobs.append((ReadJob(buf, offset, e.label), req, target, src))
+        self.jobs.append((ReadJob(buf, offset, e.label), req, target))
         return True
 
     def run(self, planner: LoadPlanner) -> None:
+        """Read every queued job, then commit their targets."""
         if not self.jobs:
             return
-        path = self.shard.path
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != getattr(self.shard, "ident", None):
-                for _, _, target, src in self.jobs:  # replaced since it was mapped: the mapping is the file read
-                    target.copy_(src)
-            else:
-                jobs = [j for j, _, _, _ in self.jobs]
-                cached = is_cached(fd, _probe_offsets(jobs))
-                if not cached:  # one stream, and let the kernel read ahead over the whole range now
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    lo = min(j.offset for j in jobs)
-                    os.posix_fadvise(fd, lo, max(j.offset + j.buf.nbytes for j in jobs) - lo, os.POSIX_FADV_WILLNEED)
-                pread_jobs(fd, jobs, threads=_CACHED_READ_THREADS if cached else 1, path=path)
-        finally:
-            os.close(fd)
-        for _, req, target, _ in self.jobs:
+        pread_jobs(self.fd, [j for j, _, _ in self.jobs], threads=_CACHED_READ_THREADS if self.cached else 1,
+                   path=self.shard.path)
+        for _, req, target in self.jobs:
             planner.commit_tensor(req, target)
         self.jobs.clear()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _defers_safely(planner: LoadPlanner) -> bool:
@@ -319,9 +334,3 @@ def _defers_safely(planner: LoadPlanner) -> bool:
     cls = type(planner)
     return (isinstance(planner, DefaultLoadPlanner) and cls.resolve_tensor is DefaultLoadPlanner.resolve_tensor
             and cls.commit_tensor is DefaultLoadPlanner.commit_tensor)
-
-
-def _probe_offsets(jobs: list[ReadJob], most: int = 16) -> list[int]:
-    """First and last byte of up to ``most`` jobs spread over the list."""
-    step = max(1, len(jobs) // most)
-    return [off for j in jobs[::step] for off in (j.offset, j.offset + len(memoryview(j.buf).cast("B")) - 1)]
