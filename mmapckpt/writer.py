@@ -143,11 +143,12 @@ class MmapWriter(StorageWriter):
         except OSError as e:
             raise CheckpointWriteError(f"cannot create the checkpoint directory: {e}", path=self.path) from e
         meta = self._metadata_path(None if self.use_collectives else self.rank)
-        if os.path.exists(meta) or (not self.use_collectives and os.path.exists(self._metadata_path(0))):
+        if any(os.path.exists(m) for m in [meta, self._metadata_path(None)] + self._rank_commits()):
             if not self.options.overwrite:
                 raise CheckpointExistsError("a checkpoint already exists here and overwrite=False", path=self.path)
-            if not self.use_collectives:
+            if not self.use_collectives:  # any commit here may name the shard files this rank rewrites
                 self._invalidate(meta)
+                self._invalidate(self._metadata_path(None))
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_", self.save_id))
         return plan
@@ -156,7 +157,8 @@ class MmapWriter(StorageWriter):
         # Runs on the coordinator before any rank writes a shard: the old commit goes
         # first, so no metadata ever points at shards being rewritten.
         if self.use_collectives:
-            self._invalidate(self._metadata_path(None))
+            for m in [self._metadata_path(None)] + self._rank_commits():
+                self._invalidate(m)
         return [p if p.storage_data is not None else dataclasses.replace(p, storage_data=_Prefix(f"__{i}_", self.save_id))
                 for i, p in enumerate(plans)]
 
@@ -220,6 +222,10 @@ class MmapWriter(StorageWriter):
     def _metadata_path(self, rank: int | None) -> str:
         name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
         return os.path.join(self.path, name)
+
+    def _rank_commits(self) -> list[str]:
+        """Per-rank metadata files (``__{rank}.metadata``) of a save made with use_collectives=False."""
+        return glob.glob(os.path.join(glob.escape(self.path), f"__*{METADATA_NAME}"))
 
     def _invalidate(self, meta: str) -> None:
         try:

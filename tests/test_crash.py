@@ -392,3 +392,25 @@ def test_sigkill_of_a_first_save_into_a_new_directory(tmp_path, saver):
             MmapReader(path).read_metadata()
     with pytest.raises(IncompleteCheckpointError):  # the shard was renamed into place, no metadata yet
         MmapReader(str(tmp_path / f"k{names.index('replace') + 1}")).read_metadata()
+
+
+@pytest.mark.parametrize("first,second", [(True, False), (False, True)])
+def test_saving_in_the_other_collectives_mode_removes_the_other_commit(tmp_path, first, second):
+    """A save with use_collectives=False commits __0.metadata, a collective one .metadata; both name
+    __0_0.distcp. Each save removes the other kind of commit before writing, so no metadata of an
+    earlier save is left describing the new shards."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ckpt")
+    dcp.save(make_state(1, 1), storage_writer=mmapckpt.MmapWriter(path), no_dist=True, use_collectives=first)
+    dcp.save(make_state(2, 1), storage_writer=mmapckpt.MmapWriter(path), no_dist=True, use_collectives=second)
+    commits = sorted(n for n in os.listdir(path) if n.endswith(".metadata"))
+    assert commits == ([".metadata"] if second else ["__0.metadata"]), commits
+    got = dcp_load(_targets(1), MmapReader(path))  # dcp.load falls back to __0.metadata by itself
+    for key, want in make_state(2, 1).items():
+        if isinstance(want, torch.Tensor):
+            assert tensor_bytes(got[key]) == tensor_bytes(want), key
+    with pytest.raises(BaseException) as info:  # either kind of commit counts as an existing checkpoint
+        dcp.save(make_state(3, 1), storage_writer=mmapckpt.MmapWriter(path, overwrite=False), no_dist=True,
+                 use_collectives=first)
+    assert isinstance(dcp_failure(info.value), mmapckpt.CheckpointExistsError), dcp_failure(info.value)
