@@ -141,7 +141,7 @@ def pread_jobs(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> None
     """
     pieces = []
     for j in sorted(jobs, key=lambda j: j.offset):
-        n = j.buf.nbytes if hasattr(j.buf, "nbytes") else len(memoryview(j.buf).cast("B"))
+        n = _nbytes(j.buf)
         if n <= READ_PIECE:
             pieces.append(j)
             continue
@@ -149,12 +149,27 @@ def pread_jobs(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> None
         for start in range(0, n, READ_PIECE):
             pieces.append(ReadJob(mv[start:start + READ_PIECE], j.offset + start, j.entry))
     if threads <= 1 or len(pieces) <= 1:
-        for p in pieces:
-            pread_into(fd, p.buf, p.offset, path=path, entry=p.entry)
+        _pread_all(fd, pieces, path)
         return
+    # One task per thread over a run of pieces of about equal bytes: a task per piece would
+    # cost more in hand-offs than thousands of small reads take.
+    groups: list[list[ReadJob]] = [[] for _ in range(threads)]
+    total, done = sum(_nbytes(p.buf) for p in pieces), 0
+    for p in pieces:
+        groups[min(threads - 1, done * threads // max(total, 1))].append(p)
+        done += _nbytes(p.buf)
     with ThreadPoolExecutor(threads, thread_name_prefix="mmapckpt-pread") as pool:
-        for fut in [pool.submit(pread_into, fd, p.buf, p.offset, path=path, entry=p.entry) for p in pieces]:
+        for fut in [pool.submit(_pread_all, fd, g, path) for g in groups if g]:
             fut.result()
+
+
+def _nbytes(buf: Any) -> int:
+    return buf.nbytes if hasattr(buf, "nbytes") else len(memoryview(buf).cast("B"))
+
+
+def _pread_all(fd: int, pieces: list[ReadJob], path: str) -> None:
+    for p in pieces:
+        pread_into(fd, p.buf, p.offset, path=path, entry=p.entry)
 
 
 #: O_DIRECT alignment of file offsets, lengths and memory addresses (covers 512- and 4096-byte devices).
