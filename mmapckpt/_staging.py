@@ -103,7 +103,9 @@ class StagingPool:
         self._events: list[Any] = [None] * num_buffers
         self._next = 0
         self._mod: Any = torch.get_device_module(self.device) if accelerated else None
-        self._stream: Any = self._mod.Stream(device=self.device) if accelerated else None
+        # Devices whose module has no streams get synchronous copies (still through the pool).
+        has_streams = accelerated and hasattr(self._mod, "Stream") and hasattr(self._mod, "stream")
+        self._stream: Any = self._mod.Stream(device=self.device) if has_streams else None
         #: how many blocks went through each buffer (tests check the rotation)
         self.blocks_per_buffer = [0] * num_buffers
 
