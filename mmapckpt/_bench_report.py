@@ -129,7 +129,8 @@ def render_table(doc: dict[str, Any]) -> str:
                 lines.append(f"  {PHASES[t['phase']][0]}: {t['measured']:.2f} of {LIMIT_LABELS[PHASES[t['phase']][1]]}, "
                              f"target >= {t['target']}: {'met' if t['met'] else 'MISSED'}")
     lines.append("")
-    lines.append(f"mmapckpt save path: {', '.join(run['write_paths']) or 'not reported by this writer'}")
+    paths = "; ".join(f"{k}: {', '.join(v)}" for k, v in run["write_paths"].items())
+    lines.append(f"shard write path (MmapWriter.write_path): {paths or 'not reported'}")
     lines.append("bitwise check of every method: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}"
                                                               for k, v in run["correct"].items()))
     lines += [f"note: {n}" for n in run["notes"]]

@@ -106,7 +106,7 @@ class _Run:
         self.limits: dict[str, list[float]] = {}
         self.correct: dict[str, bool] = {}
         self.notes: list[str] = []
-        self.write_paths: set[str] = set()
+        self.write_paths: dict[str, set[str]] = {}
 
     def _add(self, method: str, phase: str, seconds: float) -> None:
         self.times.setdefault(method, {}).setdefault(phase, []).append(seconds)
@@ -131,7 +131,7 @@ class _Run:
         self._add(m.key, "save", time.perf_counter() - t0)
         path_used = getattr(writer, "write_path", None)
         if path_used:
-            self.write_paths.add(str(path_used))
+            self.write_paths.setdefault(m.key, set()).add(str(path_used))
 
     def load(self, m: Method, phase: str, check: bool) -> None:
         files = files_under(self._dir(m))
@@ -197,7 +197,7 @@ def run_benchmark(*, size: int, dtype: torch.dtype, layers: int, repeats: int, m
         return report.document(run_info={
             "machine": machine_info(root), "tensors": len(sd), "bytes": run.nbytes,
             "dtype": str(dtype).removeprefix("torch."), "repeats": repeats,
-            "write_paths": sorted(run.write_paths), "notes": run.notes, "correct": run.correct,
+            "write_paths": {k: sorted(v) for k, v in run.write_paths.items()}, "notes": run.notes, "correct": run.correct,
         }, times=run.times, limits=run.limits, memory=mem, methods=[m.key for m in methods])
     finally:
         shutil.rmtree(root, ignore_errors=True)
