@@ -292,10 +292,10 @@ def _report(name: str, phases: dict[str, int], outcomes: dict[str, int]) -> None
 def test_sigkill_at_random_moments(tmp_path, saver):
     path = str(tmp_path / "ckpt")
     mb = TIMED_MB
-    # three saves to the end: the last (version 0) is committed; the kills' delays spread over
-    # the longest of these saves' durations (each goes over an existing checkpoint)
-    durations = [saver.run_to_end(path, v, mb, t)["seconds"] for v, t in ((-2, 2), (-1, 1), (0, 2))]
-    duration = max(durations[1:])
+    # four saves to the end: the last (version 0) is committed; the kills' delays spread over
+    # the median duration of the three saves made over an existing checkpoint
+    durations = [saver.run_to_end(path, v, mb, t)["seconds"] for v, t in ((-3, 2), (-2, 1), (-1, 2), (0, 1))]
+    duration = sorted(durations[1:])[1]
     targets, expected = _targets(mb), {}
     committed: int | None = 0
     assert _check_after_kill(path, [0], targets, mb, expected) == 0
