@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "avoids copy_ stalling at OpenMP barriers")
     parser.add_argument("--scan", choices=("sizes", "tensors"), default=None,
                         help="instead of the comparison, scan time against total size (at --tensors) or "
-                             "against tensor count (at --size) for mmapckpt and safetensors")
+                             "against tensor count (at --size) for mmapckpt, safetensors and the stock DCP")
     parser.add_argument("--points", default=None,
                         help="scan points, comma-separated: sizes (default 256MB,512MB,1GB,2GB,4GB) or "
                              "tensor counts (default 10,100,1000,10000,100000)")
@@ -246,7 +246,7 @@ def _run_scan(args: argparse.Namespace, cfg: dict, bench_dir: str) -> int:
     raw = (args.points or _SCAN_POINTS[args.scan]).split(",")
     points = [parse_size(p) if args.scan == "sizes" else int(p) for p in raw]
     fixed = args.tensors or _DEFAULTS["tensors"] if args.scan == "sizes" else cfg["size"]
-    methods = [m.key for m in cfg["methods"] if m.key in ("mmapckpt", "safetensors")] or ["mmapckpt"]
+    methods = [m.key for m in cfg["methods"] if m.key in ("mmapckpt", "safetensors", "dcp")] or ["mmapckpt"]
     doc = _bench_scan.scan(args.scan, points, fixed=fixed, dtype=cfg["dtype"], repeats=cfg["repeats"],
                            methods=methods, bench_dir=bench_dir, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(_bench_scan.render(doc))

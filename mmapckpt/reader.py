@@ -277,6 +277,7 @@ class _DirectReads:
 
     def __init__(self, shard: Shard, *, enabled: bool = True, ranges: list[tuple[int, int]] = ()) -> None:
         self.shard, self.enabled, self.fd, self.cached = shard, enabled, -1, False
+        self._base: int | None = None  # address of file offset 0 in the mapping
         self.jobs: list[tuple[ReadJob, ReadItem, torch.Tensor]] = []
         if enabled:
             self._open([(o, n) for o, n in ranges if o >= 0 and n > 0])
@@ -302,7 +303,9 @@ class _DirectReads:
                 and target.is_contiguous() and src.is_contiguous() and not target.is_conj()
                 and not target.is_neg()):
             return False
-        offset = e.offset + (src.data_ptr() - self.shard.raw(e).data_ptr())
+        if self._base is None:
+            self._base = self.shard.raw(e).data_ptr() - e.offset
+        offset = src.data_ptr() - self._base
         buf = target.reshape(-1).view(torch.uint8).numpy()
         self.jobs.append((ReadJob(buf, offset, e.label), req, target))
         return True
