@@ -103,6 +103,7 @@ def write_limit(path: str, nbytes: int, *, direct: bool, buf: mmap.mmap | None =
     view = memoryview(buf)
     if os.path.exists(path):
         os.unlink(path)
+        os.sync()  # the freed blocks' journal commit (and discards, on a discard mount) is not this write's
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (getattr(os, "O_DIRECT", 0) if direct else 0)
     t0 = time.perf_counter()
     try:

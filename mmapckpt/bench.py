@@ -131,6 +131,7 @@ class _Run:
 
     def save(self, m: Method) -> None:
         shutil.rmtree(self._dir(m), ignore_errors=True)
+        os.sync()  # the removed checkpoint's journal commit (and discards) is not this save's
         t0 = time.perf_counter()
         writer = m.save(self.sd, self._dir(m))
         self._add(m.key, "save", time.perf_counter() - t0)
