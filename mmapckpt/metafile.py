@@ -202,8 +202,8 @@ def _dec_doc(doc: Any, path: str) -> Metadata:
                     storage_meta=sm, version=_opt_str(doc.get("version"), "version"))
 
 
-def _check_records(sdm: dict[str, Any], storage: dict[MetadataIndex, _StorageInfo]) -> None:
-    """Every stored item belongs to a described item, and a tensor chunk's record has its byte length."""
+def _check_records(sdm: dict[str, Any], storage: dict[MetadataIndex, _StorageInfo], exact_lengths: bool = True) -> None:
+    """Every stored item belongs to a described item, and (mmapckpt) a tensor chunk's record has its byte length."""
     for idx, info in storage.items():
         md = sdm.get(idx.fqn)
         _need(md is not None, f"storage record of {idx.fqn!r} names no item of the state dict")
@@ -213,6 +213,8 @@ def _check_records(sdm: dict[str, Any], storage: dict[MetadataIndex, _StorageInf
         _need(idx.offset is not None, f"storage record of tensor {idx.fqn!r} has no chunk offsets")
         chunk = next((c for c in md.chunks if tuple(c.offsets) == tuple(idx.offset)), None)
         _need(chunk is not None, f"storage record of {idx.fqn!r}@{list(idx.offset)} matches no chunk")
+        if not exact_lengths:  # stock records hold torch.save bytes, not raw data
+            continue
         n = fmt.DTYPES[fmt.dtype_name(md.properties.dtype)][1]
         for s in chunk.sizes:
             n *= s
@@ -359,6 +361,10 @@ def _check_stock(md: Any, path: str) -> None:
     for fqn, item in sdm.items():
         if not isinstance(fqn, str) or not _stock_item_ok(item):
             raise FormatError(f"state_dict_metadata[{fqn!r}] is not a valid DCP item description", path=path)
+    try:
+        _check_records(sdm, storage, exact_lengths=False)
+    except _Bad as e:
+        raise FormatError(f"invalid stock DCP metadata: {e}", path=path) from None
 
 
 def _is_dims(v: Any) -> bool:
@@ -375,8 +381,8 @@ def _stock_item_ok(item: Any) -> bool:
             and isinstance(chunks, list)):
         return False
     return all(isinstance(c, ChunkStorageMetadata) and _is_dims(getattr(c, "offsets", None))
-               and _is_dims(getattr(c, "sizes", None))
-               and len(c.offsets) == len(c.sizes) == len(item.size) for c in chunks)
+               and _is_dims(getattr(c, "sizes", None)) and len(c.offsets) == len(c.sizes) == len(item.size)
+               and all(o + n <= g for o, n, g in zip(c.offsets, c.sizes, item.size)) for c in chunks)
 
 
 def metadata_kind(head: bytes) -> str | None:

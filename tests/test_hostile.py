@@ -453,3 +453,24 @@ def test_stock_metadata_pickle_claiming_huge_sizes_is_refused_before_allocating(
     tracemalloc.stop()
     assert "MemoryError" not in str(info.value)
     assert peak < 16 * 2**20, f"{name}: {peak} bytes allocated"
+
+
+def test_stock_metadata_with_a_chunk_moved_outside_its_tensor_is_refused(tmp_path):
+    """Found by the fuzzer: one flipped bit moved a chunk to offset 8 of a 5-row tensor; DCP's planner
+    then found no chunk overlapping the target and left it unloaded, silently."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "stock")
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    md = pickle.loads(_read(path, ".metadata"))
+    chunk = md.state_dict_metadata["b"].chunks[0]
+    chunk.offsets = torch.Size([8])
+    _write(path, ".metadata", pickle.dumps(md))
+    with pytest.raises(FormatError, match="not a valid DCP item"):
+        MmapReader(path).read_metadata()
+    md.state_dict_metadata["b"].chunks[0].offsets = torch.Size([0])  # inside again, but no record there:
+    idx = next(i for i in md.storage_data if i.fqn == "b")
+    md.storage_data[type(idx)("b", torch.Size([3]), idx.index)] = md.storage_data.pop(idx)
+    _write(path, ".metadata", pickle.dumps(md))
+    with pytest.raises(FormatError, match="matches no chunk"):
+        MmapReader(path).read_metadata()
