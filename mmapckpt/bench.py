@@ -114,17 +114,19 @@ class _Run:
     def _dir(self, m: Method) -> str:
         return os.path.join(self.root, m.key)
 
+    def copy_limit(self) -> None:
+        self.limits.setdefault("copy", []).append(copy_limit(self.sd, self.targets))
+
     def write_limits(self) -> None:
-        """The write limits and copy limit; leaves limit.bin for the cold-read limit."""
+        """The write limits; leaves limit.bin for the cold-read limit."""
         path = os.path.join(self.root, "limit.bin")
         for name, direct in (("write_buffered", False), ("write_direct", True)):
             t = write_limit(path, self.nbytes, direct=direct)
             if t is not None:
                 self.limits.setdefault(name, []).append(t)
-        self.limits.setdefault("copy", []).append(copy_limit(self.sd, self.targets))
 
     def read_limit(self) -> None:
-        """The cold sequential read of limit.bin, right before the cold loads, as old as their files."""
+        """The cold sequential read of limit.bin (written among the saves, read among the cold loads)."""
         path = os.path.join(self.root, "limit.bin")
         self.limits.setdefault("cold_read", []).append(cold_read_limit(path))
         os.unlink(path)
@@ -159,14 +161,22 @@ class _Run:
 
     def repetition(self, r: int) -> None:
         order = self.methods[r % len(self.methods):] + self.methods[:r % len(self.methods)]
-        self.write_limits()
+        # The disk limits take a turn among the methods, at a place that moves each repetition:
+        # on a virtual disk whose host caches recent writes, a file's age changes its cold read.
+        slot = r % (len(order) + 1)
+        self.copy_limit()
+        for i, m in enumerate(order + [None]):
+            if i == slot:
+                self.write_limits()
+            if m is not None:
+                self.save(m)
         for m in order:
-            self.save(m)
-        for phase in ("warm", "cold"):
-            if phase == "cold":
+            self.load(m, "warm", check=(r == 0))
+        for i, m in enumerate(order + [None]):
+            if i == slot:
                 self.read_limit()
-            for m in order:
-                self.load(m, phase, check=(r == 0))
+            if m is not None:
+                self.load(m, "cold", check=(r == 0))
         note = lazy_note()
         for m in order:
             if m.lazy is not None and not (m.key == "mmapckpt" and note):
