@@ -81,17 +81,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dev = _cuda_or_exit()
 
-    import torch.distributed.checkpoint as dcp
-
-    import mmapckpt
-    from mmapckpt._bench_sys import evict, files_under, machine_info, warm_up
+    from mmapckpt._bench_sys import machine_info
     from mmapckpt._synthetic import parse_size, transformer_state_dict
 
     warnings.simplefilter("ignore")
     sd = {k: v.to(dev) for k, v in transformer_state_dict(parse_size(args.size), dtype=getattr(torch, args.dtype)).items()}
     nbytes = sum(t.nbytes for t in sd.values())
-    targets = {k: torch.empty_like(v) for k, v in sd.items()}
+    print(f"{len(sd)} tensors, {nbytes / 1e9:.2f} GB on {torch.cuda.get_device_name(dev)}", file=sys.stderr)
     root = tempfile.mkdtemp(prefix=".mmapckpt-cuda-bench-", dir=args.dir or os.getcwd())
+    try:
+        times = _measure(sd, root, args.repeats, dev)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows = _report(times, nbytes)
+    doc = {"machine": machine_info(os.getcwd()), "gpu": torch.cuda.get_device_name(dev), "bytes": nbytes,
+           "tensors": len(sd), "repeats": args.repeats, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"\nJSON: {args.out}")
+    return 0
+
+
+def _measure(sd: dict[str, torch.Tensor], root: str, repeats: int, dev: torch.device) -> dict[str, list[float]]:
+    """Every phase ``repeats`` times; the loads are checked bitwise on the first repetition."""
+    import torch.distributed.checkpoint as dcp
+
+    import mmapckpt
+    from mmapckpt._bench_sys import evict, files_under, warm_up
+
+    targets = {k: torch.empty_like(v) for k, v in sd.items()}
     paths = {"mmapckpt": os.path.join(root, "mmapckpt"), "dcp": os.path.join(root, "dcp")}
     writers = {"mmapckpt": lambda p: mmapckpt.MmapWriter(p), "dcp": lambda p: dcp.FileSystemWriter(p)}
     readers = {"mmapckpt": lambda p: mmapckpt.MmapReader(p), "dcp": lambda p: dcp.FileSystemReader(p)}
@@ -100,41 +118,34 @@ def main(argv: list[str] | None = None) -> int:
     def add(name: str, seconds: float) -> None:
         times.setdefault(name, []).append(seconds)
 
-    try:
-        print(f"{len(sd)} tensors, {nbytes / 1e9:.2f} GB on {torch.cuda.get_device_name(dev)}", file=sys.stderr)
-        for r in range(args.repeats):
-            print(f"repetition {r + 1}/{args.repeats}", file=sys.stderr)
-            add("limit: pinned host-to-device copy", _h2d_limit(sd, dev))
+    for r in range(repeats):
+        print(f"repetition {r + 1}/{repeats}", file=sys.stderr)
+        add("limit: pinned host-to-device copy", _h2d_limit(sd, dev))
+        for m in ("mmapckpt", "dcp"):
+            shutil.rmtree(paths[m], ignore_errors=True)
+            add(f"save from GPU (fsync): {m}",
+                _timed(lambda: dcp.save(sd, storage_writer=writers[m](paths[m]), no_dist=True), dev))
+        for phase, prep in (("warm", warm_up), ("cold", evict)):
             for m in ("mmapckpt", "dcp"):
-                shutil.rmtree(paths[m], ignore_errors=True)
-                add(f"save from GPU (fsync): {m}",
-                    _timed(lambda: dcp.save(sd, storage_writer=writers[m](paths[m]), no_dist=True), dev))
-            for phase, prep in (("warm", warm_up), ("cold", evict)):
-                for m in ("mmapckpt", "dcp"):
-                    prep(files_under(paths[m]))
-                    add(f"{phase} load into GPU targets: {m}",
-                        _timed(lambda: dcp.load(targets, storage_reader=readers[m](paths[m]), no_dist=True), dev))
-                    if r == 0 and not all(torch.equal(targets[k].view(torch.uint8), sd[k].view(torch.uint8))
-                                          for k in sd):
-                        raise SystemExit(f"cuda_bench: {m} loaded different bytes ({phase})")
-                prep(files_under(paths["mmapckpt"]))
-                add(f"{phase} mmapckpt.load(device='cuda')",
-                    _timed(lambda: mmapckpt.load(paths["mmapckpt"], device=dev), dev))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+                prep(files_under(paths[m]))
+                add(f"{phase} load into GPU targets: {m}",
+                    _timed(lambda: dcp.load(targets, storage_reader=readers[m](paths[m]), no_dist=True), dev))
+                if r == 0 and not all(torch.equal(targets[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd):
+                    raise SystemExit(f"cuda_bench: {m} loaded different bytes ({phase})")
+            prep(files_under(paths["mmapckpt"]))
+            add(f"{phase} mmapckpt.load(device='cuda')", _timed(lambda: mmapckpt.load(paths["mmapckpt"], device=dev), dev))
+    return times
 
+
+def _report(times: dict[str, list[float]], nbytes: int) -> dict[str, dict[str, float]]:
+    """Print the table; return its rows (each with its fraction of the host-to-device limit)."""
     limit = statistics.median(times["limit: pinned host-to-device copy"])
     rows = {name: {**_stats(xs, nbytes), "fraction_of_h2d": limit / statistics.median(xs)} for name, xs in times.items()}
     print(f"\n{'':<44}{'median s':>9}{'min':>8}{'max':>8}{'GB/s':>7}{'of H2D':>8}")
     for name, s in rows.items():
         print(f"{name:<44}{s['median_s']:>9.3f}{s['min_s']:>8.3f}{s['max_s']:>8.3f}{s['gbps']:>7.2f}"
               f"{s['fraction_of_h2d']:>8.2f}")
-    doc = {"machine": machine_info(os.getcwd()), "gpu": torch.cuda.get_device_name(dev), "bytes": nbytes,
-           "tensors": len(sd), "repeats": args.repeats, "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"\nJSON: {args.out}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
