@@ -231,8 +231,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"mmapckpt bench: {e}", file=sys.stderr)
         return 2
+    threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _run_configured(args, cfg)
+    finally:
+        torch.set_num_threads(threads_before)  # run() may be called in a process that goes on
+
+
+def _run_configured(args: argparse.Namespace, cfg: dict) -> int:
     bench_dir = args.dir or os.getcwd()
     os.makedirs(bench_dir, exist_ok=True)
     if args.scan:
