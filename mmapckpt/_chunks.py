@@ -119,7 +119,7 @@ class ChunkFiles:
         for rel in sorted(rels):
             full = open_inside(root, rel)
             if not os.path.isfile(full):
-                raise CheckpointError("shard file named in the metadata is missing", path=full)
+                raise IncompleteCheckpointError("shard file named in the metadata is missing", path=full)
             if is_mmapckpt_shard(full):
                 shard = Shard(full)
                 sid = getattr(shard.header, "save_id", None)

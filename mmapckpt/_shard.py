@@ -16,7 +16,7 @@ import torch
 
 from . import format as fmt
 from ._io import pread_into
-from .errors import CheckpointError, ChecksumError, TruncatedFileError
+from .errors import CheckpointError, ChecksumError, IncompleteCheckpointError, TruncatedFileError
 
 __all__ = ["Shard", "is_mmapckpt_shard"]
 
@@ -26,7 +26,7 @@ def _open_regular(path: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise CheckpointError("shard file is missing", path=path) from None
+        raise IncompleteCheckpointError("shard file is missing", path=path) from None
     except OSError as e:
         raise CheckpointError(f"cannot open shard: {e.strerror}", path=path) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -6,14 +6,14 @@ Each subclass also derives from the built-in exception users already catch::
     Exception
     └── CheckpointError
         ├── CheckpointNotFoundError      (FileNotFoundError)  no checkpoint at the path
-        ├── IncompleteCheckpointError    (FileNotFoundError)  shards without committed metadata
+        ├── IncompleteCheckpointError    (FileNotFoundError)  no committed metadata, or a shard it names is missing
         ├── CheckpointExistsError        (FileExistsError)    overwrite=False and a checkpoint is there
         ├── FormatError                  (ValueError)         bytes that do not follow the format
         │   ├── BadMagicError                                 not an mmapckpt file
         │   ├── UnsupportedVersionError                       a format version this reader does not know
         │   ├── ByteOrderError                                data byte order differs from the host's
         │   ├── TruncatedFileError                            file shorter than its header says
-        │   ├── EntryBoundsError                              entry outside the file, overlapping, misaligned
+        │   ├── EntryBoundsError                              entry overlapping, duplicated or misaligned
         │   ├── UnknownDtypeError                             dtype name not in the format's table
         │   ├── UnsafePathError                               metadata path leaving the checkpoint directory
         │   └── UnsafePickleError                             stock metadata naming a class outside DCP's
@@ -90,7 +90,7 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
-    """The directory holds shards but no committed metadata: a save did not finish."""
+    """The checkpoint is not whole: no committed metadata (a save did not finish), or a shard it names is missing."""
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):

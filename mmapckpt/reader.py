@@ -27,7 +27,6 @@ from . import format as fmt
 from ._io import ReadJob, is_cached, open_inside, pread_into, pread_jobs
 from ._shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from .errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     FormatError,
     IncompleteCheckpointError,
@@ -155,7 +154,7 @@ class MmapReader(StorageReader):
     def _read_file(self, rel: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
         path = open_inside(self.path, rel)
         if not os.path.exists(path):
-            raise CheckpointError("shard file named in the metadata is missing", path=path,
+            raise IncompleteCheckpointError("shard file named in the metadata is missing", path=path,
                                   entry=_label(reqs[0].storage_index))
         if getattr(self, "_metadata_kind", None) == KIND_MMAPCKPT or is_mmapckpt_shard(path):
             return self._read_mmapckpt(path, reqs, planner)

@@ -150,7 +150,8 @@ def test_only_temp_shards_are_incomplete(tmp_path) -> None:
 def test_missing_shard_file(ckpt: Path, tmp_path) -> None:
     (ckpt / SHARD).unlink()
     err = load_failure(ckpt)
-    assert isinstance(err, mmapckpt.CheckpointError)
+    assert type(err) is mmapckpt.IncompleteCheckpointError, f"{type(err).__name__}: {err}"
+    assert isinstance(err, FileNotFoundError)
     assert_names(err, ckpt / SHARD)
     assert "missing" in str(err) and err.entry is not None
     still_works(tmp_path)
