@@ -18,6 +18,8 @@ import subprocess
 import sys
 import textwrap
 
+from mmapckpt._bench_sys import evict
+
 _CHILD = textwrap.dedent("""
     import json, mmap, os, sys, time, torch
     import mmapckpt, safetensors.torch
@@ -80,16 +82,6 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _evict(paths: list[str]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _files(ck: str, st: str) -> list[str]:
     return [os.path.join(ck, n) for n in os.listdir(ck)] + [st]
 
@@ -131,7 +123,7 @@ def main() -> None:
     for _ in range(args.runs):  # interleave the modes so that machine load affects all alike
         for cache, mode in plan:
             if cache == "cold":
-                _evict(_files(ck, st))
+                evict(_files(ck, st))
             else:  # warm: read everything once first
                 for p in _files(ck, st):
                     with open(p, "rb") as f:

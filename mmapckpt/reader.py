@@ -84,6 +84,8 @@ class MmapReader(StorageReader):
         self.direct_reads = direct_reads
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.state_dict_metadata: dict[str, Any] = {}
+        self.save_id: str | None = None  # of the metadata read; every mmapckpt shard must carry the same
+        self._metadata_kind: str | None = None
         self.load_id = str(uuid.uuid4())
 
     # ------------------------------------------------------------------ DCP interface
@@ -156,13 +158,13 @@ class MmapReader(StorageReader):
         if not os.path.exists(path):
             raise IncompleteCheckpointError("shard file named in the metadata is missing", path=path,
                                   entry=_label(reqs[0].storage_index))
-        if getattr(self, "_metadata_kind", None) == KIND_MMAPCKPT or is_mmapckpt_shard(path):
+        if self._metadata_kind == KIND_MMAPCKPT or is_mmapckpt_shard(path):
             return self._read_mmapckpt(path, reqs, planner)
         return self._read_stock(path, reqs, planner)
 
     def _read_mmapckpt(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
         shard = Shard(path)
-        if shard.header.save_id is not None and getattr(self, "save_id", None) not in (None, shard.header.save_id):
+        if shard.header.save_id is not None and self.save_id not in (None, shard.header.save_id):
             raise IncompleteCheckpointError(
                 f"shard was written by save {shard.header.save_id}, but the metadata read belongs to save "
                 f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=path)
@@ -284,7 +286,7 @@ class _DirectReads:
     def _open(self, ranges: list[tuple[int, int]]) -> None:
         fd = os.open(self.shard.path, os.O_RDONLY)
         st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != getattr(self.shard, "ident", None):
+        if (st.st_dev, st.st_ino) != self.shard.ident:
             os.close(fd)  # replaced since it was mapped: the mapping is the file to read
             self.enabled = False
             return

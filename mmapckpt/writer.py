@@ -163,15 +163,14 @@ class MmapWriter(StorageWriter):
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix = plan.storage_data.prefix
-        self._shard_save_id = getattr(plan.storage_data, "save_id", None)
+        prefix, save_id = plan.storage_data.prefix, plan.storage_data.save_id
         files = [(f"{prefix}{i}{SHARD_SUFFIX}", bucket)
                  for i, bucket in enumerate(_split_into_files(self.options.thread_count, plan.items))]
         if self.options.thread_count > 1 and len(files) > 1:
             with ThreadPoolExecutor(self.options.thread_count, thread_name_prefix="mmapckpt-write") as pool:
-                per_file = list(pool.map(lambda f: self._write_file(f[0], f[1], planner), files))
+                per_file = list(pool.map(lambda f: self._write_file(f[0], f[1], planner, save_id), files))
         else:
-            per_file = [self._write_file(name, bucket, planner) for name, bucket in files]
+            per_file = [self._write_file(name, bucket, planner, save_id) for name, bucket in files]
         if self.options.sync_files and files:
             try:
                 fsync_dir(self.path)
@@ -250,7 +249,8 @@ class MmapWriter(StorageWriter):
                 except OSError:
                     pass
 
-    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner,
+                    save_id: str | None) -> list[WriteResult]:
         """Lay out and write one shard under a temporary name, then rename it into place.
 
         A new inode replaces the old file, so readers that mapped the old one keep valid pages.
@@ -270,7 +270,6 @@ class MmapWriter(StorageWriter):
                     specs.append(fmt.EntrySpec(it.index.fqn, tuple(td.chunk.offsets), fmt.KIND_TENSOR,
                                                fmt.dtype_name(td.properties.dtype), tuple(td.chunk.sizes),
                                                _chunk_nbytes(it)))
-            save_id = getattr(self, "_shard_save_id", None)
             entries, file_size = fmt.layout_entries(specs, self.options.alignment, save_id)
             fd = open_direct(tmp) if self.options.direct_io else None
             self.write_paths[name] = "buffered" if fd is None else "direct"
@@ -308,14 +307,11 @@ class MmapWriter(StorageWriter):
         tensor_items = [it for it in items if it.type != WriteItemType.BYTE_IO]
         for it, t in stage_to_host(tensor_items, planner.resolve_data):
             e = entry_of[id(it)]
-            if tuple(t.shape) != e.shape or fmt.dtype_name(t.dtype) != e.dtype:
-                raise ValueError(f"planner resolved {it.index.fqn!r} to {tuple(t.shape)} {t.dtype}, "
-                                 f"but the plan said {e.shape} {e.dtype}")
-            done[id(it)] = _write_at(fd, e, _tensor_bytes(t) if e.length else b"")
+            done[id(it)] = _write_at(fd, e, _planned_bytes(e, it, t))
         return [done[id(it)] for it in items]
 
     def _write_entries_direct(self, fd: int, entries: list[fmt.Entry], items: list[WriteItem],
-                              byte_payloads: dict[Any, bytes], planner: SavePlanner, save_id: Any,
+                              byte_payloads: dict[Any, bytes], planner: SavePlanner, save_id: str | None,
                               file_size: int) -> list[fmt.Entry]:
         """_write_entries through a DirectWriter: entries in file order, then the header."""
         sink = DirectWriter(fd, min((e.offset for e in entries), default=file_size))
@@ -330,10 +326,8 @@ class MmapWriter(StorageWriter):
                     buf: Any = byte_payloads[it.index]
                 else:
                     sit, t = next(staged)
-                    if sit is not it or tuple(t.shape) != e.shape or fmt.dtype_name(t.dtype) != e.dtype:
-                        raise ValueError(f"planner resolved {it.index.fqn!r} to {tuple(t.shape)} {t.dtype}, "
-                                         f"but the plan said {e.shape} {e.dtype}")
-                    buf = _tensor_bytes(t) if e.length else b""
+                    assert sit is it  # stage_to_host yields in order (an invariant of ours, not file content)
+                    buf = _planned_bytes(e, it, t)
                 if len(buf) != e.length:
                     raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
                 # small entries inline: a hand-off to the thread costs more than their checksum
@@ -368,6 +362,14 @@ class _Done:
 
     def result(self) -> int:
         return self.value
+
+
+def _planned_bytes(e: fmt.Entry, it: WriteItem, t: torch.Tensor) -> Any:
+    """The tensor's bytes, after checking it is what the plan laid out."""
+    if tuple(t.shape) != e.shape or fmt.dtype_name(t.dtype) != e.dtype:
+        raise ValueError(f"planner resolved {it.index.fqn!r} to {tuple(t.shape)} {t.dtype}, "
+                         f"but the plan said {e.shape} {e.dtype}")
+    return _tensor_bytes(t) if e.length else b""
 
 
 def _write_at(fd: int, e: fmt.Entry, buf: Any) -> fmt.Entry:
