@@ -8,19 +8,19 @@ chunk as a CPU tensor, a view over the mapping where it can.
 
 from __future__ import annotations
 
-import io
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from . import format as fmt
-from ._io import open_inside, pread_into
+from ._io import open_inside
 from ._shard import Shard, check_size_unchanged, is_mmapckpt_shard
-from .errors import CheckpointError, FormatError, IncompleteCheckpointError, SizeMismatchError, TruncatedFileError
+from ._stock import load_tensor, read_item
+from .errors import FormatError, IncompleteCheckpointError, SizeMismatchError
 
 __all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles", "index_entries", "check_coverage", "numel"]
 
@@ -136,10 +136,7 @@ class ChunkFiles:
         label = f"{info.name}@{list(c.offsets)}"
         shard = self.shards.get(c.file)
         if shard is None:
-            t = self._load_stock(c, label)
-            if not isinstance(t, torch.Tensor):
-                raise FormatError(f"stock item holds {type(t).__name__}, not a tensor", path=self.stock[c.file],
-                                  entry=label)
+            t = load_tensor(self._read_stock(c, label), path=self.stock[c.file], entry=label).contiguous()
         else:
             e = self._entry(shard, info.name, c, c.offsets)
             if e.dtype != fmt.dtype_name(info.dtype):  # type: ignore[arg-type]
@@ -168,23 +165,7 @@ class ChunkFiles:
     def _read_stock(self, c: ChunkInfo, label: str) -> bytes:
         path = self.stock[c.file]
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if c.file_offset + c.length > size:
-                raise TruncatedFileError(f"item [{c.file_offset}, +{c.length}) runs past the end of the "
-                                         f"{size}-byte file", path=path, entry=label)
-            buf = bytearray(c.length)
-            pread_into(f.fileno(), buf, c.file_offset, path=path, entry=label)
-        return bytes(buf)
-
-    def _load_stock(self, c: ChunkInfo, label: str) -> Any:
-        try:
-            t = torch.load(io.BytesIO(self._read_stock(c, label)), map_location="cpu", weights_only=True)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise FormatError(f"stock item could not be loaded: {type(e).__name__}: {e}", path=self.stock[c.file],
-                              entry=label) from None
-        return t.contiguous() if isinstance(t, torch.Tensor) else t
+            return bytes(read_item(f.fileno(), c.file_offset, c.length, path=path, entry=label))
 
     def advise(self, c: ChunkInfo, advice: int) -> None:
         """Pass a madvise hint for the chunk's pages (no-op for stock files)."""

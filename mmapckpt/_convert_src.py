@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from . import format as fmt
 from ._io import open_inside, pread_into
 from ._shard import Shard
-from .errors import CheckpointError, CheckpointNotFoundError, FormatError, TruncatedFileError
+from ._stock import load_tensor
+from .errors import CheckpointError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError, TruncatedFileError
 from .metafile import KIND_MMAPCKPT, METADATA_NAME, read_metadata_file
 from .reader import find_metadata
 
@@ -225,7 +226,7 @@ class _StockSource(_DcpSource):
             try:
                 fd = os.open(full, os.O_RDONLY)
             except FileNotFoundError:
-                raise CheckpointError("shard file named in the metadata is missing", path=full,
+                raise IncompleteCheckpointError("shard file named in the metadata is missing", path=full,
                                       entry=label(idx)) from None
             self._fds[info.relative_path] = (fd, os.fstat(fd).st_size, full)
         fd, size, full = self._fds[info.relative_path]
@@ -236,14 +237,7 @@ class _StockSource(_DcpSource):
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         sl = self._slice(idx)
-        try:
-            t = torch.load(sl, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise FormatError(f"stock item could not be loaded: {type(e).__name__}: {e}", path=sl._path,
-                              entry=label(idx)) from None
-        if not isinstance(t, torch.Tensor):
-            raise FormatError(f"stock item holds {type(t).__name__}, not a tensor", path=sl._path, entry=label(idx))
-        return self._check(t, idx, sl._path)
+        return self._check(load_tensor(sl, path=sl._path, entry=label(idx)), idx, sl._path)
 
     def read_bytes(self, idx: MetadataIndex) -> bytes:
         sl = self._slice(idx)

@@ -24,14 +24,14 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from . import format as fmt
-from ._io import ReadJob, is_cached, open_inside, pread_into, pread_jobs
+from ._io import ReadJob, is_cached, open_inside, pread_jobs
 from ._shard import Shard, check_size_unchanged, is_mmapckpt_shard
+from ._stock import load_tensor, read_item
 from .errors import (
     CheckpointNotFoundError,
     FormatError,
     IncompleteCheckpointError,
     SizeMismatchError,
-    TruncatedFileError,
 )
 from .metafile import KIND_MMAPCKPT, METADATA_NAME, read_metadata_file
 
@@ -232,28 +232,16 @@ class MmapReader(StorageReader):
         devices = []
         fd = os.open(path, os.O_RDONLY)
         try:
-            size = os.fstat(fd).st_size
             for req in reqs:
                 info = self.storage_data[req.storage_index]
                 label = _label(req.storage_index)
                 if getattr(info, "transform_descriptors", None):
                     raise FormatError("stream transforms are not supported", path=path, entry=label)
-                if info.offset + info.length > size:
-                    raise TruncatedFileError(f"item [{info.offset}, +{info.length}) runs past the end of the "
-                                             f"{size}-byte file", path=path, entry=label)
-                buf = bytearray(info.length)
-                pread_into(fd, buf, info.offset, path=path, entry=label)
+                buf = read_item(fd, info.offset, info.length, path=path, entry=label)
                 if req.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(req, io.BytesIO(buf))
                     continue
-                try:
-                    src = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
-                except Exception as e:
-                    raise FormatError(f"stock item could not be loaded: {type(e).__name__}: {e}",
-                                      path=path, entry=label) from None
-                if not isinstance(src, torch.Tensor):
-                    raise FormatError(f"stock item holds {type(src).__name__}, not a tensor", path=path, entry=label)
-                dev = self._copy(src, req, planner, path)
+                dev = self._copy(load_tensor(buf, path=path, entry=label), req, planner, path)
                 if dev is not None:
                     devices.append(dev)
         finally:
