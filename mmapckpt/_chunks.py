@@ -1,93 +1,27 @@
-"""Where a checkpoint's tensors are and how to get their chunks.
+"""How to get a checkpoint's chunks.
 
-``index_entries`` joins the metadata's entries with their storage records;
 ``ChunkFiles`` opens the shard files (mmapckpt shards validated and mapped, stock
 files read per item with ``torch.load(weights_only=True)``) and returns each
-chunk as a CPU tensor, a view over the mapping where it can.
+chunk as a CPU tensor, a view over the mapping where it can. The index of entries
+and chunks it works from is the metadata's (``metafile.read_index_file``).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from . import format as fmt
+from ._entries import ChunkInfo, EntryInfo, numel
 from ._io import open_inside
 from ._shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from ._stock import load_tensor, read_item
 from .errors import FormatError, IncompleteCheckpointError, SizeMismatchError
 
-__all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles", "index_entries", "check_coverage", "numel"]
-
-
-@dataclass(frozen=True)
-class ChunkInfo:
-    """One stored chunk of a tensor: its place in the global tensor and in its file."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: str  # relative to the checkpoint directory
-    file_offset: int
-    length: int
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    """What a checkpoint holds under one name.
-
-    ``kind`` is ``"tensor"`` or ``"object"`` (a pickled non-tensor value); ``dtype``
-    and ``shape`` are None for objects. ``chunks`` lists where the bytes are.
-    """
-
-    name: str
-    kind: str
-    dtype: torch.dtype | None
-    shape: tuple[int, ...] | None
-    chunks: tuple[ChunkInfo, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.length for c in self.chunks) if self.kind == "object" else (
-            numel(self.shape or ()) * torch._utils._element_size(self.dtype))  # type: ignore[arg-type]
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def index_entries(md: Metadata, path: str) -> dict[str, EntryInfo]:
-    """Index the metadata by name, joining each chunk with its storage record."""
-    records = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): info
-               for idx, info in (md.storage_data or {}).items()}
-    out: dict[str, EntryInfo] = {}
-    for name, item in md.state_dict_metadata.items():
-        if isinstance(item, BytesStorageMetadata):
-            keys = [(name, None)]
-        elif isinstance(item, TensorStorageMetadata):
-            keys = [(name, tuple(c.offsets)) for c in item.chunks]
-        else:
-            raise FormatError(f"unknown metadata item type {type(item).__name__}", path=path, entry=name)
-        chunks = []
-        for key, c in zip(keys, getattr(item, "chunks", [None])):
-            info = records.get(key)
-            if info is None:
-                label = name if key[1] is None else f"{name}@{list(key[1])}"
-                raise FormatError("metadata has no storage record for this entry", path=path, entry=label)
-            sizes = () if c is None else tuple(c.sizes)
-            chunks.append(ChunkInfo(key[1] or (), sizes, info.relative_path, info.offset, info.length))
-        if isinstance(item, BytesStorageMetadata):
-            out[name] = EntryInfo(name, "object", None, None, tuple(chunks))
-        else:
-            out[name] = EntryInfo(name, "tensor", item.properties.dtype, tuple(item.size), tuple(chunks))
-    return out
+__all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles", "check_coverage"]
 
 
 def check_coverage(info: EntryInfo, path: str) -> None:
@@ -121,8 +55,8 @@ class ChunkFiles:
             if not os.path.isfile(full):
                 raise IncompleteCheckpointError("shard file named in the metadata is missing", path=full)
             if is_mmapckpt_shard(full):
-                shard = Shard(full)
-                sid = getattr(shard.header, "save_id", None)
+                shard = Shard(full, check_entries=False)  # chunks are placed by the metadata: see chunk()
+                sid = shard.save_id
                 if None not in (sid, save_id) and sid != save_id:
                     raise IncompleteCheckpointError(
                         f"shard was written by save {sid}, but the metadata belongs to save {save_id}: "
@@ -133,16 +67,12 @@ class ChunkFiles:
 
     def chunk(self, info: EntryInfo, c: ChunkInfo) -> torch.Tensor:
         """The chunk as a CPU tensor: a view over the mapping, or a stock item loaded whole."""
-        label = f"{info.name}@{list(c.offsets)}"
         shard = self.shards.get(c.file)
-        if shard is None:
-            t = load_tensor(self._read_stock(c, label), path=self.stock[c.file], entry=label).contiguous()
-        else:
-            e = self._entry(shard, info.name, c, c.offsets)
-            if e.dtype != fmt.dtype_name(info.dtype):  # type: ignore[arg-type]
-                raise FormatError(f"shard holds {e.dtype} but the metadata says {info.dtype}", path=shard.path,
-                                  entry=label)
-            t = shard.tensor(e)
+        if shard is not None:
+            return shard.view((info.name, c.offsets), c.file_offset, c.length, info.dtype,  # type: ignore[arg-type]
+                              c.sizes)
+        label = f"{info.name}@{list(c.offsets)}"
+        t = load_tensor(self._read_stock(c, label), path=self.stock[c.file], entry=label).contiguous()
         if t.dtype != info.dtype or tuple(t.shape) != c.sizes:
             raise SizeMismatchError(f"stored chunk is {t.dtype} {list(t.shape)}, the metadata says {info.dtype} "
                                     f"{list(c.sizes)}", path=os.path.join(self.root, c.file), entry=label)
@@ -153,14 +83,7 @@ class ChunkFiles:
         shard = self.shards.get(c.file)
         if shard is None:
             return self._read_stock(c, info.name)
-        return shard.read_bytes(self._entry(shard, info.name, c, None))
-
-    def _entry(self, shard: Shard, name: str, c: ChunkInfo, offsets: tuple[int, ...] | None) -> fmt.Entry:
-        e = shard.entry(name, offsets)
-        if (e.offset, e.length) != (c.file_offset, c.length):
-            raise FormatError(f"metadata says bytes [{c.file_offset}, +{c.length}) but the shard header says "
-                              f"[{e.offset}, +{e.length})", path=shard.path, entry=e.label)
-        return e
+        return shard.object_bytes(info.name, c.file_offset, c.length)
 
     def _read_stock(self, c: ChunkInfo, label: str) -> bytes:
         path = self.stock[c.file]

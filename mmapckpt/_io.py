@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 from .errors import CheckpointError, TruncatedFileError, UnsafePathError
 
-__all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "open_inside", "is_cached",
-           "ReadJob", "pread_jobs", "BLOCK", "open_direct", "DirectWriter"]
+__all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "safe_relative_path", "open_inside",
+           "is_cached", "ReadJob", "pread_jobs", "BLOCK", "open_direct", "DirectWriter"]
 
 
 def fsync_dir(path: str) -> None:
@@ -76,6 +76,15 @@ def pread_into(fd: int, buf: Any, offset: int, *, path: str, entry: str | None =
         if n <= 0:
             raise TruncatedFileError(f"file ended at offset {offset} while reading", path=path, entry=entry)
         mv, offset = mv[n:], offset + n
+
+
+def safe_relative_path(rel: str, where: str) -> str:
+    """Refuse storage paths that could leave the checkpoint directory."""
+    bad = (not rel or "\x00" in rel or os.path.isabs(rel) or rel.startswith(("/", "\\"))
+           or any(part in ("..", "") for part in rel.replace("\\", "/").split("/")))
+    if bad:
+        raise UnsafePathError(f"storage path {rel!r} leaves the checkpoint directory", path=where)
+    return rel
 
 
 def open_inside(directory: str, rel: str) -> str:

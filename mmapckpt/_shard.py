@@ -1,8 +1,12 @@
 """One mapped shard file: validated header, tensors as views over the mapping.
 
-The header and every entry's bounds are checked against the file's size before
-anything is mapped, so a view never reaches past the end of the file as it was
-when opened (a file truncated later can still raise SIGBUS: see docs/reliability.md).
+The preamble and the header's checksum and top level are checked before anything is
+mapped. Every entry of the header is checked against the file's size when the header
+is first used (at once, unless ``check_entries=False``); readers that take each
+entry's place from the checkpoint metadata instead use :meth:`Shard.view`, which
+checks the one region it is given. Either way a view never reaches past the end of
+the file as it was when opened (a file truncated later can still raise SIGBUS: see
+docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -11,12 +15,22 @@ import mmap
 import os
 import stat
 import zlib
+from functools import cached_property
+from typing import Any
 
 import torch
 
 from . import format as fmt
 from ._io import pread_into
-from .errors import CheckpointError, ChecksumError, IncompleteCheckpointError, TruncatedFileError
+from .errors import (
+    CheckpointError,
+    ChecksumError,
+    EntryBoundsError,
+    FormatError,
+    IncompleteCheckpointError,
+    SizeMismatchError,
+    TruncatedFileError,
+)
 
 __all__ = ["Shard", "is_mmapckpt_shard"]
 
@@ -50,12 +64,14 @@ class Shard:
 
     Attributes:
         path: the file's path.
-        header: its decoded header.
+        header: its decoded header, every entry checked (decoded on first use).
+        save_id: the id of the save that wrote it, if recorded.
+        data_start: the first byte after the header.
         size: its size when opened.
         ident: (st_dev, st_ino) of the file when opened.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, check_entries: bool = True) -> None:
         self.path = path
         fd = _open_regular(path)
         try:
@@ -66,8 +82,12 @@ class Shard:
             minor, order, hlen, hcrc = fmt.decode_preamble(pre, self.size, path)
             body = bytearray(hlen)
             pread_into(fd, body, fmt.PREAMBLE_SIZE, path=path)
-            self.header = fmt.decode_header(bytes(body), header_crc=hcrc, byte_order=order, minor=minor,
-                                            file_size=self.size, path=path)
+            self._body = bytes(body)
+            self._doc, self.save_id = fmt.decode_header_doc(self._body, header_crc=hcrc, path=path)
+            self._order, self._minor = order, minor
+            self.data_start = fmt.PREAMBLE_SIZE + hlen
+            if check_entries:
+                self.header  # decode and check every entry now
             # Map the descriptor the header was read from, never the path again: a file
             # renamed over the path in between would pair this header with other bytes.
             self._mmap = _map_fd(fd, self.size, path)
@@ -75,9 +95,83 @@ class Shard:
             raise CheckpointError(f"cannot read shard: {e.strerror or e}", path=path) from None
         finally:
             os.close(fd)
-        self._entries = self.header.by_key()
         # One buffer export for the whole file; entries are slices of it.
         self._base = torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None else None
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    @cached_property
+    def header(self) -> fmt.ShardHeader:
+        return fmt.decode_header(self._body, header_crc=0, byte_order=self._order, minor=self._minor,
+                                 file_size=self.size, path=self.path, doc=self._doc)
+
+    @cached_property
+    def _entries(self) -> dict[tuple[str, tuple[int, ...] | None], fmt.Entry]:
+        return self.header.by_key()
+
+    @cached_property
+    def _placed(self) -> dict[tuple[str, tuple[int, ...] | None], tuple[Any, ...]]:
+        """(offset, length, dtype, shape) of every entry by key, from the header without checking each entry."""
+        try:
+            return {(e["fqn"], tuple(e["chunk_offsets"])) if e.get("kind") == fmt.KIND_TENSOR else (e["fqn"], None):
+                    (e["offset"], e["length"], e.get("dtype"), e.get("shape")) for e in self._doc["entries"]}
+        except (KeyError, TypeError, AttributeError):  # malformed: the full decode says what is wrong
+            self.header
+            raise FormatError("header entries are malformed", path=self.path) from None
+
+    def _check_placed(self, key: tuple[str, tuple[int, ...] | None], want: tuple[Any, ...]) -> None:
+        """The header must describe ``key`` as the metadata does: the same bytes, dtype and shape."""
+        got = self._placed.get(key)
+        if got == want:
+            return
+        self.header  # a header that is itself invalid raises its own, more precise error
+        label = key[0] if key[1] is None else f"{key[0]}@{list(key[1])}"
+        if got is None:
+            raise FormatError("entry is not in this shard's header", path=self.path, entry=label)
+        if got[:3] == want[:3]:
+            raise SizeMismatchError(f"stored chunk is {got[3]}, the metadata says {want[3]}", path=self.path,
+                                    entry=label)
+        if got[:2] == want[:2]:
+            raise FormatError(f"shard holds {got[2]} but the metadata says {want[2]}", path=self.path, entry=label)
+        raise FormatError(f"metadata says bytes [{want[0]}, +{want[1]}) but the shard header says "
+                          f"[{got[0]}, +{got[1]})", path=self.path, entry=label)
+
+    def view(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
+             shape: tuple[int, ...]) -> torch.Tensor:
+        """The chunk ``key`` (fqn, chunk offsets), placed by the metadata at ``length`` bytes from ``offset``,
+        as a contiguous tensor of ``dtype`` and ``shape`` over the mapping (no copy).
+
+        The shard header must describe the chunk in the same way (checked per chunk, without
+        decoding every entry of the header), and the bytes must lie after the header, inside
+        the file, aligned, and be as long as the shape says.
+        """
+        self._check_placed(key, (offset, length, fmt.dtype_name(dtype), list(shape)))
+        itemsize = torch._utils._element_size(dtype)
+        self._check_region(key, offset, length)
+        if length == 0 or self._base is None:
+            return torch.empty(shape, dtype=dtype)
+        base = self._typed.get(dtype)
+        if base is None:
+            base = self._typed[dtype] = self._base[:self.size - self.size % itemsize].view(dtype)
+        return base.as_strided(shape, _contiguous_strides(shape), offset // itemsize)
+
+    def object_bytes(self, fqn: str, offset: int, length: int) -> bytes:
+        """The bytes of the non-tensor entry ``fqn``, placed by the metadata (checked as in :meth:`view`)."""
+        self._check_placed((fqn, None), (offset, length, None, None))
+        self._check_region((fqn, None), offset, length)
+        return b"" if length == 0 or self._base is None else self._base[offset:offset + length].numpy().tobytes()
+
+    def _check_region(self, key: tuple[str, Any], offset: int, length: int) -> None:
+        if offset < self.data_start or offset + length > self.size or offset % fmt.MIN_ALIGNMENT:
+            label = key[0] if key[1] is None else f"{key[0]}@{list(key[1])}"
+            if offset + length > self.size:
+                raise TruncatedFileError(f"data [{offset}, {offset + length}) runs past the end of the "
+                                         f"{self.size}-byte file", path=self.path, entry=label)
+            raise EntryBoundsError(f"data [{offset}, +{length}) is not an aligned region after the header",
+                                   path=self.path, entry=label)
+
+    def address(self) -> int:
+        """The address of the file's first byte in the mapping (0 for an empty file)."""
+        return 0 if self._base is None else self._base.data_ptr()
 
     def entry(self, fqn: str, chunk_offsets: tuple[int, ...] | None) -> fmt.Entry:
         try:
@@ -108,6 +202,14 @@ class Shard:
         if got != e.crc32:
             raise ChecksumError(f"CRC-32 of the data is {got:08x}, the header says {e.crc32:08x}",
                                 path=self.path, entry=e.label)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
 
 
 def _map_fd(fd: int, size: int, path: str) -> mmap.mmap | None:

@@ -55,6 +55,7 @@ __all__ = [
     "layout_entries",
     "encode_header",
     "decode_preamble",
+    "decode_header_doc",
     "decode_header",
     "host_byte_order",
 ]
@@ -323,12 +324,11 @@ def _decode_entry(raw: object, path: str, i: int) -> Entry:
     return Entry(fqn, chunk, kind, dtype, shape, offset, length, int(crc_s, 16))  # type: ignore[arg-type]
 
 
-def decode_header(body: bytes, *, header_crc: int, byte_order: int, minor: int, file_size: int, path: str) -> ShardHeader:
-    """Parse and validate a JSON header against the file's size.
+def decode_header_doc(body: bytes, *, header_crc: int, path: str) -> tuple[dict[str, Any], str | None]:
+    """Check a JSON header's checksum and top level; return (the JSON document, its save id).
 
-    Every entry must lie after the header and inside the file, and no two may
-    overlap or share a key, so that views built from them never touch bytes
-    outside the file.
+    Its entries are not checked: :func:`decode_header` does that. A reader that takes
+    every entry's place from the checkpoint metadata needs only this much.
     """
     if zlib.crc32(body) != header_crc:
         raise FormatError("header checksum mismatch: the header is damaged", path=path)
@@ -341,6 +341,20 @@ def decode_header(body: bytes, *, header_crc: int, byte_order: int, minor: int, 
     save_id = doc.get("save_id")
     if save_id is not None and not (isinstance(save_id, str) and len(save_id) <= 256):
         raise FormatError(f"'save_id' must be a string of at most 256 characters, got {save_id!r}"[:300], path=path)
+    return doc, save_id
+
+
+def decode_header(body: bytes, *, header_crc: int, byte_order: int, minor: int, file_size: int, path: str,
+                  doc: dict[str, Any] | None = None) -> ShardHeader:
+    """Parse and validate a JSON header against the file's size.
+
+    Every entry must lie after the header and inside the file, and no two may
+    overlap or share a key, so that views built from them never touch bytes
+    outside the file. ``doc``: the header already decoded by :func:`decode_header_doc`.
+    """
+    if doc is None:
+        doc, _ = decode_header_doc(body, header_crc=header_crc, path=path)
+    save_id = doc.get("save_id")
     data_start = PREAMBLE_SIZE + len(body)
     entries = tuple(_decode_entry(raw, path, i) for i, raw in enumerate(doc["entries"]))
     seen: set[tuple[str, tuple[int, ...] | None]] = set()

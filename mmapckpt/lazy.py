@@ -23,10 +23,11 @@ from typing import Any, Callable, Collection, Iterator, Union
 
 import torch
 
-from ._chunks import ChunkFiles, ChunkInfo, EntryInfo, check_coverage, index_entries
+from ._chunks import ChunkFiles, ChunkInfo, EntryInfo, check_coverage
+from ._entries import paused_gc
 from ._staging import DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS, StagingPool
 from .errors import CheckpointError, FormatError
-from .metafile import read_metadata_file
+from .metafile import read_index_file
 from .reader import find_metadata
 
 __all__ = ["open", "load", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
@@ -104,10 +105,9 @@ class LazyCheckpoint:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         meta = find_metadata(self.path)
-        self.kind, md = read_metadata_file(meta)
-        self._entries = index_entries(md, meta)
+        self.kind, self._entries, save_id = read_index_file(meta)
         rels = {c.file for e in self._entries.values() for c in e.chunks}
-        self._files: ChunkFiles | None = ChunkFiles(self.path, rels, getattr(md.storage_meta, "save_id", None))
+        self._files: ChunkFiles | None = ChunkFiles(self.path, rels, save_id)
         self._covered: set[str] = set()
 
     # ------------------------------------------------------------------ safe_open-like surface
@@ -300,8 +300,9 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
                 for c in ckpt.metadata(n).chunks:
                     files.advise(c, mmap.MADV_WILLNEED)
         if device.type == "cpu":
-            for n in tensors:
-                out[n] = ckpt.get_tensor(n)
+            with paused_gc():
+                for n in tensors:
+                    out[n] = ckpt.get_tensor(n)
         else:
             out.update(_load_to_device(ckpt, tensors, device, buffer_bytes, num_buffers))
         if dtype is not None:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from . import format as fmt
+from ._entries import paused_gc
 from ._io import ReadJob, is_cached, open_inside, pread_jobs
 from ._shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from ._stock import load_tensor, read_item
@@ -119,6 +120,13 @@ class MmapReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with paused_gc():  # thousands of small objects per load; see _entries.paused_gc
+            self._read_plan(plan, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             info = self._info(req.storage_index)
@@ -132,9 +140,6 @@ class MmapReader(StorageReader):
             devices = [d for rel, reqs in jobs for d in self._read_file(rel, reqs, planner)]
         for dev in set(devices):  # copies to accelerators were issued non_blocking
             torch.get_device_module(dev).synchronize(dev)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     @property
     def checkpoint_id(self) -> str:
@@ -163,37 +168,32 @@ class MmapReader(StorageReader):
         return self._read_stock(path, reqs, planner)
 
     def _read_mmapckpt(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
-        shard = Shard(path)
-        if shard.header.save_id is not None and self.save_id not in (None, shard.header.save_id):
+        """Every chunk is placed by the metadata, agreeing with the shard header (Shard.view)."""
+        shard = Shard(path, check_entries=False)
+        if shard.save_id is not None and self.save_id not in (None, shard.save_id):
             raise IncompleteCheckpointError(
-                f"shard was written by save {shard.header.save_id}, but the metadata read belongs to save "
+                f"shard was written by save {shard.save_id}, but the metadata read belongs to save "
                 f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=path)
         devices = []
         ranges = [(self.storage_data[r.storage_index].offset, self.storage_data[r.storage_index].length)
                   for r in reqs if r.type != LoadItemType.BYTE_IO and r.storage_index in self.storage_data]
         direct = _DirectReads(shard, enabled=self.direct_reads and _defers_safely(planner), ranges=ranges)
+        accept_view = getattr(planner, "accept_view", None)
         try:
             for req in reqs:
-                idx = req.storage_index
-                e = shard.entry(idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
-                info = self.storage_data[idx]
-                if (info.offset, info.length) != (e.offset, e.length):
-                    raise FormatError(
-                        f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
-                        f"[{e.offset}, +{e.length})", path=path, entry=e.label)
+                idx, info = req.storage_index, self.storage_data[req.storage_index]
                 if self.verify:
-                    shard.verify(e)
+                    shard.verify(self._entry(shard, req, info))
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(shard.read_bytes(e)))
+                    planner.load_bytes(req, io.BytesIO(shard.object_bytes(idx.fqn, info.offset, info.length)))
                     continue
-                self._check_dtype(idx, e.dtype, path)
-                view = shard.tensor(e)
+                dtype, sizes = self._chunk(idx, path)
+                view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes)
                 # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
                 # may keep the mapped view of the whole stored chunk instead of having it copied.
-                accept_view = getattr(planner, "accept_view", None)
                 if accept_view is not None and accept_view(req, view):
                     continue
-                dev = self._copy(view, req, planner, path, direct=direct, entry=e)
+                dev = self._copy(view, req, planner, path, direct=direct)
                 if dev is not None:
                     devices.append(dev)
             direct.run(planner)
@@ -202,25 +202,38 @@ class MmapReader(StorageReader):
         check_size_unchanged(shard)
         return devices
 
-    def _check_dtype(self, idx: MetadataIndex, dtype: str | None, path: str) -> None:
+    def _chunk(self, idx: MetadataIndex, path: str) -> tuple[torch.dtype, torch.Size]:
+        """dtype and shape of the stored chunk ``idx`` names, from the metadata."""
         md = self.state_dict_metadata.get(idx.fqn)
-        if isinstance(md, TensorStorageMetadata) and fmt.dtype_name(md.properties.dtype) != dtype:
-            raise FormatError(f"shard holds {dtype} but the metadata says {md.properties.dtype}",
-                              path=path, entry=_label(idx))
+        if isinstance(md, TensorStorageMetadata) and idx.offset is not None:
+            for c in md.chunks:
+                if c.offsets == idx.offset:
+                    return md.properties.dtype, c.sizes
+        raise FormatError("the metadata describes no such stored chunk", path=path, entry=_label(idx))
+
+    def _entry(self, shard: Shard, req: ReadItem, info: _StorageInfo) -> fmt.Entry:
+        """The shard header's entry for ``req``, which must agree with the metadata's record."""
+        idx = req.storage_index
+        e = shard.entry(idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
+        if (info.offset, info.length) != (e.offset, e.length):
+            raise FormatError(f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
+                              f"[{e.offset}, +{e.length})", path=shard.path, entry=e.label)
+        return e
 
     def _copy(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str,
-              direct: _DirectReads | None = None, entry: fmt.Entry | None = None) -> torch.device | None:
-        try:
-            src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
-        except (RuntimeError, IndexError) as e:
-            raise SizeMismatchError(f"requested region {list(req.storage_offsets)}+{list(req.lengths)} is outside "
-                                    f"the stored chunk {list(src.shape)}: {e}", path=path,
-                                    entry=_label(req.storage_index)) from None
+              direct: _DirectReads | None = None) -> torch.device | None:
+        if any(req.storage_offsets) or req.lengths != src.size():
+            try:
+                src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
+            except (RuntimeError, IndexError) as e:
+                raise SizeMismatchError(f"requested region {list(req.storage_offsets)}+{list(req.lengths)} is "
+                                        f"outside the stored chunk {list(src.shape)}: {e}", path=path,
+                                        entry=_label(req.storage_index)) from None
         target = planner.resolve_tensor(req).detach()
         if target.size() != src.size():
             raise SizeMismatchError(f"stored region has shape {list(src.size())} but the target has "
                                     f"{list(target.size())}", path=path, entry=_label(req.storage_index))
-        if direct is not None and entry is not None and direct.take(src, target, req, entry):
+        if direct is not None and direct.take(src, target, req):
             return None  # read and committed by direct.run()
         on_device = target.device.type != "cpu"
         target.copy_(src, non_blocking=on_device)
@@ -286,17 +299,17 @@ class _DirectReads:
             lo = min(o for o, _ in ranges)
             os.posix_fadvise(fd, lo, max(o + n for o, n in ranges) - lo, os.POSIX_FADV_WILLNEED)
 
-    def take(self, src: torch.Tensor, target: torch.Tensor, req: ReadItem, e: fmt.Entry) -> bool:
+    def take(self, src: torch.Tensor, target: torch.Tensor, req: ReadItem) -> bool:
         """Queue the copy of ``src`` (a view of the mapping) into ``target`` if a read can do it."""
         if not (self.enabled and target.device.type == "cpu" and target.dtype == src.dtype and src.numel()
                 and target.is_contiguous() and src.is_contiguous() and not target.is_conj()
                 and not target.is_neg()):
             return False
         if self._base is None:
-            self._base = self.shard.raw(e).data_ptr() - e.offset
+            self._base = self.shard.address()
         offset = src.data_ptr() - self._base
         buf = target.reshape(-1).view(torch.uint8).numpy()
-        self.jobs.append((ReadJob(buf, offset, e.label), req, target))
+        self.jobs.append((ReadJob(buf, offset, _label(req.storage_index)), req, target))
         return True
 
     def run(self, planner: LoadPlanner) -> None:

@@ -145,10 +145,13 @@ def server_main() -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         sys.stdout.flush()
+        go_r, go_w = os.pipe()  # the child starts only after "PID n" is out, so its lines come after it
         pid = os.fork()
         if pid == 0:
             code = 0
             try:
+                os.close(go_w)
+                os.read(go_r, 1)
                 _save_in_child(cmd["path"], cmd["version"], cmd["mb"], cmd["threads"], cmd["kill_at"])
             except BaseException:
                 import traceback
@@ -159,6 +162,9 @@ def server_main() -> None:
                 sys.stderr.flush()
                 os._exit(code)
         print("PID", pid, flush=True)
+        os.close(go_r)
+        os.write(go_w, b"g")
+        os.close(go_w)
         sys.stdin.readline()  # reap only when told: until then the pid cannot be reused, so killing it is safe
         _, status = os.waitpid(pid, 0)
         print("EXIT", os.waitstatus_to_exitcode(status), flush=True)
