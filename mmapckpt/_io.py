@@ -11,13 +11,13 @@ import mmap
 import os
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from .errors import CheckpointError, TruncatedFileError, UnsafePathError
 
 __all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "safe_relative_path", "open_inside",
-           "is_cached", "ReadJob", "pread_jobs", "BLOCK", "open_direct", "DirectWriter"]
+           "is_cached", "ReadJob", "pread_jobs", "submit_reads", "BLOCK", "open_direct", "DirectWriter"]
 
 
 def fsync_dir(path: str) -> None:
@@ -143,11 +143,36 @@ READ_PIECE = 32 << 20
 
 
 def pread_jobs(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> None:
-    """Run every read job: in file order on one thread, or spread over ``threads``.
+    """Run every read job: in file order on this thread, or spread over ``threads`` reader threads.
 
     One sequential stream suits a cold file (the kernel's readahead sees one pattern);
     several threads suit a cached one, where the copy out of the page cache is the cost.
     """
+    if threads <= 1:
+        _pread_all(fd, _pieces(jobs), path)
+        return
+    for fut in submit_reads(fd, jobs, threads=threads, path=path):
+        fut.result()
+
+
+def submit_reads(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> list[Future[None]]:
+    """Start ``jobs`` on the process's reader threads, as ``threads`` runs of about equal bytes.
+
+    One task per run: a task per piece would cost more in hand-offs than thousands of small
+    reads take. The caller must wait for every future before it closes ``fd``.
+    """
+    pieces = _pieces(jobs)
+    groups: list[list[ReadJob]] = [[] for _ in range(threads)]
+    total, done = sum(_nbytes(p.buf) for p in pieces), 0
+    for p in pieces:
+        groups[min(threads - 1, done * threads // max(total, 1))].append(p)
+        done += _nbytes(p.buf)
+    pool = _reader_pool(threads)
+    return [pool.submit(_pread_all, fd, g, path) for g in groups if g]
+
+
+def _pieces(jobs: list[ReadJob]) -> list[ReadJob]:
+    """The jobs in file order, long ones split into READ_PIECE pieces so that threads can share them."""
     pieces = []
     for j in sorted(jobs, key=lambda j: j.offset):
         n = _nbytes(j.buf)
@@ -157,19 +182,28 @@ def pread_jobs(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> None
         mv = memoryview(j.buf).cast("B")
         for start in range(0, n, READ_PIECE):
             pieces.append(ReadJob(mv[start:start + READ_PIECE], j.offset + start, j.entry))
-    if threads <= 1 or len(pieces) <= 1:
-        _pread_all(fd, pieces, path)
-        return
-    # One task per thread over a run of pieces of about equal bytes: a task per piece would
-    # cost more in hand-offs than thousands of small reads take.
-    groups: list[list[ReadJob]] = [[] for _ in range(threads)]
-    total, done = sum(_nbytes(p.buf) for p in pieces), 0
-    for p in pieces:
-        groups[min(threads - 1, done * threads // max(total, 1))].append(p)
-        done += _nbytes(p.buf)
-    with ThreadPoolExecutor(threads, thread_name_prefix="mmapckpt-pread") as pool:
-        for fut in [pool.submit(_pread_all, fd, g, path) for g in groups if g]:
-            fut.result()
+    return pieces
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _reader_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's reader threads, started once (starting threads per load cost milliseconds)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < threads:
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="mmapckpt-pread")
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # the child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def _nbytes(buf: Any) -> int:

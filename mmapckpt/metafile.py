@@ -206,10 +206,15 @@ def _tensor_chunks(fqn: str, v: dict[str, Any], size: tuple[int, ...], itemsize:
     if type(raw) is not list:
         raise _Bad(f"chunks of {fqn!r} must be a list")
     chunks = []
+    whole = list(size)
     for c in raw:
         if type(c) is not dict:
             raise _Bad(f"a chunk of {fqn!r} must be an object")
-        off, sz = _dims(c.get("offsets"), "chunk offsets", fqn), _dims(c.get("sizes"), "chunk sizes", fqn)
+        off, sz = c.get("offsets"), c.get("sizes")
+        if sz == whole and type(off) is list and len(off) == len(size) and not any(off):
+            off, sz = (0,) * len(size), size  # the whole tensor (the common case): equal to checked values
+        else:
+            off, sz = _dims(off, "chunk offsets", fqn), _dims(sz, "chunk sizes", fqn)
         if not len(off) == len(sz) == len(size):
             raise _Bad(f"a chunk of {fqn!r} has the wrong number of dims")
         n = itemsize
@@ -333,7 +338,9 @@ def _decoding(data: bytes, path: str, build: Any) -> Any:
     try:
         with paused_gc():
             doc = json.loads(body.decode("utf-8"))
-            return build(_index_doc(doc, path))
+            out = build(_index_doc(doc, path))
+            del doc  # freed before the collector resumes, so that it never walks the document
+        return out
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         if isinstance(e, FormatError):
             raise
@@ -384,7 +391,6 @@ def read_index_file(path: str | os.PathLike[str]) -> tuple[str, dict[str, EntryI
     """Read a ``.metadata`` file of either kind; return (kind, entries by name, save id)."""
     p, kind, data = _read(path)
     if kind == KIND_MMAPCKPT:
-        ix = decode_index(data, p)
-        return kind, ix.entries, ix.save_id
+        return (kind, *_decoding(data, p, lambda ix: (ix.entries, ix.save_id)))
     md = decode_stock(data, p)
     return kind, stock_index(md, p), getattr(md.storage_meta, "save_id", None)

@@ -25,7 +25,8 @@ from torch.futures import Future
 
 from . import format as fmt
 from ._entries import paused_gc
-from ._io import ReadJob, is_cached, open_inside, pread_jobs
+from ._direct import DirectReads
+from ._io import open_inside
 from ._shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from ._stock import load_tensor, read_item
 from .errors import (
@@ -177,7 +178,7 @@ class MmapReader(StorageReader):
         devices = []
         ranges = [(self.storage_data[r.storage_index].offset, self.storage_data[r.storage_index].length)
                   for r in reqs if r.type != LoadItemType.BYTE_IO and r.storage_index in self.storage_data]
-        direct = _DirectReads(shard, enabled=self.direct_reads and _defers_safely(planner), ranges=ranges)
+        direct = DirectReads(shard, enabled=self.direct_reads and _defers_safely(planner), ranges=ranges)
         accept_view = getattr(planner, "accept_view", None)
         try:
             for req in reqs:
@@ -196,7 +197,8 @@ class MmapReader(StorageReader):
                 dev = self._copy(view, req, planner, path, direct=direct)
                 if dev is not None:
                     devices.append(dev)
-            direct.run(planner)
+            for req, target in direct.run():
+                planner.commit_tensor(req, target)
         finally:
             direct.close()
         check_size_unchanged(shard)
@@ -221,7 +223,7 @@ class MmapReader(StorageReader):
         return e
 
     def _copy(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str,
-              direct: _DirectReads | None = None) -> torch.device | None:
+              direct: DirectReads | None = None) -> torch.device | None:
         if any(req.storage_offsets) or req.lengths != src.size():
             try:
                 src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
@@ -233,8 +235,8 @@ class MmapReader(StorageReader):
         if target.size() != src.size():
             raise SizeMismatchError(f"stored region has shape {list(src.size())} but the target has "
                                     f"{list(target.size())}", path=path, entry=_label(req.storage_index))
-        if direct is not None and direct.take(src, target, req):
-            return None  # read and committed by direct.run()
+        if direct is not None and direct.take(src, target, req, _label(req.storage_index)):
+            return None  # read by direct.run(), then committed
         on_device = target.device.type != "cpu"
         target.copy_(src, non_blocking=on_device)
         planner.commit_tensor(req, target)
@@ -260,72 +262,6 @@ class MmapReader(StorageReader):
         finally:
             os.close(fd)
         return devices
-
-
-#: Threads that read a file whose pages are already cached (the copy out of the cache is the cost).
-_CACHED_READ_THREADS = max(1, min(4, os.cpu_count() or 1))
-
-
-class _DirectReads:
-    """Regions of one shard read with ``preadv`` straight into contiguous CPU targets.
-
-    Copying out of a mapping faults it in page by page: on a cold file that is many small
-    synchronous reads, and even on a cached one the page-table work costs more than a read.
-    A read moves each byte once. On opening, a few RWF_NOWAIT probes tell whether the
-    ranges to be read are cached; if not, the kernel is asked at once to read them ahead,
-    so the disk works while the plan is walked. Jobs gathered during the walk then run in
-    file order on one thread (cold) or on several (cached).
-    """
-
-    def __init__(self, shard: Shard, *, enabled: bool = True, ranges: list[tuple[int, int]] = ()) -> None:
-        self.shard, self.enabled, self.fd, self.cached = shard, enabled, -1, False
-        self._base: int | None = None  # address of file offset 0 in the mapping
-        self.jobs: list[tuple[ReadJob, ReadItem, torch.Tensor]] = []
-        if enabled:
-            self._open([(o, n) for o, n in ranges if o >= 0 and n > 0])
-
-    def _open(self, ranges: list[tuple[int, int]]) -> None:
-        fd = os.open(self.shard.path, os.O_RDONLY)
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != self.shard.ident:
-            os.close(fd)  # replaced since it was mapped: the mapping is the file to read
-            self.enabled = False
-            return
-        self.fd = fd
-        step = max(1, len(ranges) // 16)
-        self.cached = is_cached(fd, [off for o, n in ranges[::step] for off in (o, o + n - 1)])
-        if ranges and not self.cached:  # one stream; let the kernel read the whole range ahead now
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            lo = min(o for o, _ in ranges)
-            os.posix_fadvise(fd, lo, max(o + n for o, n in ranges) - lo, os.POSIX_FADV_WILLNEED)
-
-    def take(self, src: torch.Tensor, target: torch.Tensor, req: ReadItem) -> bool:
-        """Queue the copy of ``src`` (a view of the mapping) into ``target`` if a read can do it."""
-        if not (self.enabled and target.device.type == "cpu" and target.dtype == src.dtype and src.numel()
-                and target.is_contiguous() and src.is_contiguous() and not target.is_conj()
-                and not target.is_neg()):
-            return False
-        if self._base is None:
-            self._base = self.shard.address()
-        offset = src.data_ptr() - self._base
-        buf = target.reshape(-1).view(torch.uint8).numpy()
-        self.jobs.append((ReadJob(buf, offset, _label(req.storage_index)), req, target))
-        return True
-
-    def run(self, planner: LoadPlanner) -> None:
-        """Read every queued job, then commit their targets."""
-        if not self.jobs:
-            return
-        pread_jobs(self.fd, [j for j, _, _ in self.jobs], threads=_CACHED_READ_THREADS if self.cached else 1,
-                   path=self.shard.path)
-        for _, req, target in self.jobs:
-            planner.commit_tensor(req, target)
-        self.jobs.clear()
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 def _defers_safely(planner: LoadPlanner) -> bool:
