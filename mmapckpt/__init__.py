@@ -1,6 +1,7 @@
 """mmapckpt: fast, safe PyTorch checkpoints as raw, aligned tensor bytes.
 
-A drop-in ``StorageWriter``/``StorageReader`` for ``torch.distributed.checkpoint``.
+A drop-in ``StorageWriter``/``StorageReader`` for ``torch.distributed.checkpoint``, and
+single-process ``save``, ``open``/``load`` (lazy views) and ``load_into`` (in place).
 """
 
 from .errors import (
@@ -23,6 +24,8 @@ from .errors import (
 )
 from .convert import ConversionWarning, ConvertResult, convert
 from .describe import CheckpointInfo, inspect_checkpoint
+from .into import load_into
+from .saving import save
 from .lazy import ChunkInfo, EntryInfo, LazyCheckpoint, TensorSlice, load, open
 from .planner import SafeLoadPlanner, ZeroCopyLoadPlanner
 from .reader import MmapReader
@@ -34,8 +37,10 @@ __version__ = "0.1.0"
 __all__ = [
     "MmapWriter",
     "MmapReader",
+    "save",
     "open",
     "load",
+    "load_into",
     "LazyCheckpoint",
     "TensorSlice",
     "EntryInfo",

@@ -252,6 +252,10 @@ def open_direct(path: str) -> int | None:
     return fd
 
 
+#: Copies into a bounce buffer at least this long go through numpy (which may release the GIL).
+_NUMPY_COPY_MIN = 1 << 20
+
+
 class DirectWriter:
     """Writes a file front to back with O_DIRECT, through page-aligned bounce buffers.
 
@@ -315,7 +319,10 @@ class DirectWriter:
                 self._cur = self._free.get()
                 self._check()
             n = min(len(src) - i, len(self._cur) - self._fill)
-            np.frombuffer(self._cur, np.uint8)[self._fill:self._fill + n] = np.frombuffer(src[i:i + n], np.uint8)
+            if n < _NUMPY_COPY_MIN:  # a memoryview slice assignment is one memcpy, without numpy's set-up
+                memoryview(self._cur)[self._fill:self._fill + n] = src[i:i + n]
+            else:
+                np.frombuffer(self._cur, np.uint8)[self._fill:self._fill + n] = np.frombuffer(src[i:i + n], np.uint8)
             i, self._fill, self.pos = i + n, self._fill + n, self.pos + n
             if self._fill == len(self._cur):
                 self._submit(len(self._cur))

@@ -82,12 +82,15 @@ def _check_checkpoint(path: str, spec: lazy_dist.Spec, data: st.DataObject, n_sl
     assert set(loaded) == set(expected)
     targets = {n: _fill(torch.empty(t.shape, dtype=t.dtype)) for n, t in expected.items()}
     dcp.load(targets, storage_reader=mmapckpt.MmapReader(path), no_dist=True)
+    into = {n: _fill(torch.empty(t.shape, dtype=t.dtype)) for n, t in expected.items()}
+    mmapckpt.load_into(into, path)  # chunks saved by several ranks, assembled without DCP's planner
     with mmapckpt.open(path) as f:
         assert set(f.keys()) == set(expected) | {lazy_dist.OBJECT_NAME}
         assert f.get_object(lazy_dist.OBJECT_NAME, allow_unpickle=True) == lazy_dist.OBJECT_VALUE
         for name, exp in expected.items():
             helpers.assert_bitwise_equal(targets[name], exp, f"dcp.load {name}")
             helpers.assert_bitwise_equal(loaded[name], targets[name], f"load {name}")
+            helpers.assert_bitwise_equal(into[name], exp, f"load_into {name}")
             helpers.assert_bitwise_equal(f.get_tensor(name), targets[name], f"get_tensor {name}")
             info = f.metadata(name)
             assert (info.dtype, info.shape) == (exp.dtype, tuple(exp.shape))

@@ -1,0 +1,102 @@
+"""``mmapckpt.load_into``: fill existing tensors from a checkpoint, in place, in one process.
+
+The same bytes ``dcp.load`` would put into the same targets, without DCP's planning
+(which costs tens of microseconds a tensor): for inference servers and single-process
+jobs with preallocated (or pinned, or model-owned) tensors. Tensors stored whole in an
+mmapckpt shard are read with ``preadv`` straight into contiguous CPU targets
+(:class:`mmapckpt._direct.DirectReads`); everything else is copied from the mapped
+views, or assembled from its chunks (resharded checkpoints, stock DCP items).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch
+
+from ._direct import DirectReads
+from ._entries import EntryInfo, paused_gc
+from .errors import SizeMismatchError
+from .lazy import LazyCheckpoint
+
+__all__ = ["load_into"]
+
+
+def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool = True) -> list[str]:
+    """Copy the checkpoint's tensors into the tensors of ``state_dict``, in place.
+
+    Every tensor value of ``state_dict`` receives the full (unsharded) tensor of the same
+    name, cast to its dtype as ``Tensor.copy_`` does; other values are left alone. Use
+    ``dcp.load`` for DTensors and other sharded targets.
+
+    Args:
+        state_dict: ``{fqn: tensor}`` (a ``model.state_dict()`` works), CPU or accelerator tensors.
+        path: the checkpoint directory (mmapckpt or stock DCP).
+        strict: raise KeyError if a tensor of ``state_dict`` is not in the checkpoint;
+            with False, such tensors are left unchanged and their names returned.
+
+    Returns:
+        The names of ``state_dict``'s tensors that the checkpoint does not hold (empty when strict).
+
+    Raises:
+        KeyError: ``strict`` and names missing from the checkpoint.
+        TypeError: a target is a DTensor.
+        CheckpointError: a damaged checkpoint, a name holding a non-tensor value, or a
+            stored shape other than the target's (SizeMismatchError).
+
+    Example:
+        >>> model = MyModel()
+        >>> mmapckpt.load_into(model.state_dict(), "/tmp/ckpt")
+    """
+    targets = {n: t for n, t in state_dict.items() if isinstance(t, torch.Tensor)}
+    _refuse_dtensors(targets)
+    with LazyCheckpoint(path) as ckpt, paused_gc(), torch.no_grad():
+        missing = [n for n in targets if n not in ckpt]
+        if missing and strict:
+            raise KeyError(f"not in the checkpoint at {ckpt.path}: {sorted(missing)[:20]}")
+        plan = [(n, t, ckpt._tensor_info(n)) for n, t in targets.items() if n in ckpt]
+        for name, t, info in plan:
+            if tuple(t.shape) != info.shape:
+                raise SizeMismatchError(f"stored tensor is {list(info.shape or ())} but the target is {list(t.shape)}",
+                                        path=ckpt.path, entry=name)
+        _fill(ckpt, plan)
+    return missing
+
+
+def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]]) -> None:
+    files = ckpt._open_files()
+    whole = [(n, t, info) for n, t, info in plan
+             if len(info.chunks) == 1 and info.chunks[0].sizes == info.shape and info.chunks[0].file in files.shards]
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for _, _, info in whole:
+        c = info.chunks[0]
+        ranges.setdefault(c.file, []).append((c.file_offset, c.length))
+    readers = {rel: DirectReads(files.shards[rel], ranges=sorted(r)) for rel, r in ranges.items()}
+    try:
+        for name, t, info in plan:
+            c = info.chunks[0]
+            reader = readers.get(c.file) if len(info.chunks) == 1 and c.sizes == info.shape else None
+            if reader is None:
+                t.copy_(ckpt.get_tensor(name))  # assembled from its chunks, or a stock item
+                continue
+            src = files.chunk(info, c)
+            if not reader.take(src, t.detach(), name, name):
+                t.copy_(src)
+        for reader in readers.values():
+            reader.run()
+    finally:
+        for reader in readers.values():
+            reader.close()
+    files.check_unchanged(c for _, _, info in plan for c in info.chunks)
+
+
+def _refuse_dtensors(targets: dict[str, torch.Tensor]) -> None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return
+    for n, t in targets.items():
+        if isinstance(t, DTensor):
+            raise TypeError(f"{n!r} is a DTensor: load sharded targets with dcp.load(..., "
+                            "storage_reader=mmapckpt.MmapReader(path))")

@@ -1,0 +1,135 @@
+"""``mmapckpt.save`` and ``mmapckpt.load_into``: the single-process paths without DCP planning.
+
+Their checkpoints and loads are compared with what ``dcp.save``/``dcp.load`` (with
+MmapWriter/MmapReader and with the stock FileSystemWriter/Reader) make of the same input.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mmapckpt
+from helpers import assert_bitwise_equal, dcp_load, dcp_save
+from mmapckpt.metafile import read_metadata_file
+from strategies import fresh_like, tensors
+
+SHARD = "__0_0.distcp"
+_CFG = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                       HealthCheck.too_slow])
+
+
+def _flat_state(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+    names = draw(st.lists(st.from_regex(r"[a-z]{1,6}(\.[a-z0-9]{1,4}){0,2}", fullmatch=True), min_size=1,
+                          max_size=6, unique=True))
+    return {n: draw(tensors()) for n in names}
+
+
+flat_states = st.composite(_flat_state)
+
+
+@_CFG
+@given(sd=flat_states())
+def test_save_writes_what_dcp_save_writes(tmp_path_factory, sd):
+    """Same metadata (but for the save's ids), same data bytes at the same offsets, loadable by both paths."""
+    root = tmp_path_factory.mktemp("s")
+    a, b = str(root / "api"), str(root / "dcp")
+    mmapckpt.save(sd, a)
+    dcp_save(sd, mmapckpt.MmapWriter(b))
+    ma, mb = read_metadata_file(os.path.join(a, ".metadata"))[1], read_metadata_file(os.path.join(b, ".metadata"))[1]
+    assert ma.state_dict_metadata == mb.state_dict_metadata
+    assert ma.storage_data == mb.storage_data
+    assert (ma.planner_data, ma.version) == (mb.planner_data, mb.version)
+    assert ma.storage_meta.save_id != mb.storage_meta.save_id
+    for info in ma.storage_data.values():
+        with open(os.path.join(a, info.relative_path), "rb") as fa, open(os.path.join(b, info.relative_path), "rb") as fb:
+            fa.seek(info.offset)
+            fb.seek(info.offset)
+            assert fa.read(info.length) == fb.read(info.length)
+    loaded = dcp_load(fresh_like(sd, 0xA5), mmapckpt.MmapReader(a))
+    for k, v in sd.items():
+        assert_bitwise_equal(loaded[k], v, k)
+    assert mmapckpt.verify_checkpoint(a).ok
+
+
+@_CFG
+@given(sd=flat_states(), fill=st.integers(0, 255))
+def test_load_into_fills_targets_as_dcp_load_does(tmp_path_factory, sd, fill):
+    """Bitwise the saved values, and the same bytes dcp.load leaves, from mmapckpt and stock checkpoints."""
+    root = tmp_path_factory.mktemp("l")
+    mm, stock = str(root / "mm"), str(root / "stock")
+    dcp_save(sd, mmapckpt.MmapWriter(mm))
+    dcp_save(sd, dcp.FileSystemWriter(stock))
+    for path in (mm, stock):
+        into = fresh_like(sd, fill)
+        assert mmapckpt.load_into(into, path) == []
+        ref = dcp_load(fresh_like(sd, fill), dcp.FileSystemReader(stock))
+        for k, v in sd.items():
+            assert_bitwise_equal(into[k], v, f"{path}: {k}")
+            assert_bitwise_equal(into[k], ref[k], f"{path}: {k} against the stock reader")
+
+
+def test_load_into_non_contiguous_and_cast_targets(tmp_path):
+    sd = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.arange(5, dtype=torch.int64)}
+    mmapckpt.save(sd, tmp_path / "c")
+    w = torch.zeros(4, 3).t()  # a transposed view: not contiguous, so copied from the mapping
+    b = torch.zeros(5, dtype=torch.float64)  # another dtype: cast as Tensor.copy_ casts
+    mmapckpt.load_into({"w": w, "b": b}, tmp_path / "c")
+    assert not w.is_contiguous() and torch.equal(w, sd["w"])
+    assert b.dtype == torch.float64 and torch.equal(b, sd["b"].double())
+
+
+def test_load_into_reads_a_cold_file(tmp_path):
+    """The uncached path (read ahead, one stream in file order) gives the same bytes."""
+    g = torch.Generator().manual_seed(3)
+    sd = {f"t{i}": torch.randn(300 + i, 257, generator=g) for i in range(6)}
+    path = str(tmp_path / "c")
+    mmapckpt.save(sd, path)
+    fd = os.open(os.path.join(path, SHARD), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    into = fresh_like(sd, 0x5A)
+    mmapckpt.load_into(into, path)
+    for k, v in sd.items():
+        assert_bitwise_equal(into[k], v, k)
+
+
+def test_load_into_missing_names_and_wrong_shapes(tmp_path):
+    mmapckpt.save({"w": torch.ones(2, 3)}, tmp_path / "c")
+    with pytest.raises(KeyError, match="nope"):
+        mmapckpt.load_into({"w": torch.zeros(2, 3), "nope": torch.zeros(1)}, tmp_path / "c")
+    w = torch.zeros(2, 3)
+    assert mmapckpt.load_into({"w": w, "nope": torch.zeros(1), "step": 7}, tmp_path / "c", strict=False) == ["nope"]
+    assert torch.equal(w, torch.ones(2, 3))
+    with pytest.raises(mmapckpt.SizeMismatchError) as ei:
+        mmapckpt.load_into({"w": torch.zeros(3, 2)}, tmp_path / "c")
+    assert ei.value.entry == "w" and "[2, 3]" in str(ei.value)
+
+
+def test_load_into_refuses_object_entries(tmp_path):
+    dcp_save({"w": torch.ones(2), "cfg": {"lr": 0.1}}, mmapckpt.MmapWriter(tmp_path / "c"))
+    with pytest.raises(mmapckpt.CheckpointError) as ei:
+        mmapckpt.load_into({"cfg.lr": torch.zeros(1)}, tmp_path / "c")
+    assert ei.value.entry == "cfg.lr"
+
+
+def test_save_refuses_what_only_dcp_can_store(tmp_path):
+    with pytest.raises(TypeError, match="step"):
+        mmapckpt.save({"w": torch.ones(2), "step": 3}, tmp_path / "c")
+    assert not os.path.exists(tmp_path / "c" / ".metadata")
+
+
+def test_save_overwrite_false_refuses_an_existing_checkpoint(tmp_path):
+    mmapckpt.save({"w": torch.ones(2)}, tmp_path / "c")
+    with pytest.raises(mmapckpt.CheckpointExistsError):
+        mmapckpt.save({"w": torch.zeros(2)}, tmp_path / "c", overwrite=False)
+    mmapckpt.save({"w": torch.zeros(2)}, tmp_path / "c")  # the default replaces it
+    assert torch.equal(mmapckpt.load(tmp_path / "c")["w"], torch.zeros(2))
