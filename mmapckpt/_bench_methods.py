@@ -84,6 +84,19 @@ def _base_load(targets: StateDict, path: str) -> None:
     _quiet(lambda: dcp.load(targets, storage_reader=MmapReader(path, direct_reads=False), no_dist=True))
 
 
+# ---------------------------------------------------------------- mmapckpt without DCP planning
+def _api_save(sd: StateDict, path: str) -> MmapWriter:
+    from .saving import save
+
+    return save(sd, path)
+
+
+def _api_load(targets: StateDict, path: str) -> None:
+    from .into import load_into
+
+    load_into(targets, path)
+
+
 # ---------------------------------------------------------------- stock DCP
 def _dcp_save(sd: StateDict, path: str) -> None:
     _quiet(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=True))
@@ -144,6 +157,8 @@ def _pt_load(targets: StateDict, path: str) -> None:
 
 METHODS: tuple[Method, ...] = (
     Method("mmapckpt", "mmapckpt (MmapWriter/MmapReader)", _mmap_save, _mmap_load, _mmap_lazy, "mmapckpt.load"),
+    Method("mmapckpt-api", "mmapckpt.save / mmapckpt.load_into (one process, no DCP planning)", _api_save, _api_load,
+           None),
     Method("dcp", "stock DCP (FileSystemWriter/Reader)", _dcp_save, _dcp_load, None),
     Method("safetensors", "safetensors (save_file/safe_open)", _st_save, _st_load, _st_lazy,
            "safetensors load_file"),

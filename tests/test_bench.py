@@ -11,7 +11,7 @@ import pytest
 
 from mmapckpt import bench
 from mmapckpt._bench_methods import METHODS, lazy_note
-from mmapckpt._bench_report import PHASES, TARGETS
+from mmapckpt._bench_report import PHASES, TARGET_METHODS, TARGETS
 
 
 def _args(tmp_path, *extra: str) -> argparse.Namespace:
@@ -55,8 +55,10 @@ def test_quick_run_produces_every_row_and_valid_json(tmp_path, capsys) -> None:
     run = doc["run"]
     assert run["tensors"] == 13 and run["bytes"] > 1_000_000 and run["repeats"] == 2
     assert all(run["correct"].values()) and set(run["correct"]) == {m.key for m in METHODS}
-    assert set(run["write_paths"]) == {"mmapckpt"} and set(run["write_paths"]["mmapckpt"]) <= {"direct", "buffered"}
-    assert {t["phase"] for t in doc["targets"]} == {p for p in TARGETS if (("mmapckpt", p) in got)} | {"memory"}
+    assert set(run["write_paths"]) == {"mmapckpt", "mmapckpt-api"}
+    assert all(set(v) <= {"direct", "buffered"} for v in run["write_paths"].values())
+    assert {(t["method"], t["phase"]) for t in doc["targets"]} == (
+        {(m, p) for m in TARGET_METHODS for p in TARGETS if (m, p) in got} | {(m, "memory") for m in TARGET_METHODS})
 
     # the table shows every row and every limit; the temporary checkpoints are gone
     for r in doc["rows"]:
