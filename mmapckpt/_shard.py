@@ -144,15 +144,20 @@ class Shard:
         decoding every entry of the header), and the bytes must lie after the header, inside
         the file, aligned, and be as long as the shape says.
         """
-        self._check_placed(key, (offset, length, fmt.dtype_name(dtype), list(shape)))
-        itemsize = torch._utils._element_size(dtype)
-        self._check_region(key, offset, length)
+        want = (offset, length, fmt.dtype_name(dtype), list(shape))
+        if self._placed.get(key) != want:
+            self._check_placed(key, want)
+        if offset < self.data_start or offset + length > self.size or offset % fmt.MIN_ALIGNMENT:
+            self._check_region(key, offset, length)
         if length == 0 or self._base is None:
             return torch.empty(shape, dtype=dtype)
         base = self._typed.get(dtype)
         if base is None:
+            itemsize = dtype.itemsize
             base = self._typed[dtype] = self._base[:self.size - self.size % itemsize].view(dtype)
-        return base.as_strided(shape, _contiguous_strides(shape), offset // itemsize)
+        if len(shape) == 1:
+            return base.as_strided(shape, (1,), offset // dtype.itemsize)
+        return base.as_strided(shape, _contiguous_strides(shape), offset // dtype.itemsize)
 
     def object_bytes(self, fqn: str, offset: int, length: int) -> bytes:
         """The bytes of the non-tensor entry ``fqn``, placed by the metadata (checked as in :meth:`view`)."""

@@ -301,8 +301,13 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
                     files.advise(c, mmap.MADV_WILLNEED)
         if device.type == "cpu":
             with paused_gc():
+                files, entries = ckpt._open_files(), ckpt._entries
                 for n in tensors:
-                    out[n] = ckpt.get_tensor(n)
+                    info = entries[n]
+                    c = info.chunks[0]
+                    shard = files.shards.get(c.file) if len(info.chunks) == 1 and c.sizes == info.shape else None
+                    out[n] = (shard.view((n, c.offsets), c.file_offset, c.length, info.dtype, c.sizes)
+                              if shard is not None else ckpt.get_tensor(n))  # the view get_tensor would return
         else:
             out.update(_load_to_device(ckpt, tensors, device, buffer_bytes, num_buffers))
         if dtype is not None:

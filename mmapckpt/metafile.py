@@ -19,6 +19,7 @@ read by _stockmeta.py without running code.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zlib
@@ -232,6 +233,26 @@ def _tensor_chunks(fqn: str, v: dict[str, Any], size: tuple[int, ...], itemsize:
     return tuple(chunks)
 
 
+def _whole_chunk(fqn: str, v: dict[str, Any], size_raw: list[Any], size: tuple[int, ...], itemsize: int,
+                 recs: dict[tuple[str, Any], _Record]) -> tuple[ChunkInfo, ...] | None:
+    """The common case, checked in a few steps: one chunk, the whole tensor, its record of the right length.
+
+    None (nothing consumed) for anything else, which :func:`_tensor_chunks` then checks in full.
+    """
+    raw = v.get("chunks")
+    if type(raw) is not list or len(raw) != 1 or type(raw[0]) is not dict:
+        return None
+    off = raw[0].get("offsets")
+    if raw[0].get("sizes") != size_raw or type(off) is not list or len(off) != len(size) or any(off):
+        return None
+    zeros = (0,) * len(size)
+    rec = recs.get((fqn, zeros))
+    if rec is None or rec[2] != math.prod(size) * itemsize:
+        return None
+    del recs[(fqn, zeros)]
+    return (ChunkInfo(zeros, size, *rec),)
+
+
 def _index_doc(doc: Any, path: str) -> MetaIndex:
     _need(type(doc) is dict, "metadata must be a JSON object")
     sdm = doc.get("state_dict_metadata")
@@ -258,8 +279,12 @@ def _index_doc(doc: Any, path: str) -> MetaIndex:
         dt = fmt.DTYPES.get(name) if type(name) is str else None
         if dt is None:
             fmt.dtype_from_name(name, path=path, entry=fqn)  # raises UnknownDtypeError
-        size = _dims(v.get("size"), "size", fqn)
-        entries[fqn] = EntryInfo(fqn, "tensor", dt[0], size, _tensor_chunks(fqn, v, size, dt[1], recs, missing))
+        size_raw = v.get("size")
+        size = _dims(size_raw, "size", fqn)
+        chunks = _whole_chunk(fqn, v, size_raw, size, dt[1], recs)
+        if chunks is None:
+            chunks = _tensor_chunks(fqn, v, size, dt[1], recs, missing)
+        entries[fqn] = EntryInfo(fqn, "tensor", dt[0], size, chunks)
         if v.get("requires_grad"):
             grad.add(fqn)
     for fqn, off in recs:  # records left over belong to nothing described
