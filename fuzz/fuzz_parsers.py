@@ -26,7 +26,7 @@ import torch.distributed.checkpoint  # noqa: F401
 
 with atheris.instrument_imports(include=["mmapckpt"]):
     from mmapckpt import format as fmt
-    from mmapckpt import metafile
+    from mmapckpt import _stockmeta, metafile
     from mmapckpt.errors import CheckpointError
 
 
@@ -41,7 +41,7 @@ def _parse_metadata(data: bytes) -> None:
 
 
 def _parse_stock(data: bytes) -> None:
-    metafile._decode_stock(data, "fuzz")
+    _stockmeta.decode_stock(data, "fuzz")
 
 
 def _parse_shard_valid_crc(data: bytes) -> None:

@@ -60,7 +60,9 @@ def paused_gc() -> Iterator[None]:
     Decoding a metadata document allocates hundreds of thousands of containers, each
     allocation counting towards a collection that walks the whole (acyclic) document:
     for 3,000 tensors that was 80% of the time to open a checkpoint. Reference
-    counting still frees everything; only the cycle search waits until the end.
+    counting still frees everything; only the cycle search waits until the end. The
+    switch is process-wide (other threads' cycles wait too, for milliseconds), and the
+    collector is turned back on only if it was on, so a caller's own gc.disable() holds.
     """
     was = gc.isenabled()
     gc.disable()
