@@ -14,7 +14,6 @@ from typing import Iterable
 
 import torch
 
-from . import format as fmt
 from ._entries import ChunkInfo, EntryInfo, numel
 from ._io import open_inside
 from ._shard import Shard, check_size_unchanged, is_mmapckpt_shard
