@@ -75,8 +75,8 @@ def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]])
     readers = {rel: DirectReads(files.shards[rel], ranges=sorted(r)) for rel, r in ranges.items()}
     try:
         for name, t, info in plan:
-            c = info.chunks[0]
-            reader = readers.get(c.file) if len(info.chunks) == 1 and c.sizes == info.shape else None
+            c = info.chunks[0] if len(info.chunks) == 1 else None
+            reader = readers.get(c.file) if c is not None and c.sizes == info.shape else None
             if reader is None:
                 t.copy_(ckpt.get_tensor(name))  # assembled from its chunks, or a stock item
                 continue

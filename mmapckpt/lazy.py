@@ -304,8 +304,8 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
                 files, entries = ckpt._open_files(), ckpt._entries
                 for n in tensors:
                     info = entries[n]
-                    c = info.chunks[0]
-                    shard = files.shards.get(c.file) if len(info.chunks) == 1 and c.sizes == info.shape else None
+                    c = info.chunks[0] if len(info.chunks) == 1 else None
+                    shard = files.shards.get(c.file) if c is not None and c.sizes == info.shape else None
                     out[n] = (shard.view((n, c.offsets), c.file_offset, c.length, info.dtype, c.sizes)
                               if shard is not None else ckpt.get_tensor(n))  # the view get_tensor would return
         else:

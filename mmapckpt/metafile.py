@@ -230,6 +230,9 @@ def _tensor_chunks(fqn: str, v: dict[str, Any], size: tuple[int, ...], itemsize:
         if rec[2] != n:
             raise _Bad(f"storage record of {fqn!r}@{list(off)} is {rec[2]} bytes, its chunk holds {n}")
         chunks.append(ChunkInfo(off, sz, *rec))
+    held, whole_n = sum(math.prod(c.sizes) for c in chunks), math.prod(size)
+    if held < whole_n and not missing:  # a part stored nowhere would load as whatever the target held
+        raise _Bad(f"the chunks of {fqn!r} hold {held} of its {whole_n} elements")
     return tuple(chunks)
 
 

@@ -133,3 +133,23 @@ def test_save_overwrite_false_refuses_an_existing_checkpoint(tmp_path):
         mmapckpt.save({"w": torch.zeros(2)}, tmp_path / "c", overwrite=False)
     mmapckpt.save({"w": torch.zeros(2)}, tmp_path / "c")  # the default replaces it
     assert torch.equal(mmapckpt.load(tmp_path / "c")["w"], torch.zeros(2))
+
+
+def test_a_tensor_described_with_no_chunks_is_refused(tmp_path):
+    """Metadata that describes a tensor but stores none of it (no chunk, no record) is a FormatError
+    for every reader: dcp.load would otherwise plan no read for it and leave the target as it was."""
+    import json
+
+    from test_fuzz import metadata_with_doc
+
+    path = tmp_path / "c"
+    mmapckpt.save({"w": torch.ones(2, 3), "b": torch.ones(4)}, path)
+    raw = (path / ".metadata").read_bytes()
+    doc = json.loads(raw[24:])
+    doc["state_dict_metadata"]["w"]["chunks"] = []
+    doc["storage_data"] = [r for r in doc["storage_data"] if r["fqn"] != "w"]
+    (path / ".metadata").write_bytes(metadata_with_doc(raw, doc))
+    for load in (lambda: mmapckpt.load(path), lambda: mmapckpt.load_into({"w": torch.zeros(2, 3)}, path),
+                 lambda: mmapckpt.MmapReader(path).read_metadata()):
+        with pytest.raises(mmapckpt.FormatError, match="chunks of 'w' hold 0 of its 6 elements"):
+            load()
