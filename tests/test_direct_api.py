@@ -153,3 +153,64 @@ def test_a_tensor_described_with_no_chunks_is_refused(tmp_path):
                  lambda: mmapckpt.MmapReader(path).read_metadata()):
         with pytest.raises(mmapckpt.FormatError, match="chunks of 'w' hold 0 of its 6 elements"):
             load()
+
+
+def _warm(path) -> None:
+    for name in os.listdir(path):
+        with open(os.path.join(path, name), "rb") as f:
+            while f.read(1 << 20):
+                pass
+
+
+@pytest.mark.parametrize("batch", [1, 4096, 1 << 20])
+def test_cached_reads_started_during_the_walk(tmp_path, monkeypatch, batch):
+    """With small batches, cached reads start on the reader threads while the plan is still walked."""
+    from mmapckpt import _direct
+
+    started = []
+    real = _direct.submit_reads
+    monkeypatch.setattr(_direct, "_BATCH", batch)
+    monkeypatch.setattr(_direct, "submit_reads", lambda *a, **k: started.append(len(a[1])) or real(*a, **k))
+    g = torch.Generator().manual_seed(5)
+    sd = {f"t{i}": torch.randn(64 + 7 * i, 33, generator=g).to(torch.bfloat16) for i in range(40)}
+    path = str(tmp_path / "c")
+    mmapckpt.save(sd, path)
+    _warm(path)
+    for load in (lambda out: dcp_load(out, mmapckpt.MmapReader(path)), lambda out: mmapckpt.load_into(out, path)):
+        started.clear()
+        out = fresh_like(sd, 0x3C)
+        load(out)
+        for k, v in sd.items():
+            assert_bitwise_equal(out[k], v, k)
+        fd = os.open(os.path.join(path, SHARD), os.O_RDONLY)
+        try:
+            probe_works = _direct.is_cached(fd, [0])  # False where RWF_NOWAIT is unsupported
+        finally:
+            os.close(fd)
+        if probe_works:  # 1 B and 4 KiB batches start during the walk; 1 MiB (> the 0.5 MiB) only at its end
+            assert len(started) > 3 if batch < (1 << 20) else len(started) == 1, started
+
+
+def test_an_error_after_reads_started_waits_for_them_and_is_raised(tmp_path, monkeypatch):
+    """A chunk refused late in the walk: the reads already running finish before the descriptor closes."""
+    import json
+    import struct
+
+    from mmapckpt import _direct
+    from test_fuzz import shard_with_header
+
+    monkeypatch.setattr(_direct, "_BATCH", 1)
+    sd = {f"t{i}": torch.full((256, 16), float(i)) for i in range(12)}
+    path = tmp_path / "c"
+    mmapckpt.save(sd, path)
+    raw = (path / SHARD).read_bytes()
+    (hlen,) = struct.unpack_from("<Q", raw, 16)
+    doc = json.loads(raw[32:32 + hlen])
+    next(e for e in doc["entries"] if e["fqn"] == "t11")["dtype"] = "int32"  # same length, valid CRC
+    (path / SHARD).write_bytes(shard_with_header(raw, doc))
+    _warm(path)
+    with pytest.raises(mmapckpt.FormatError, match="int32"):
+        mmapckpt.load_into(fresh_like(sd), path)
+    with pytest.raises(BaseException) as ei:
+        dcp_load(fresh_like(sd), mmapckpt.MmapReader(path))
+    assert "int32" in str(ei.value)
