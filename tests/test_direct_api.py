@@ -214,3 +214,37 @@ def test_an_error_after_reads_started_waits_for_them_and_is_raised(tmp_path, mon
     with pytest.raises(BaseException) as ei:
         dcp_load(fresh_like(sd), mmapckpt.MmapReader(path))
     assert "int32" in str(ei.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_loads_with_reader_threads_of_its_own(tmp_path):
+    """The reader pool is per process: a child forked after the parent's cached loads (a DataLoader
+    worker, say) gets new threads instead of waiting forever on the parent's, which it does not have."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        import mmapckpt
+        from mmapckpt import _direct
+        path = {str(tmp_path / "c")!r}
+        sd = {{f"t{{i}}": torch.full((512, 64), float(i)) for i in range(8)}}
+        mmapckpt.save(sd, path)
+        for name in os.listdir(path):
+            open(os.path.join(path, name), "rb").read()
+        _direct._BATCH = 1  # every read goes to the pool
+        out = {{k: torch.zeros_like(v) for k, v in sd.items()}}
+        mmapckpt.load_into(out, path)  # starts the parent's reader threads
+        pid = os.fork()
+        if pid == 0:
+            import signal
+            signal.alarm(60)  # a hung child dies (SIGALRM) instead of outliving the test
+            out = {{k: torch.zeros_like(v) for k, v in sd.items()}}
+            mmapckpt.load_into(out, path)
+            os._exit(0 if all(torch.equal(out[k], sd[k]) for k in sd) else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]
