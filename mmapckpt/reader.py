@@ -30,6 +30,7 @@ from ._io import open_inside
 from ._shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from ._stock import load_tensor, read_item
 from .errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     FormatError,
     IncompleteCheckpointError,
@@ -186,7 +187,7 @@ class MmapReader(StorageReader):
                 if self.verify:
                     shard.verify(self._entry(shard, req, info))
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(shard.object_bytes(idx.fqn, info.offset, info.length)))
+                    _load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), path)
                     continue
                 dtype, sizes = self._chunk(idx, path)
                 view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes)
@@ -254,7 +255,7 @@ class MmapReader(StorageReader):
                     raise FormatError("stream transforms are not supported", path=path, entry=label)
                 buf = read_item(fd, info.offset, info.length, path=path, entry=label)
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(buf))
+                    _load_bytes(planner, req, buf, path)
                     continue
                 dev = self._copy(load_tensor(buf, path=path, entry=label), req, planner, path)
                 if dev is not None:
@@ -262,6 +263,21 @@ class MmapReader(StorageReader):
         finally:
             os.close(fd)
         return devices
+
+
+def _load_bytes(planner: LoadPlanner, req: ReadItem, data: bytes, path: str) -> None:
+    """Hand a stored non-tensor value to the planner, which deserializes it (DCP's: ``torch.load``).
+
+    Bytes that do not deserialize (a damaged item, or stock metadata pointing at the wrong
+    bytes: it has no checksum) raise FormatError naming the file and entry, not torch's error.
+    """
+    try:
+        planner.load_bytes(req, io.BytesIO(data))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise FormatError(f"the stored value could not be deserialized: {type(e).__name__}: {e}"[:500], path=path,
+                          entry=_label(req.storage_index)) from e
 
 
 def _defers_safely(planner: LoadPlanner) -> bool:
