@@ -54,17 +54,12 @@ _CHILD = textwrap.dedent("""
     elif mode == "mm_slice":        # 1/64 of the rows of every tensor
         with mmapckpt.open(ck) as f:
             sd = {n: f.get_slice(n)[::64] for n in f.keys()}
-    elif mode == "mm_slice_prefetch":
+    elif mode in ("mm_slice_prefetch", "mm_slice_random"):  # a hint on every tensor first
+        advice = mmap.MADV_WILLNEED if mode == "mm_slice_prefetch" else mmap.MADV_RANDOM
         with mmapckpt.open(ck) as f:
             for n in f.keys():
                 for c in f.metadata(n).chunks:
-                    f._files.advise(c, mmap.MADV_WILLNEED)
-            sd = {n: f.get_slice(n)[::64] for n in f.keys()}
-    elif mode == "mm_slice_random":
-        with mmapckpt.open(ck) as f:
-            for n in f.keys():
-                for c in f.metadata(n).chunks:
-                    f._files.advise(c, mmap.MADV_RANDOM)
+                    f._files.advise(c, advice)
             sd = {n: f.get_slice(n)[::64] for n in f.keys()}
     elif mode == "st_load_file":
         sd = safetensors.torch.load_file(st)

@@ -98,7 +98,7 @@ class DirectReads:
             started, self._started = self._started, []
             _wait_all(started)
         else:
-            pread_jobs(self.fd, [j for j, _, _ in self.jobs], threads=1, path=self.shard.path)
+            pread_jobs(self.fd, [j for j, _, _ in self.jobs], path=self.shard.path)
         done = [(token, target) for _, token, target in self.jobs]
         self.jobs.clear()
         return done

@@ -41,6 +41,11 @@ class EntryInfo(NamedTuple):
     chunks: tuple[ChunkInfo, ...]
 
     @property
+    def whole(self) -> Optional[ChunkInfo]:
+        """The one chunk, when a single chunk holds the whole tensor (it can then be viewed as it is)."""
+        return self.chunks[0] if len(self.chunks) == 1 and self.chunks[0].sizes == self.shape else None
+
+    @property
     def nbytes(self) -> int:
         return sum(c.length for c in self.chunks) if self.kind == "object" else (
             numel(self.shape or ()) * torch._utils._element_size(self.dtype))  # type: ignore[arg-type]

@@ -142,17 +142,11 @@ class ReadJob(NamedTuple):
 READ_PIECE = 32 << 20
 
 
-def pread_jobs(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> None:
-    """Run every read job: in file order on this thread, or spread over ``threads`` reader threads.
-
-    One sequential stream suits a cold file (the kernel's readahead sees one pattern);
-    several threads suit a cached one, where the copy out of the page cache is the cost.
+def pread_jobs(fd: int, jobs: list[ReadJob], *, path: str) -> None:
+    """Run every read job in file order on this thread: one sequential stream, which suits a
+    cold file (the kernel's readahead sees one pattern). Cached files: :func:`submit_reads`.
     """
-    if threads <= 1:
-        _pread_all(fd, _pieces(jobs), path)
-        return
-    for fut in submit_reads(fd, jobs, threads=threads, path=path):
-        fut.result()
+    _pread_all(fd, _pieces(jobs), path)
 
 
 def submit_reads(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> list[Future[None]]:

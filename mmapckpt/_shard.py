@@ -118,13 +118,11 @@ class Shard:
             self.header
             raise FormatError("header entries are malformed", path=self.path) from None
 
-    def _check_placed(self, key: tuple[str, tuple[int, ...] | None], want: tuple[Any, ...]) -> None:
-        """The header must describe ``key`` as the metadata does: the same bytes, dtype and shape."""
+    def _refuse_placed(self, key: tuple[str, tuple[int, ...] | None], want: tuple[Any, ...]) -> None:
+        """Raise for a header that does not describe ``key`` as the metadata does (``want``)."""
         got = self._placed.get(key)
-        if got == want:
-            return
         self.header  # a header that is itself invalid raises its own, more precise error
-        label = key[0] if key[1] is None else f"{key[0]}@{list(key[1])}"
+        label = _label(key)
         if got is None:
             raise FormatError("entry is not in this shard's header", path=self.path, entry=label)
         if got[:3] == want[:3]:
@@ -146,9 +144,9 @@ class Shard:
         """
         want = (offset, length, fmt.dtype_name(dtype), list(shape))
         if self._placed.get(key) != want:
-            self._check_placed(key, want)
-        if offset < self.data_start or offset + length > self.size or offset % fmt.MIN_ALIGNMENT:
-            self._check_region(key, offset, length)
+            self._refuse_placed(key, want)
+        if not self._in_bounds(offset, length):
+            self._refuse_region(key, offset, length)
         if length == 0 or self._base is None:
             return torch.empty(shape, dtype=dtype)
         base = self._typed.get(dtype)
@@ -161,18 +159,22 @@ class Shard:
 
     def object_bytes(self, fqn: str, offset: int, length: int) -> bytes:
         """The bytes of the non-tensor entry ``fqn``, placed by the metadata (checked as in :meth:`view`)."""
-        self._check_placed((fqn, None), (offset, length, None, None))
-        self._check_region((fqn, None), offset, length)
+        want = (offset, length, None, None)
+        if self._placed.get((fqn, None)) != want:
+            self._refuse_placed((fqn, None), want)
+        if not self._in_bounds(offset, length):
+            self._refuse_region((fqn, None), offset, length)
         return b"" if length == 0 or self._base is None else self._base[offset:offset + length].numpy().tobytes()
 
-    def _check_region(self, key: tuple[str, Any], offset: int, length: int) -> None:
-        if offset < self.data_start or offset + length > self.size or offset % fmt.MIN_ALIGNMENT:
-            label = key[0] if key[1] is None else f"{key[0]}@{list(key[1])}"
-            if offset + length > self.size:
-                raise TruncatedFileError(f"data [{offset}, {offset + length}) runs past the end of the "
-                                         f"{self.size}-byte file", path=self.path, entry=label)
-            raise EntryBoundsError(f"data [{offset}, +{length}) is not an aligned region after the header",
-                                   path=self.path, entry=label)
+    def _in_bounds(self, offset: int, length: int) -> bool:
+        return self.data_start <= offset and offset + length <= self.size and not offset % fmt.MIN_ALIGNMENT
+
+    def _refuse_region(self, key: tuple[str, Any], offset: int, length: int) -> None:
+        if offset + length > self.size:
+            raise TruncatedFileError(f"data [{offset}, {offset + length}) runs past the end of the "
+                                     f"{self.size}-byte file", path=self.path, entry=_label(key))
+        raise EntryBoundsError(f"data [{offset}, +{length}) is not an aligned region after the header",
+                               path=self.path, entry=_label(key))
 
     def address(self) -> int:
         """The address of the file's first byte in the mapping (0 for an empty file)."""
@@ -207,6 +209,11 @@ class Shard:
         if got != e.crc32:
             raise ChecksumError(f"CRC-32 of the data is {got:08x}, the header says {e.crc32:08x}",
                                 path=self.path, entry=e.label)
+
+
+def _label(key: tuple[str, tuple[int, ...] | None]) -> str:
+    """An entry's name in errors: ``fqn``, or ``fqn@[chunk offsets]`` for a tensor chunk (as Entry.label)."""
+    return key[0] if key[1] is None else f"{key[0]}@{list(key[1])}"
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -66,19 +66,18 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
 
 def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]]) -> None:
     files = ckpt._open_files()
-    whole = [(n, t, info) for n, t, info in plan
-             if len(info.chunks) == 1 and info.chunks[0].sizes == info.shape and info.chunks[0].file in files.shards]
     ranges: dict[str, list[tuple[int, int]]] = {}
-    for _, _, info in whole:
-        c = info.chunks[0]
-        ranges.setdefault(c.file, []).append((c.file_offset, c.length))
+    for _, _, info in plan:
+        c = info.whole
+        if c is not None and c.file in files.shards:
+            ranges.setdefault(c.file, []).append((c.file_offset, c.length))
     readers = {rel: DirectReads(files.shards[rel], ranges=sorted(r)) for rel, r in ranges.items()}
     try:
         for name, t, info in plan:
-            c = info.chunks[0] if len(info.chunks) == 1 else None
-            reader = readers.get(c.file) if c is not None and c.sizes == info.shape else None
+            c = info.whole
+            reader = readers.get(c.file) if c is not None else None
             if reader is None:
-                t.copy_(ckpt.get_tensor(name))  # assembled from its chunks, or a stock item
+                t.copy_(ckpt._tensor(info))  # assembled from its chunks, or a stock item
                 continue
             src = files.chunk(info, c)
             if not reader.take(src, t.detach(), name, name):

@@ -151,11 +151,7 @@ class LazyCheckpoint:
             KeyError: no such name.
             CheckpointError: ``name`` is not a tensor, or its stored bytes are inconsistent.
         """
-        info = self._tensor_info(name)
-        files = self._open_files()
-        if len(info.chunks) == 1 and info.chunks[0].sizes == info.shape:  # a view, or a stock item loaded whole
-            return files.chunk(info, info.chunks[0])
-        return self._assemble(info, [(0, 1, s) for s in info.shape or ()])
+        return self._tensor(self._tensor_info(name))
 
     def get_slice(self, name: str) -> TensorSlice:
         """A sliceable proxy for ``name``: ``get_slice(name)[2:, ::3]`` reads only what it needs."""
@@ -196,6 +192,12 @@ class LazyCheckpoint:
                                   "get_object(name, allow_unpickle=True) if you trust this checkpoint",
                                   path=self.path, entry=name)
         return info
+
+    def _tensor(self, info: EntryInfo) -> torch.Tensor:
+        c = info.whole
+        if c is not None:  # a view, or a stock item loaded whole
+            return self._open_files().chunk(info, c)
+        return self._assemble(info, [(0, 1, s) for s in info.shape or ()])
 
     def _assemble(self, info: EntryInfo, sel: list[tuple[int, int, int]]) -> torch.Tensor:
         """A new tensor holding the selection (start, step, count per dim) across all chunks."""
@@ -301,13 +303,8 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
                     files.advise(c, mmap.MADV_WILLNEED)
         if device.type == "cpu":
             with paused_gc():
-                files, entries = ckpt._open_files(), ckpt._entries
                 for n in tensors:
-                    info = entries[n]
-                    c = info.chunks[0] if len(info.chunks) == 1 else None
-                    shard = files.shards.get(c.file) if c is not None and c.sizes == info.shape else None
-                    out[n] = (shard.view((n, c.offsets), c.file_offset, c.length, info.dtype, c.sizes)
-                              if shard is not None else ckpt.get_tensor(n))  # the view get_tensor would return
+                    out[n] = ckpt._tensor(ckpt._entries[n])
         else:
             out.update(_load_to_device(ckpt, tensors, device, buffer_bytes, num_buffers))
         if dtype is not None:
@@ -328,7 +325,7 @@ def _load_to_device(ckpt: LazyCheckpoint, names: list[str], device: torch.device
     with StagingPool(device, buffer_bytes=buffer_bytes, num_buffers=num_buffers) as pool:
         for n in names:
             info = ckpt.metadata(n)
-            if not (len(info.chunks) == 1 and info.chunks[0].sizes == info.shape):
+            if info.whole is None:
                 check_coverage(info, ckpt.path)
             t = torch.empty(info.shape or (), dtype=info.dtype, device=device)
             for c in info.chunks:
