@@ -248,3 +248,25 @@ def test_a_forked_child_loads_with_reader_threads_of_its_own(tmp_path):
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _dtensor_refusals(rank: int, world: int, path: str) -> None:
+    """On a real gloo rank: a DTensor is refused by save and load_into, with the way to go instead."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    d = distribute_tensor(torch.arange(8.0), init_device_mesh("cpu", (world,)), [Shard(0)])
+    with pytest.raises(TypeError, match="dcp.save"):
+        mmapckpt.save({"w": d}, path + "-dt")
+    assert not os.path.exists(path + "-dt/.metadata")
+    with pytest.raises(TypeError, match="dcp.load"):
+        mmapckpt.load_into({"w": d}, path)
+
+
+@pytest.mark.distributed
+def test_dtensors_are_refused_with_the_dcp_way_named(tmp_path):
+    import helpers
+
+    path = str(tmp_path / "c")
+    mmapckpt.save({"w": torch.arange(8.0)}, path)
+    helpers.run_distributed(_dtensor_refusals, 1, path)

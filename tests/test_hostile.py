@@ -195,6 +195,20 @@ def test_metadata_and_header_disagreeing_on_an_entry_is_refused(ckpt):
     assert isinstance(err, FormatError) and "shard header says" in str(err), err
 
 
+def test_a_chunk_missing_from_the_shard_header_is_refused(ckpt):
+    """The header is valid on its own (an entry removed, CRC recomputed) but does not hold a chunk
+    the metadata places in it: every loader refuses, naming the shard and the entry."""
+    doc = _header(ckpt)
+    doc["entries"] = [e for e in doc["entries"] if e["fqn"] != "b"]
+    _write(ckpt, SHARD, shard_with_header(_read(ckpt, SHARD), doc))
+    err = _load_error(ckpt)
+    assert isinstance(err, FormatError) and err.entry == "b@[0]" and "not in this shard's header" in str(err), err
+    for load in (lambda: mmapckpt.load(ckpt), lambda: mmapckpt.load_into(_targets(), ckpt)):
+        with pytest.raises(FormatError, match="not in this shard's header") as ei:
+            load()
+        assert ei.value.entry == "b@[0]" and ei.value.path.endswith(SHARD)
+
+
 def test_metadata_record_length_not_matching_its_chunk_is_refused(ckpt):
     md = _read(ckpt, ".metadata")
     doc = json.loads(md[24:])
