@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dev = _cuda_or_exit()
 
-    from mmapckpt._bench_sys import machine_info
-    from mmapckpt._synthetic import parse_size, transformer_state_dict
+    from mmapckpt.bench.system import machine_info
+    from mmapckpt.bench.synthetic import parse_size, transformer_state_dict
 
     warnings.simplefilter("ignore")
     sd = {k: v.to(dev) for k, v in transformer_state_dict(parse_size(args.size), dtype=getattr(torch, args.dtype)).items()}
@@ -107,7 +107,7 @@ def _measure(sd: dict[str, torch.Tensor], root: str, repeats: int, dev: torch.de
     import torch.distributed.checkpoint as dcp
 
     import mmapckpt
-    from mmapckpt._bench_sys import evict, files_under, warm_up
+    from mmapckpt.bench.system import evict, files_under, warm_up
 
     targets = {k: torch.empty_like(v) for k, v in sd.items()}
     paths = {"mmapckpt": os.path.join(root, "mmapckpt"), "dcp": os.path.join(root, "dcp")}

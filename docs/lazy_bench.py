@@ -18,7 +18,7 @@ import subprocess
 import sys
 import textwrap
 
-from mmapckpt._bench_sys import evict
+from mmapckpt.bench.system import evict
 
 _CHILD = textwrap.dedent("""
     import json, mmap, os, sys, time, torch

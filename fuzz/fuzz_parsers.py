@@ -25,8 +25,9 @@ import torch  # noqa: F401  (imported first, so that only mmapckpt is instrument
 import torch.distributed.checkpoint  # noqa: F401
 
 with atheris.instrument_imports(include=["mmapckpt"]):
-    from mmapckpt import format as fmt
-    from mmapckpt import _stockmeta, metafile
+    from mmapckpt.format import layout as fmt
+    from mmapckpt.format import stockmeta as _stockmeta
+    from mmapckpt.format import metadata as metafile
     from mmapckpt.errors import CheckpointError
 
 

@@ -4,6 +4,10 @@ A drop-in ``StorageWriter``/``StorageReader`` for ``torch.distributed.checkpoint
 single-process ``save``, ``open``/``load`` (lazy views) and ``load_into`` (in place).
 """
 
+from .conversion.driver import ConversionWarning, ConvertResult, convert
+from .dcp.planner import SafeLoadPlanner, ZeroCopyLoadPlanner
+from .dcp.reader import MmapReader
+from .dcp.writer import MmapWriter
 from .errors import (
     BadMagicError,
     ByteOrderError,
@@ -22,15 +26,11 @@ from .errors import (
     UnsafePickleError,
     UnsupportedVersionError,
 )
-from .convert import ConversionWarning, ConvertResult, convert
-from .describe import CheckpointInfo, inspect_checkpoint
 from .into import load_into
-from .saving import save
 from .lazy import ChunkInfo, EntryInfo, LazyCheckpoint, TensorSlice, load, open
-from .planner import SafeLoadPlanner, ZeroCopyLoadPlanner
-from .reader import MmapReader
-from .verify import VerifyReport, verify_checkpoint
-from .writer import MmapWriter
+from .saving import save
+from .tools.describe import CheckpointInfo, inspect_checkpoint
+from .tools.verify import VerifyReport, verify_checkpoint
 
 __version__ = "0.1.0"
 

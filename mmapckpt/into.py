@@ -4,7 +4,7 @@ The same bytes ``dcp.load`` would put into the same targets, without DCP's plann
 (which costs tens of microseconds a tensor): for inference servers and single-process
 jobs with preallocated (or pinned, or model-owned) tensors. Tensors stored whole in an
 mmapckpt shard are read with ``preadv`` straight into contiguous CPU targets
-(:class:`mmapckpt._direct.DirectReads`); everything else is copied from the mapped
+(:class:`mmapckpt.io.direct_reads.DirectReads`); everything else is copied from the mapped
 views, or assembled from its chunks (resharded checkpoints, stock DCP items).
 """
 
@@ -15,9 +15,9 @@ from typing import Any, Mapping
 
 import torch
 
-from ._direct import DirectReads
-from ._entries import EntryInfo, paused_gc
 from .errors import SizeMismatchError
+from .format.entries import EntryInfo, paused_gc
+from .io.direct_reads import DirectReads
 from .lazy import LazyCheckpoint
 
 __all__ = ["load_into"]

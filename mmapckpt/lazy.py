@@ -23,12 +23,11 @@ from typing import Any, Callable, Collection, Iterator, Union
 
 import torch
 
-from ._chunks import ChunkFiles, ChunkInfo, EntryInfo, check_coverage
-from ._entries import paused_gc
-from ._staging import DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS, StagingPool
 from .errors import CheckpointError, FormatError
-from .metafile import read_index_file
-from .reader import find_metadata
+from .format.chunks import ChunkFiles, ChunkInfo, EntryInfo, check_coverage
+from .format.entries import paused_gc
+from .format.metadata import find_metadata, read_index_file
+from .io.staging import DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS, StagingPool
 
 __all__ = ["open", "load", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
 

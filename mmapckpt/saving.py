@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
-from ._entries import paused_gc
-from .writer import MmapWriter
+from .dcp.writer import MmapWriter
+from .format.entries import paused_gc
 
 __all__ = ["save"]
 

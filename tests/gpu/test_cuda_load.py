@@ -11,7 +11,7 @@ import helpers
 import lazy_dist
 import mmapckpt
 from mmapckpt import MmapReader, ZeroCopyLoadPlanner
-from mmapckpt._staging import StagingPool
+from mmapckpt.io.staging import StagingPool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -6,7 +6,7 @@ import torch.distributed.checkpoint as dcp
 
 from helpers import assert_bitwise_equal
 from mmapckpt import MmapReader, MmapWriter
-from mmapckpt._d2h import stage_to_host
+from mmapckpt.io.d2h import stage_to_host
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

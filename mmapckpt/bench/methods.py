@@ -1,0 +1,180 @@
+"""The methods the benchmark compares, each as save / load-into-targets / lazy-open callables.
+
+Every save is durable: methods that do not fsync by themselves (safetensors,
+torch.save) get their file and directory fsynced inside the timed call, as a
+checkpoint needs.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..dcp.reader import MmapReader
+from ..dcp.writer import MmapWriter
+from .system import fsync_path
+
+__all__ = ["Method", "METHODS", "EXTRA_METHODS", "method_by_key", "lazy_note"]
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to save and load a state dict; ``path`` is the method's own directory."""
+
+    key: str
+    label: str
+    save: Callable[[StateDict, str], object]
+    load_into: Callable[[StateDict, str], None]
+    lazy: Callable[[str], StateDict] | None
+    lazy_label: str = ""
+
+
+def _quiet(fn: Callable[[], object]) -> object:
+    with warnings.catch_warnings():  # dcp warns about no_dist and about its own deprecations
+        warnings.simplefilter("ignore")
+        return fn()
+
+
+# ---------------------------------------------------------------- mmapckpt
+def _mmap_save(sd: StateDict, path: str) -> MmapWriter:
+    w = MmapWriter(path)
+    _quiet(lambda: dcp.save(sd, storage_writer=w, no_dist=True))
+    return w
+
+
+def _mmap_load(targets: StateDict, path: str) -> None:
+    _quiet(lambda: dcp.load(targets, storage_reader=MmapReader(path), no_dist=True))
+
+
+def _mmap_lazy_fn() -> Callable[[str], StateDict] | None:
+    try:
+        from .. import lazy
+    except ImportError:
+        return None
+    fn = getattr(lazy, "load", None)
+    return fn if callable(fn) else None
+
+
+def lazy_note() -> str | None:
+    """Why mmapckpt's lazy row is missing, or None when mmapckpt.lazy.load exists."""
+    return None if _mmap_lazy_fn() is not None else "mmapckpt.lazy.load does not exist in this version: row skipped"
+
+
+def _mmap_lazy(path: str) -> StateDict:
+    fn = _mmap_lazy_fn()
+    if fn is None:
+        raise RuntimeError(lazy_note())
+    return fn(path)
+
+
+def _base_save(sd: StateDict, path: str) -> MmapWriter:
+    w = MmapWriter(path, direct_io=False)
+    _quiet(lambda: dcp.save(sd, storage_writer=w, no_dist=True))
+    return w
+
+
+def _base_load(targets: StateDict, path: str) -> None:
+    _quiet(lambda: dcp.load(targets, storage_reader=MmapReader(path, direct_reads=False), no_dist=True))
+
+
+# ---------------------------------------------------------------- mmapckpt without DCP planning
+def _api_save(sd: StateDict, path: str) -> MmapWriter:
+    from ..saving import save
+
+    return save(sd, path)
+
+
+def _api_load(targets: StateDict, path: str) -> None:
+    from ..into import load_into
+
+    load_into(targets, path)
+
+
+# ---------------------------------------------------------------- stock DCP
+def _dcp_save(sd: StateDict, path: str) -> None:
+    _quiet(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=True))
+
+
+def _dcp_load(targets: StateDict, path: str) -> None:
+    _quiet(lambda: dcp.load(targets, storage_reader=dcp.FileSystemReader(path), no_dist=True))
+
+
+# ---------------------------------------------------------------- safetensors
+def _st_file(path: str) -> str:
+    return os.path.join(path, "model.safetensors")
+
+
+def _st_save(sd: StateDict, path: str) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file(sd, _st_file(path))
+    fsync_path(_st_file(path))
+    fsync_path(path)
+
+
+def _st_load(targets: StateDict, path: str) -> None:
+    from safetensors import safe_open
+
+    with safe_open(_st_file(path), framework="pt") as f:
+        for k in f.keys():
+            targets[k].copy_(f.get_tensor(k))
+
+
+def _st_lazy(path: str) -> StateDict:
+    from safetensors.torch import load_file
+
+    return load_file(_st_file(path))
+
+
+# ---------------------------------------------------------------- torch.save
+def _pt_file(path: str) -> str:
+    return os.path.join(path, "model.pt")
+
+
+def _pt_save(sd: StateDict, path: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    torch.save(sd, _pt_file(path))
+    fsync_path(_pt_file(path))
+    fsync_path(path)
+
+
+def _pt_lazy(path: str) -> StateDict:
+    return torch.load(_pt_file(path), mmap=True, weights_only=True)
+
+
+def _pt_load(targets: StateDict, path: str) -> None:
+    for k, v in _pt_lazy(path).items():
+        targets[k].copy_(v)
+
+
+METHODS: tuple[Method, ...] = (
+    Method("mmapckpt", "mmapckpt (MmapWriter/MmapReader)", _mmap_save, _mmap_load, _mmap_lazy, "mmapckpt.load"),
+    Method("mmapckpt-api", "mmapckpt.save / mmapckpt.load_into (one process, no DCP planning)", _api_save, _api_load,
+           None),
+    Method("dcp", "stock DCP (FileSystemWriter/Reader)", _dcp_save, _dcp_load, None),
+    Method("safetensors", "safetensors (save_file/safe_open)", _st_save, _st_load, _st_lazy,
+           "safetensors load_file"),
+    Method("torch", "torch.save/torch.load(mmap=True)", _pt_save, _pt_load, _pt_lazy, "torch.load(mmap=True)"),
+)
+
+
+#: Selected only by name (``--methods``): mmapckpt with its fast paths off (buffered writes,
+#: copies out of the mapping), to show in one run what the fast paths move.
+EXTRA_METHODS: tuple[Method, ...] = (
+    Method("mmapckpt-base", "mmapckpt, buffered writes and mapped copies", _base_save, _base_load, None),
+)
+
+
+def method_by_key(key: str) -> Method:
+    for m in METHODS + EXTRA_METHODS:
+        if m.key == key:
+            return m
+    raise KeyError(f"unknown benchmark method {key!r}; known: {[m.key for m in METHODS]}")

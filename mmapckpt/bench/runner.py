@@ -1,0 +1,290 @@
+"""``mmapckpt bench``: mmapckpt side by side with its alternatives and the machine's limits.
+
+One run builds a transformer-shaped state dict, then, repetition after repetition
+(the methods' order rotating so that drift in a shared machine spreads evenly),
+measures on the same bytes:
+
+- the limits: ``copy_`` of the tensors into the targets, sequential write+fsync
+  (buffered and O_DIRECT) and a sequential cold read of as many bytes;
+- for each method: a durable save, a warm and a cold load into preallocated
+  targets, and a lazy open of the whole state dict;
+
+and once per method, in a fresh process, the memory a load adds. It prints a table
+(median seconds with min and max, GB/s, fraction of the limit, ratio to the stock
+DCP), writes a JSON file and, with matplotlib (the ``plot`` extra), a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+from . import report
+from .methods import EXTRA_METHODS, METHODS, Method, lazy_note
+from .synthetic import parse_size, transformer_state_dict
+from .system import cold_read_limit, copy_limit, evict, files_under, machine_info, warm_up, write_limit
+
+__all__ = ["add_arguments", "run", "run_benchmark"]
+
+_QUICK = {"size": "8MB", "tensors": 23, "repeats": 1}
+_DEFAULTS = {"size": "1GB", "tensors": 320, "repeats": 5}
+StateDict = dict[str, torch.Tensor]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``mmapckpt bench`` options to ``parser``."""
+    parser.add_argument("--size", default=None, help="state dict size, e.g. 256MB, 1GB (default 1GB)")
+    parser.add_argument("--dtype", default="bfloat16", help="tensor dtype (default bfloat16)")
+    parser.add_argument("--tensors", type=int, default=None,
+                        help="about how many tensors (10 per layer plus 3; default 320)")
+    parser.add_argument("--repeats", type=int, default=None, help="repetitions; medians shown (default 5)")
+    parser.add_argument("--out", default=".", help="directory for bench.json and bench.png (default: .)")
+    parser.add_argument("--dir", default=None,
+                        help="where to write the checkpoints (default: a temporary directory under the "
+                             "current one, so on its disk rather than a tmpfs /tmp)")
+    parser.add_argument("--methods", default=",".join(m.key for m in METHODS),
+                        help="comma-separated subset of: " + ", ".join(m.key for m in METHODS + EXTRA_METHODS)
+                             + " (mmapckpt-base: mmapckpt with O_DIRECT writes and direct reads off)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's own choice); on a busy machine 1 "
+                             "avoids copy_ stalling at OpenMP barriers")
+    parser.add_argument("--scan", choices=("sizes", "tensors"), default=None,
+                        help="instead of the comparison, scan time against total size (at --tensors) or "
+                             "against tensor count (at --size) for mmapckpt, safetensors and the stock DCP")
+    parser.add_argument("--points", default=None,
+                        help="scan points, comma-separated: sizes (default 256MB,512MB,1GB,2GB,4GB) or "
+                             "tensor counts (default 10,100,1000,10000,100000)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-load memory measurement")
+    parser.add_argument("--quick", action="store_true", help="a tiny run (8MB, 1 repetition) to try it out")
+
+
+def _resolve(args: argparse.Namespace) -> dict[str, object]:
+    base = _QUICK if args.quick else _DEFAULTS
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {args.dtype!r}")
+    methods = [m for m in METHODS + EXTRA_METHODS if m.key in {s.strip() for s in args.methods.split(",")}]
+    if not methods:
+        raise ValueError(f"no known method in {args.methods!r}")
+    repeats = args.repeats if args.repeats is not None else base["repeats"]
+    if repeats < 1:
+        raise ValueError("--repeats must be at least 1")
+    tensors = args.tensors if args.tensors is not None else base["tensors"]
+    return {"size": parse_size(args.size or str(base["size"])), "dtype": dtype, "repeats": repeats,
+            "layers": max(1, round((tensors - 3) / 10)), "methods": methods}
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _same_bits(a: StateDict, b: StateDict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and torch.equal(a[k].contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8)) for k in a)
+
+
+class _Run:
+    """The measurements of one benchmark run, gathered repetition by repetition."""
+
+    def __init__(self, root: str, sd: StateDict, methods: list[Method]) -> None:
+        self.root, self.sd, self.methods = root, sd, methods
+        self.nbytes = sum(t.nbytes for t in sd.values())
+        self.targets = {k: torch.empty_like(v).zero_() for k, v in sd.items()}
+        self.times: dict[str, dict[str, list[float]]] = {}
+        self.limits: dict[str, list[float]] = {}
+        self.correct: dict[str, bool] = {}
+        self.notes: list[str] = []
+        self.write_paths: dict[str, set[str]] = {}
+
+    def _add(self, method: str, phase: str, seconds: float) -> None:
+        self.times.setdefault(method, {}).setdefault(phase, []).append(seconds)
+
+    def _dir(self, m: Method) -> str:
+        return os.path.join(self.root, m.key)
+
+    def copy_limit(self) -> None:
+        self.limits.setdefault("copy", []).append(copy_limit(self.sd, self.targets))
+
+    def write_limits(self) -> None:
+        """The write limits; leaves limit.bin for the cold-read limit."""
+        path = os.path.join(self.root, "limit.bin")
+        for name, direct in (("write_buffered", False), ("write_direct", True)):
+            t = write_limit(path, self.nbytes, direct=direct)
+            if t is not None:
+                self.limits.setdefault(name, []).append(t)
+
+    def read_limit(self) -> None:
+        """The cold sequential read of limit.bin (written among the saves, read among the cold loads)."""
+        path = os.path.join(self.root, "limit.bin")
+        # Read once first, as every checkpoint is by its warm load: on this virtual disk the
+        # first read of freshly written blocks was about three times slower than later ones.
+        warm_up([path])
+        self.limits.setdefault("cold_read", []).append(cold_read_limit(path))
+        os.unlink(path)
+
+    def save(self, m: Method) -> None:
+        shutil.rmtree(self._dir(m), ignore_errors=True)
+        os.sync()  # the removed checkpoint's journal commit (and discards) is not this save's
+        t0 = time.perf_counter()
+        writer = m.save(self.sd, self._dir(m))
+        self._add(m.key, "save", time.perf_counter() - t0)
+        path_used = getattr(writer, "write_path", None)
+        if path_used:
+            self.write_paths.setdefault(m.key, set()).add(str(path_used))
+
+    def load(self, m: Method, phase: str, check: bool) -> None:
+        files = files_under(self._dir(m))
+        (warm_up if phase == "warm" else evict)(files)
+        if check:
+            for t in self.targets.values():
+                t.zero_()
+        self._add(m.key, phase, _timed(lambda: m.load_into(self.targets, self._dir(m))))
+        if check:
+            self.correct[m.key] = self.correct.get(m.key, True) and _same_bits(self.sd, self.targets)
+
+    def lazy(self, m: Method, check: bool) -> None:
+        warm_up(files_under(self._dir(m)))
+        out: list[StateDict] = []
+        self._add(m.key, "lazy", _timed(lambda: out.append(m.lazy(self._dir(m)))))  # type: ignore[misc]
+        if check:
+            self.correct[m.key] = self.correct.get(m.key, True) and _same_bits(self.sd, dict(out[0]))
+        out.clear()
+
+    def repetition(self, r: int) -> None:
+        order = self.methods[r % len(self.methods):] + self.methods[:r % len(self.methods)]
+        # The disk limits take a turn among the methods, at a place that moves each repetition:
+        # on a virtual disk whose host caches recent writes, a file's age changes its cold read.
+        slot = r % (len(order) + 1)
+        self.copy_limit()
+        for i, m in enumerate(order + [None]):
+            if i == slot:
+                self.write_limits()
+            if m is not None:
+                self.save(m)
+        for m in order:
+            self.load(m, "warm", check=(r == 0))
+        for i, m in enumerate(order + [None]):
+            if i == slot:
+                self.read_limit()
+            if m is not None:
+                self.load(m, "cold", check=(r == 0))
+        note = lazy_note()
+        for m in order:
+            if m.lazy is not None and not (m.key == "mmapckpt" and note):
+                self.lazy(m, check=(r == 0))
+        if note and r == 0:
+            self.notes.append(note)
+
+    def memory(self) -> dict[str, dict[str, object]]:
+        spec_path = os.path.join(self.root, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump({k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in self.sd.items()}, f)
+        out = {}
+        for m in self.methods:
+            warm_up(files_under(self._dir(m)))
+            proc = subprocess.run([sys.executable, "-m", "mmapckpt.bench.memory", m.key, self._dir(m), spec_path],
+                                  capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"memory measurement of {m.key} failed:\n{proc.stderr[-2000:]}")
+            out[m.key] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return out
+
+
+def run_benchmark(*, size: int, dtype: torch.dtype, layers: int, repeats: int, methods: list[Method],
+                  bench_dir: str, memory: bool = True, log: Callable[[str], None] = print) -> dict[str, object]:
+    """Run the benchmark in a fresh directory under ``bench_dir``; return the result document."""
+    root = tempfile.mkdtemp(prefix=".mmapckpt-bench-", dir=bench_dir)
+    try:
+        sd = transformer_state_dict(size, dtype=dtype, layers=layers)
+        run = _Run(root, sd, methods)
+        log(f"state dict: {len(sd)} tensors, {run.nbytes / 1e9:.3f} GB of {str(dtype).removeprefix('torch.')}; "
+            f"{repeats} repetition(s) in {root}")
+        for r in range(repeats):
+            log(f"repetition {r + 1}/{repeats} ...")
+            run.repetition(r)
+        mem = run.memory() if memory else {}
+        return report.document(run_info={
+            "machine": machine_info(root), "tensors": len(sd), "bytes": run.nbytes,
+            "dtype": str(dtype).removeprefix("torch."), "repeats": repeats,
+            "write_paths": {k: sorted(v) for k, v in run.write_paths.items()}, "notes": run.notes, "correct": run.correct,
+        }, times=run.times, limits=run.limits, memory=mem, methods=[m.key for m in methods])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``mmapckpt bench`` command: run, print the table, write the JSON (and PNG)."""
+    try:
+        cfg = _resolve(args)
+    except ValueError as e:
+        print(f"mmapckpt bench: {e}", file=sys.stderr)
+        return 2
+    threads_before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run_configured(args, cfg)
+    finally:
+        torch.set_num_threads(threads_before)  # run() may be called in a process that goes on
+
+
+def _run_configured(args: argparse.Namespace, cfg: dict) -> int:
+    bench_dir = args.dir or os.getcwd()
+    os.makedirs(bench_dir, exist_ok=True)
+    if args.scan:
+        return _run_scan(args, cfg, bench_dir)
+    doc = run_benchmark(size=cfg["size"], dtype=cfg["dtype"], layers=cfg["layers"], repeats=cfg["repeats"],
+                        methods=cfg["methods"], bench_dir=bench_dir, memory=not args.no_memory,
+                        log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(report.render_table(doc))
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "bench.json")
+    with open(json_path, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"\nJSON: {json_path}")
+    png = report.plot(doc, os.path.join(args.out, "bench.png"))
+    print(f"chart: {png}" if png else "chart: skipped (install the 'plot' extra: matplotlib)")
+    return 0 if all(doc["run"]["correct"].values()) else 1
+
+
+_SCAN_POINTS = {"sizes": "256MB,512MB,1GB,2GB,4GB", "tensors": "10,100,1000,10000,100000"}
+
+
+def _run_scan(args: argparse.Namespace, cfg: dict, bench_dir: str) -> int:
+    from . import scan as _bench_scan
+
+    raw = (args.points or _SCAN_POINTS[args.scan]).split(",")
+    points = [parse_size(p) if args.scan == "sizes" else int(p) for p in raw]
+    fixed = args.tensors or _DEFAULTS["tensors"] if args.scan == "sizes" else cfg["size"]
+    methods = [m.key for m in cfg["methods"] if m.key in ("mmapckpt", "mmapckpt-api", "safetensors", "dcp")] or ["mmapckpt"]
+    doc = _bench_scan.scan(args.scan, points, fixed=fixed, dtype=cfg["dtype"], repeats=cfg["repeats"],
+                           methods=methods, bench_dir=bench_dir, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(_bench_scan.render(doc))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"scan-{args.scan}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"\nJSON: {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmapckpt bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Conversion sources for DCP checkpoint directories: mmapckpt shards and stock ``torch.save`` items."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from ..errors import FormatError, IncompleteCheckpointError, TruncatedFileError
+from ..format import layout as fmt
+from ..format.metadata import KIND_MMAPCKPT
+from ..format.shard import Shard
+from ..format.stock import load_tensor
+from ..io.files import open_inside, pread_into
+from .common import Source, label, tensor_chunk_sizes
+
+__all__ = ["MmapckptSource", "StockSource"]
+
+
+class _DcpSource(Source):
+    def __init__(self, path: str, kind: str, md: Metadata) -> None:
+        self.path, self.kind, self.metadata = path, kind, md
+        if md.storage_data is None:
+            raise FormatError("metadata has no storage data", path=path)
+        per_file: dict[str, list[MetadataIndex]] = {}
+        for idx, info in sorted(md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+            per_file.setdefault(info.relative_path, []).append(idx)
+        self.layout = list(per_file.items())
+        self.files = len(self.layout)
+        self._sizes = tensor_chunk_sizes(md)
+        self.version = f"DCP metadata {md.version}"
+
+    def _info(self, idx: MetadataIndex) -> Any:
+        try:
+            return self.metadata.storage_data[idx]
+        except KeyError:
+            raise FormatError("metadata has no storage record for this entry", path=self.path,
+                              entry=label(idx)) from None
+
+    def _check(self, t: torch.Tensor, idx: MetadataIndex, where: str) -> torch.Tensor:
+        item = self.metadata.state_dict_metadata.get(idx.fqn)
+        want = self._sizes.get((idx.fqn, tuple(idx.offset or ())))
+        if not isinstance(item, TensorStorageMetadata) or want is None:
+            raise FormatError("storage record names a tensor chunk the metadata does not list", path=where,
+                              entry=label(idx))
+        if t.dtype != item.properties.dtype or tuple(t.shape) != want:
+            raise FormatError(f"stored chunk is {t.dtype} {list(t.shape)}, the metadata says "
+                              f"{item.properties.dtype} {list(want)}", path=where, entry=label(idx))
+        return t
+
+    def bytes_length(self, idx: MetadataIndex) -> int:
+        return self._info(idx).length
+
+
+class MmapckptSource(_DcpSource):
+    def __init__(self, path: str, md: Metadata) -> None:
+        super().__init__(path, KIND_MMAPCKPT, md)
+        self._shards: dict[str, Shard] = {}
+        if self.layout:
+            first = self._shard(self.layout[0][0])
+            self.version = f"shard format {fmt.FORMAT_MAJOR}.{first.header.minor}, {self.version}"
+
+    def _shard(self, rel: str) -> Shard:
+        if rel not in self._shards:
+            shard = Shard(open_inside(self.path, rel))
+            want = getattr(self.metadata.storage_meta, "save_id", None)
+            if shard.header.save_id is not None and want is not None and shard.header.save_id != want:
+                raise FormatError(f"shard was written by save {shard.header.save_id}, the metadata by save {want}",
+                                  path=shard.path)
+            self._shards[rel] = shard
+        return self._shards[rel]
+
+    def _entry(self, idx: MetadataIndex, chunk: tuple[int, ...] | None) -> tuple[Shard, fmt.Entry]:
+        info = self._info(idx)
+        shard = self._shard(info.relative_path)
+        e = shard.entry(idx.fqn, chunk)
+        if (info.offset, info.length) != (e.offset, e.length):
+            raise FormatError(f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
+                              f"[{e.offset}, +{e.length})", path=shard.path, entry=e.label)
+        # Checked on every read: a conversion must not carry damaged bytes into a format without checksums.
+        shard.verify(e)
+        return shard, e
+
+    def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
+        shard, e = self._entry(idx, tuple(idx.offset or ()))
+        if e.kind != fmt.KIND_TENSOR:
+            raise FormatError("metadata says tensor but the shard holds bytes", path=shard.path, entry=e.label)
+        return self._check(shard.tensor(e), idx, shard.path)
+
+    def read_bytes(self, idx: MetadataIndex) -> bytes:
+        shard, e = self._entry(idx, None)
+        return shard.read_bytes(e)
+
+    def close(self) -> None:
+        self._shards.clear()
+
+
+class _FileSlice(io.RawIOBase):
+    """A read-only, seekable window [offset, offset + length) of a file, for torch.load."""
+
+    def __init__(self, fd: int, offset: int, length: int, path: str) -> None:
+        self._fd, self._base, self._len, self._pos, self._path = fd, offset, length, 0, path
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        mv = memoryview(buf).cast("B")
+        n = max(0, min(len(mv), self._len - self._pos))
+        if n:
+            pread_into(self._fd, mv[:n], self._base + self._pos, path=self._path)
+        self._pos += n
+        return n
+
+
+class StockSource(_DcpSource):
+    """Stock DCP: every item is ``torch.save`` bytes at (file, offset, length); tensors load with weights_only."""
+
+    def __init__(self, path: str, md: Metadata) -> None:
+        super().__init__(path, "dcp", md)
+        self.version += ", torch.save items"
+        self._fds: dict[str, tuple[int, int, str]] = {}
+
+    def _slice(self, idx: MetadataIndex) -> _FileSlice:
+        info = self._info(idx)
+        if getattr(info, "transform_descriptors", None):
+            raise FormatError("stream transforms are not supported", path=self.path, entry=label(idx))
+        if info.relative_path not in self._fds:
+            full = open_inside(self.path, info.relative_path)
+            try:
+                fd = os.open(full, os.O_RDONLY)
+            except FileNotFoundError:
+                raise IncompleteCheckpointError("shard file named in the metadata is missing", path=full,
+                                      entry=label(idx)) from None
+            self._fds[info.relative_path] = (fd, os.fstat(fd).st_size, full)
+        fd, size, full = self._fds[info.relative_path]
+        if info.offset + info.length > size:
+            raise TruncatedFileError(f"item [{info.offset}, +{info.length}) runs past the end of the "
+                                     f"{size}-byte file", path=full, entry=label(idx))
+        return _FileSlice(fd, info.offset, info.length, full)
+
+    def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
+        sl = self._slice(idx)
+        return self._check(load_tensor(sl, path=sl._path, entry=label(idx)), idx, sl._path)
+
+    def read_bytes(self, idx: MetadataIndex) -> bytes:
+        sl = self._slice(idx)
+        buf = bytearray(sl._len)
+        sl.readinto(buf)
+        return bytes(buf)
+
+    def close(self) -> None:
+        for fd, _, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,183 @@
+"""The read paths of MmapReader, per shard file and per format.
+
+An mmapckpt shard is mapped: each stored chunk becomes a view over the mapping,
+narrowed to the requested region and copied into the planner's target (or read with
+``preadv`` straight into it). A stock shard holds one ``torch.save`` item per record,
+loaded with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, SizeMismatchError
+from ..format import layout as fmt
+from ..format.metadata import KIND_MMAPCKPT
+from ..format.shard import Shard, check_size_unchanged, is_mmapckpt_shard
+from ..format.stock import load_tensor, read_item
+from ..io.direct_reads import DirectReads
+from ..io.files import open_inside
+
+__all__ = ["FileReads", "label"]
+
+
+def label(idx: MetadataIndex) -> str:
+    """An entry's name in errors: ``fqn``, or ``fqn@[chunk offsets]``."""
+    return idx.fqn if idx.offset is None else f"{idx.fqn}@{list(idx.offset)}"
+
+
+class FileReads:
+    """One load's reads: the metadata's records, and how to read the items of one shard file."""
+
+    def __init__(self, root: str, storage_data: dict[MetadataIndex, _StorageInfo], state_dict_metadata: dict[str, Any],
+                 save_id: str | None, metadata_kind: str | None, *, verify: bool, direct_reads: bool) -> None:
+        self.root, self.storage_data, self.state_dict_metadata = root, storage_data, state_dict_metadata
+        self.save_id, self.metadata_kind, self.verify, self.direct_reads = save_id, metadata_kind, verify, direct_reads
+
+    def info(self, idx: MetadataIndex) -> _StorageInfo:
+        try:
+            return self.storage_data[idx]
+        except KeyError:
+            raise FormatError("metadata has no storage record for this entry", path=self.root,
+                              entry=label(idx)) from None
+
+    def read_file(self, rel: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+        path = open_inside(self.root, rel)
+        if not os.path.exists(path):
+            raise IncompleteCheckpointError("shard file named in the metadata is missing", path=path,
+                                  entry=label(reqs[0].storage_index))
+        if self.metadata_kind == KIND_MMAPCKPT or is_mmapckpt_shard(path):
+            return self._read_mmapckpt(path, reqs, planner)
+        return self._read_stock(path, reqs, planner)
+
+    def _read_mmapckpt(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+        """Every chunk is placed by the metadata, agreeing with the shard header (Shard.view)."""
+        shard = Shard(path, check_entries=False)
+        if shard.save_id is not None and self.save_id not in (None, shard.save_id):
+            raise IncompleteCheckpointError(
+                f"shard was written by save {shard.save_id}, but the metadata read belongs to save "
+                f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=path)
+        devices = []
+        ranges = [(self.storage_data[r.storage_index].offset, self.storage_data[r.storage_index].length)
+                  for r in reqs if r.type != LoadItemType.BYTE_IO and r.storage_index in self.storage_data]
+        direct = DirectReads(shard.file, enabled=self.direct_reads and _defers_safely(planner), ranges=ranges)
+        accept_view = getattr(planner, "accept_view", None)
+        try:
+            for req in reqs:
+                idx, info = req.storage_index, self.storage_data[req.storage_index]
+                if self.verify:
+                    shard.verify(self._entry(shard, req, info))
+                if req.type == LoadItemType.BYTE_IO:
+                    _load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), path)
+                    continue
+                dtype, sizes = self._chunk(idx, path)
+                view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes)
+                # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
+                # may keep the mapped view of the whole stored chunk instead of having it copied.
+                if accept_view is not None and accept_view(req, view):
+                    continue
+                dev = self._copy(view, req, planner, path, direct=direct)
+                if dev is not None:
+                    devices.append(dev)
+            for req, target in direct.run():
+                planner.commit_tensor(req, target)
+        finally:
+            direct.close()
+        check_size_unchanged(shard)
+        return devices
+
+    def _chunk(self, idx: MetadataIndex, path: str) -> tuple[torch.dtype, torch.Size]:
+        """dtype and shape of the stored chunk ``idx`` names, from the metadata."""
+        md = self.state_dict_metadata.get(idx.fqn)
+        if isinstance(md, TensorStorageMetadata) and idx.offset is not None:
+            for c in md.chunks:
+                if c.offsets == idx.offset:
+                    return md.properties.dtype, c.sizes
+        raise FormatError("the metadata describes no such stored chunk", path=path, entry=label(idx))
+
+    def _entry(self, shard: Shard, req: ReadItem, info: _StorageInfo) -> fmt.Entry:
+        """The shard header's entry for ``req``, which must agree with the metadata's record."""
+        idx = req.storage_index
+        e = shard.entry(idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
+        if (info.offset, info.length) != (e.offset, e.length):
+            raise FormatError(f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
+                              f"[{e.offset}, +{e.length})", path=shard.path, entry=e.label)
+        return e
+
+    def _copy(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str,
+              direct: DirectReads | None = None) -> torch.device | None:
+        if any(req.storage_offsets) or req.lengths != src.size():
+            try:
+                src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
+            except (RuntimeError, IndexError) as e:
+                raise SizeMismatchError(f"requested region {list(req.storage_offsets)}+{list(req.lengths)} is "
+                                        f"outside the stored chunk {list(src.shape)}: {e}", path=path,
+                                        entry=label(req.storage_index)) from None
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != src.size():
+            raise SizeMismatchError(f"stored region has shape {list(src.size())} but the target has "
+                                    f"{list(target.size())}", path=path, entry=label(req.storage_index))
+        if direct is not None and direct.take(src, target, req, label(req.storage_index)):
+            return None  # read by direct.run(), then committed
+        on_device = target.device.type != "cpu"
+        target.copy_(src, non_blocking=on_device)
+        planner.commit_tensor(req, target)
+        return target.device if on_device else None
+
+    def _read_stock(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+        """A stock (torch.save per item) shard: each item is loaded with weights_only=True."""
+        devices = []
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for req in reqs:
+                info = self.storage_data[req.storage_index]
+                name = label(req.storage_index)
+                if getattr(info, "transform_descriptors", None):
+                    raise FormatError("stream transforms are not supported", path=path, entry=name)
+                buf = read_item(fd, info.offset, info.length, path=path, entry=name)
+                if req.type == LoadItemType.BYTE_IO:
+                    _load_bytes(planner, req, buf, path)
+                    continue
+                dev = self._copy(load_tensor(buf, path=path, entry=name), req, planner, path)
+                if dev is not None:
+                    devices.append(dev)
+        finally:
+            os.close(fd)
+        return devices
+
+
+def _load_bytes(planner: LoadPlanner, req: ReadItem, data: bytes, path: str) -> None:
+    """Hand a stored non-tensor value to the planner, which deserializes it (DCP's: ``torch.load``).
+
+    Bytes that do not deserialize (a damaged item, or stock metadata pointing at the wrong
+    bytes: it has no checksum) raise FormatError naming the file and entry, not torch's error.
+    """
+    try:
+        planner.load_bytes(req, io.BytesIO(data))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise FormatError(f"the stored value could not be deserialized: {type(e).__name__}: {e}"[:500], path=path,
+                          entry=label(req.storage_index)) from e
+
+
+def _defers_safely(planner: LoadPlanner) -> bool:
+    """Whether reads may be gathered and committed at the end of a file.
+
+    True for DefaultLoadPlanner and subclasses that keep its resolve_tensor and
+    commit_tensor: their targets are views of the state dict and committing does
+    nothing. A planner of its own may hand out a staging buffer per item and move it
+    in commit_tensor, so its items are copied one by one from the mapping, as before.
+    """
+    cls = type(planner)
+    return (isinstance(planner, DefaultLoadPlanner) and cls.resolve_tensor is DefaultLoadPlanner.resolve_tensor
+            and cls.commit_tensor is DefaultLoadPlanner.commit_tensor)

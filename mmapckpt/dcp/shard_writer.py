@@ -1,0 +1,189 @@
+"""Writing one shard file: lay out the entries, write their bytes, then the header, then rename it in.
+
+The writer (writer.py) decides which items go to which file and commits the metadata;
+this module turns one file's items into bytes on disk, through O_DIRECT bounce buffers
+where the filesystem takes them and positional writes where it does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import uuid
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..errors import CheckpointWriteError
+from ..format import layout as fmt
+from ..io.d2h import stage_to_host
+from ..io.files import pwrite_all, unlink_quietly
+from ..io.odirect import DirectWriter, open_direct
+
+__all__ = ["WriterOptions", "write_shard", "chunk_nbytes"]
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    thread_count: int = 1
+    sync_files: bool = True
+    alignment: int = 4096
+    overwrite: bool = True
+    direct_io: bool = True
+
+    def __post_init__(self) -> None:
+        if self.thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {self.thread_count}")
+        fmt.layout_entries([], self.alignment)  # validates the alignment
+
+
+def chunk_nbytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    assert td is not None  # a TENSOR/SHARD item always has tensor_data (DCP invariant, not file content)
+    n = 1
+    for s in td.chunk.sizes:
+        n *= s
+    return n * torch._utils._element_size(td.properties.dtype)
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's own bytes in C order, from its memory where it is contiguous."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if t.numel() == 1 and t.stride(0) != 1:  # one element counts as contiguous whatever its stride
+        t = t.clone(memory_format=torch.contiguous_format)
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def write_shard(directory: str, name: str, items: list[WriteItem], planner: SavePlanner, save_id: str | None,
+            options: WriterOptions) -> tuple[list[WriteResult], str]:
+    """Lay out and write one shard under a temporary name, then rename it into place.
+
+    A new inode replaces the old file, so readers that mapped the old one keep valid pages.
+    """
+    final = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        byte_payloads, specs = {}, []
+        for it in items:  # BYTE_IO payloads are small: resolve them first to know every size
+            if it.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(it)
+                payload = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                byte_payloads[it.index] = payload
+                specs.append(fmt.EntrySpec(it.index.fqn, None, fmt.KIND_BYTES, None, (), len(payload)))
+            else:
+                td = it.tensor_data
+                specs.append(fmt.EntrySpec(it.index.fqn, tuple(td.chunk.offsets), fmt.KIND_TENSOR,
+                                           fmt.dtype_name(td.properties.dtype), tuple(td.chunk.sizes),
+                                           chunk_nbytes(it)))
+        entries, file_size = fmt.layout_entries(specs, options.alignment, save_id)
+        fd = open_direct(tmp) if options.direct_io else None
+        write_path = "buffered" if fd is None else "direct"
+        if fd is None:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, file_size)
+            if write_path == "direct":
+                done = _write_entries_direct(fd, entries, items, byte_payloads, planner, save_id, file_size)
+            else:
+                done = _write_entries(fd, entries, items, byte_payloads, planner)
+                pwrite_all(fd, fmt.encode_header(done, save_id), 0)
+            if options.sync_files:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except OSError as e:
+        unlink_quietly(tmp)
+        raise CheckpointWriteError(f"writing shard failed: {e}", path=final) from e
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    return [WriteResult(index=it.index, size_in_bytes=e.length, storage_data=_StorageInfo(name, e.offset, e.length))
+            for e, it in zip(done, items)], write_path
+
+def _write_entries(fd: int, entries: list[fmt.Entry], items: list[WriteItem],
+                   byte_payloads: dict[Any, bytes], planner: SavePlanner) -> list[fmt.Entry]:
+    """Write every entry's bytes at its offset; return the entries with their CRC-32s."""
+    entry_of = {id(it): e for e, it in zip(entries, items)}
+    done: dict[int, fmt.Entry] = {}
+    for it in items:
+        if it.type == WriteItemType.BYTE_IO:
+            done[id(it)] = _write_at(fd, entry_of[id(it)], byte_payloads[it.index])
+    tensor_items = [it for it in items if it.type != WriteItemType.BYTE_IO]
+    for it, t in stage_to_host(tensor_items, planner.resolve_data):
+        e = entry_of[id(it)]
+        done[id(it)] = _write_at(fd, e, _planned_bytes(e, it, t))
+    return [done[id(it)] for it in items]
+
+def _write_entries_direct(fd: int, entries: list[fmt.Entry], items: list[WriteItem],
+                          byte_payloads: dict[Any, bytes], planner: SavePlanner, save_id: str | None,
+                          file_size: int) -> list[fmt.Entry]:
+    """_write_entries through a DirectWriter: entries in file order, then the header."""
+    sink = DirectWriter(fd, min((e.offset for e in entries), default=file_size))
+    # CRC-32s on a thread of their own (zlib releases the GIL): they overlap the copies into
+    # the bounce buffers, which overlap the disk writes.
+    crc_pool = ThreadPoolExecutor(1, thread_name_prefix="mmapckpt-crc")
+    try:
+        staged = stage_to_host([it for it in items if it.type != WriteItemType.BYTE_IO], planner.resolve_data)
+        done, crcs = [], []
+        for e, it in zip(entries, items):  # layout order is item order: ascending offsets
+            if it.type == WriteItemType.BYTE_IO:
+                buf: Any = byte_payloads[it.index]
+            else:
+                sit, t = next(staged)
+                assert sit is it  # stage_to_host yields in order (an invariant of ours, not file content)
+                buf = _planned_bytes(e, it, t)
+            if len(buf) != e.length:
+                raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
+            # small entries inline: a hand-off to the thread costs more than their checksum
+            crcs.append(crc_pool.submit(zlib.crc32, buf) if len(buf) >= _CRC_THREAD_MIN else _Done(zlib.crc32(buf)))
+            sink.put(e.offset, buf)
+            done.append(e)
+        done = [dataclasses.replace(e, crc32=c.result()) for e, c in zip(done, crcs)]
+        sink.finish(fmt.encode_header(done, save_id), file_size)
+    finally:
+        crc_pool.shutdown(wait=True)
+        sink.close()
+    return done
+
+
+#: Entries at least this long get their CRC-32 computed on the checksum thread.
+_CRC_THREAD_MIN = 1 << 20
+
+
+class _Done:
+    """A finished value with a Future's ``result()``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def result(self) -> int:
+        return self.value
+
+
+def _planned_bytes(e: fmt.Entry, it: WriteItem, t: torch.Tensor) -> Any:
+    """The tensor's bytes, after checking it is what the plan laid out."""
+    if tuple(t.shape) != e.shape or fmt.dtype_name(t.dtype) != e.dtype:
+        raise ValueError(f"planner resolved {it.index.fqn!r} to {tuple(t.shape)} {t.dtype}, "
+                         f"but the plan said {e.shape} {e.dtype}")
+    return _tensor_bytes(t) if e.length else b""
+
+
+def _write_at(fd: int, e: fmt.Entry, buf: Any) -> fmt.Entry:
+    if len(buf) != e.length:
+        raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
+    if e.length:
+        pwrite_all(fd, buf, e.offset)
+    return dataclasses.replace(e, crc32=zlib.crc32(buf))

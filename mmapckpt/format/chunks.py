@@ -1,0 +1,102 @@
+"""How to get a checkpoint's chunks.
+
+``ChunkFiles`` opens the shard files (mmapckpt shards validated and mapped, stock
+files read per item with ``torch.load(weights_only=True)``) and returns each
+chunk as a CPU tensor, a view over the mapping where it can. The index of entries
+and chunks it works from is the metadata's (``metafile.read_index_file``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from ..errors import FormatError, IncompleteCheckpointError, SizeMismatchError
+from ..io.files import open_inside
+from .entries import ChunkInfo, EntryInfo, numel
+from .shard import Shard, check_size_unchanged, is_mmapckpt_shard
+from .stock import load_tensor, read_item
+
+__all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles", "check_coverage"]
+
+
+def check_coverage(info: EntryInfo, path: str) -> None:
+    """The chunks must tile the tensor: inside it, disjoint, volumes adding up to it."""
+    shape = info.shape or ()
+    total = 0
+    for c in info.chunks:
+        if len(c.offsets) != len(shape) or any(o + s > g for o, s, g in zip(c.offsets, c.sizes, shape)):
+            raise FormatError(f"chunk {list(c.offsets)}+{list(c.sizes)} lies outside the tensor {list(shape)}",
+                              path=path, entry=info.name)
+        total += numel(c.sizes)
+    live = [c for c in info.chunks if numel(c.sizes)]
+    for i, a in enumerate(live):
+        for b in live[i + 1:]:
+            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                raise FormatError(f"chunks at {list(a.offsets)} and {list(b.offsets)} overlap", path=path,
+                                  entry=info.name)
+    if total != numel(shape):
+        raise FormatError(f"chunks hold {total} of the tensor's {numel(shape)} elements", path=path, entry=info.name)
+
+
+class ChunkFiles:
+    """The checkpoint's shard files: mmapckpt shards mapped, stock files read per item."""
+
+    def __init__(self, root: str, rels: set[str], save_id: str | None) -> None:
+        self.root = root
+        self.shards: dict[str, Shard] = {}
+        self.stock: dict[str, str] = {}
+        for rel in sorted(rels):
+            full = open_inside(root, rel)
+            if not os.path.isfile(full):
+                raise IncompleteCheckpointError("shard file named in the metadata is missing", path=full)
+            if is_mmapckpt_shard(full):
+                shard = Shard(full, check_entries=False)  # chunks are placed by the metadata: see chunk()
+                sid = shard.save_id
+                if None not in (sid, save_id) and sid != save_id:
+                    raise IncompleteCheckpointError(
+                        f"shard was written by save {sid}, but the metadata belongs to save {save_id}: "
+                        "the checkpoint was replaced while it was being opened", path=full)
+                self.shards[rel] = shard
+            else:
+                self.stock[rel] = full
+
+    def chunk(self, info: EntryInfo, c: ChunkInfo) -> torch.Tensor:
+        """The chunk as a CPU tensor: a view over the mapping, or a stock item loaded whole."""
+        shard = self.shards.get(c.file)
+        if shard is not None:
+            return shard.view((info.name, c.offsets), c.file_offset, c.length, info.dtype,  # type: ignore[arg-type]
+                              c.sizes)
+        label = f"{info.name}@{list(c.offsets)}"
+        t = load_tensor(self._read_stock(c, label), path=self.stock[c.file], entry=label).contiguous()
+        if t.dtype != info.dtype or tuple(t.shape) != c.sizes:
+            raise SizeMismatchError(f"stored chunk is {t.dtype} {list(t.shape)}, the metadata says {info.dtype} "
+                                    f"{list(c.sizes)}", path=os.path.join(self.root, c.file), entry=label)
+        return t
+
+    def object_bytes(self, info: EntryInfo) -> bytes:
+        c = info.chunks[0]
+        shard = self.shards.get(c.file)
+        if shard is None:
+            return self._read_stock(c, info.name)
+        return shard.object_bytes(info.name, c.file_offset, c.length)
+
+    def _read_stock(self, c: ChunkInfo, label: str) -> bytes:
+        path = self.stock[c.file]
+        with open(path, "rb") as f:
+            return bytes(read_item(f.fileno(), c.file_offset, c.length, path=path, entry=label))
+
+    def advise(self, c: ChunkInfo, advice: int) -> None:
+        """Pass a madvise hint for the chunk's pages (no-op for stock files)."""
+        shard = self.shards.get(c.file)
+        if shard is not None:
+            shard.file.advise(advice, c.file_offset, c.length)
+
+    def check_unchanged(self, chunks: Iterable[ChunkInfo]) -> None:
+        """Raise TruncatedFileError if a mapped file holding one of ``chunks`` shrank since it was opened."""
+        for rel in {c.file for c in chunks}:
+            shard = self.shards.get(rel)
+            if shard is not None:
+                check_size_unchanged(shard)

@@ -1,0 +1,375 @@
+"""The mmapckpt shard format, version 1: the only module that knows its bytes.
+
+docs/format.md is the specification; this module is its implementation. A shard
+file is::
+
+    offset 0   preamble, 32 bytes, little-endian
+               magic        8 bytes  b"MMAPCKPT"
+               major        u16      1
+               minor        u16      0
+               byte order   u8       1 = little-endian data, 2 = big-endian data
+               reserved     3 bytes  zero
+               header_len   u64      length of the JSON header in bytes
+               header_crc   u32      CRC-32 (zlib) of the JSON header bytes
+               reserved     u32      zero
+    offset 32  header, header_len bytes of UTF-8 JSON (see ShardHeader)
+    then       entries' data, each at its own aligned offset, zero padding between
+
+The module is pure: no torch.distributed, no file I/O beyond the bytes given.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..errors import (
+    BadMagicError,
+    ByteOrderError,
+    EntryBoundsError,
+    FormatError,
+    TruncatedFileError,
+    UnknownDtypeError,
+    UnsupportedVersionError,
+)
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_MAJOR",
+    "FORMAT_MINOR",
+    "PREAMBLE_SIZE",
+    "MAX_HEADER_SIZE",
+    "MIN_ALIGNMENT",
+    "DTYPES",
+    "dtype_name",
+    "dtype_from_name",
+    "Entry",
+    "EntrySpec",
+    "ShardHeader",
+    "layout_entries",
+    "encode_header",
+    "decode_preamble",
+    "decode_header_doc",
+    "decode_header",
+    "host_byte_order",
+]
+
+MAGIC = b"MMAPCKPT"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+PREAMBLE_SIZE = 32
+#: Headers larger than this are refused before they are read (safetensors uses the same bound).
+MAX_HEADER_SIZE = 100 * 1024 * 1024
+#: Every entry's data offset is a multiple of this.
+MIN_ALIGNMENT = 64
+MAX_NDIM = 64
+BYTE_ORDER_LITTLE = 1
+BYTE_ORDER_BIG = 2
+KIND_TENSOR = "tensor"
+KIND_BYTES = "bytes"
+
+_PREAMBLE = struct.Struct("<8sHHB3xQI4x")
+assert _PREAMBLE.size == PREAMBLE_SIZE
+
+# The dtype table, written out by hand so that the names persisted on disk never
+# depend on how a torch version spells its dtypes: name -> (attribute of torch, itemsize).
+_DTYPE_TABLE: tuple[tuple[str, str, int], ...] = (
+    ("float64", "float64", 8),
+    ("float32", "float32", 4),
+    ("float16", "float16", 2),
+    ("bfloat16", "bfloat16", 2),
+    ("float8_e4m3fn", "float8_e4m3fn", 1),
+    ("float8_e4m3fnuz", "float8_e4m3fnuz", 1),
+    ("float8_e5m2", "float8_e5m2", 1),
+    ("float8_e5m2fnuz", "float8_e5m2fnuz", 1),
+    ("float8_e8m0fnu", "float8_e8m0fnu", 1),
+    ("complex32", "complex32", 4),
+    ("complex64", "complex64", 8),
+    ("complex128", "complex128", 16),
+    ("int8", "int8", 1),
+    ("int16", "int16", 2),
+    ("int32", "int32", 4),
+    ("int64", "int64", 8),
+    ("uint8", "uint8", 1),
+    ("uint16", "uint16", 2),
+    ("uint32", "uint32", 4),
+    ("uint64", "uint64", 8),
+    ("bool", "bool", 1),
+)
+
+#: name -> (torch.dtype, itemsize), for the dtypes the installed torch has.
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    name: (getattr(torch, attr), size)
+    for name, attr, size in _DTYPE_TABLE
+    if isinstance(getattr(torch, attr, None), torch.dtype)
+}
+_NAMES: dict[torch.dtype, str] = {dt: name for name, (dt, _) in DTYPES.items()}
+
+
+def host_byte_order() -> int:
+    return BYTE_ORDER_LITTLE if sys.byteorder == "little" else BYTE_ORDER_BIG
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The on-disk name of ``dtype``; raises ValueError for dtypes the format cannot hold."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"mmapckpt format v1 cannot store dtype {dtype}") from None
+
+
+def dtype_from_name(name: object, *, path: str | None = None, entry: str | None = None) -> torch.dtype:
+    if not isinstance(name, str) or name not in DTYPES:
+        raise UnknownDtypeError(f"unknown dtype {name!r}", path=path, entry=entry)
+    return DTYPES[name][0]
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """What the writer knows of an entry before laying it out."""
+
+    fqn: str
+    chunk_offsets: tuple[int, ...] | None  # None for non-tensor (bytes) entries
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...]
+    length: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a shard header: where its bytes are and what they are."""
+
+    fqn: str
+    chunk_offsets: tuple[int, ...] | None
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    crc32: int
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...] | None]:
+        return (self.fqn, self.chunk_offsets)
+
+    @property
+    def label(self) -> str:
+        return self.fqn if self.chunk_offsets is None else f"{self.fqn}@{list(self.chunk_offsets)}"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"fqn": self.fqn, "kind": self.kind}
+        if self.kind == KIND_TENSOR:
+            out["chunk_offsets"] = list(self.chunk_offsets or ())
+            out["dtype"] = self.dtype
+            out["shape"] = list(self.shape)
+        out["offset"] = self.offset
+        out["length"] = self.length
+        out["crc32"] = f"{self.crc32:08x}"
+        return out
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A decoded shard header. ``data_start`` is the first byte after the header."""
+
+    entries: tuple[Entry, ...]
+    data_start: int
+    byte_order: int
+    minor: int
+    #: The id of the save that wrote this shard (matches the metadata's storage_meta.save_id), if recorded.
+    save_id: str | None = None
+
+    def by_key(self) -> dict[tuple[str, tuple[int, ...] | None], Entry]:
+        return {e.key: e for e in self.entries}
+
+
+def _align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def entry_alignment(length: int, alignment: int) -> int:
+    """Entries at least ``alignment`` bytes long start on an ``alignment`` boundary."""
+    return alignment if length >= alignment else MIN_ALIGNMENT
+
+
+def layout_entries(specs: Sequence[EntrySpec], alignment: int = 4096,
+                   save_id: str | None = None) -> tuple[list[Entry], int]:
+    """Give every entry an aligned data offset; return the entries and the file size.
+
+    The header's length depends on the offsets' digits, so the first data byte is
+    found by iteration; checksums are fixed-width so they do not change the length.
+    """
+    if alignment < MIN_ALIGNMENT or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two >= {MIN_ALIGNMENT}, got {alignment}")
+    data_start = _align_up(PREAMBLE_SIZE + 256 + 160 * len(specs), MIN_ALIGNMENT)
+    while True:
+        entries, pos = [], data_start
+        for s in specs:
+            pos = _align_up(pos, entry_alignment(s.length, alignment))
+            entries.append(Entry(s.fqn, s.chunk_offsets, s.kind, s.dtype, s.shape, pos, s.length, 0))
+            pos += s.length
+        header_end = PREAMBLE_SIZE + len(_header_json(entries, save_id))
+        if header_end <= data_start:
+            return entries, _align_up(max(pos, data_start), alignment)
+        data_start = _align_up(header_end, MIN_ALIGNMENT)
+
+
+def _header_json(entries: Iterable[Entry], save_id: str | None = None) -> bytes:
+    doc: dict[str, Any] = {"format": "mmapckpt"}
+    if save_id is not None:
+        doc["save_id"] = save_id
+    doc["entries"] = [e.to_json() for e in entries]
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def encode_header(entries: Sequence[Entry], save_id: str | None = None) -> bytes:
+    """The preamble followed by the JSON header, ready to be written at offset 0.
+
+    ``save_id`` (optional) ties the shard to one save: a reader compares it with the
+    metadata's ``storage_meta.save_id`` so that shards of a later save are never read
+    through an earlier save's metadata.
+    """
+    body = _header_json(entries, save_id)
+    pre = _PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, host_byte_order(), len(body), zlib.crc32(body))
+    return pre + body
+
+
+def decode_preamble(pre: bytes, file_size: int, path: str) -> tuple[int, int, int, int]:
+    """Validate the 32-byte preamble; return (minor, byte order, header length, header crc)."""
+    if file_size < PREAMBLE_SIZE or len(pre) < PREAMBLE_SIZE:
+        if pre[: len(MAGIC)] != MAGIC[: len(pre)]:
+            raise BadMagicError("not an mmapckpt shard (bad magic bytes)", path=path)
+        raise TruncatedFileError(f"file is {file_size} bytes, shorter than the {PREAMBLE_SIZE}-byte preamble", path=path)
+    magic, major, minor, order, hlen, hcrc = _PREAMBLE.unpack(pre[:PREAMBLE_SIZE])
+    if magic != MAGIC:
+        raise BadMagicError(f"not an mmapckpt shard (magic {magic!r}, expected {MAGIC!r})", path=path)
+    if major != FORMAT_MAJOR:
+        raise UnsupportedVersionError(
+            f"format version {major}.{minor}; this mmapckpt reads version {FORMAT_MAJOR}.x", path=path
+        )
+    if order not in (BYTE_ORDER_LITTLE, BYTE_ORDER_BIG):
+        raise FormatError(f"invalid byte-order code {order}", path=path)
+    if order != host_byte_order():
+        names = {BYTE_ORDER_LITTLE: "little", BYTE_ORDER_BIG: "big"}
+        raise ByteOrderError(
+            f"data is {names[order]}-endian but this host is {sys.byteorder}-endian; "
+            "convert the checkpoint on a host of the same byte order",
+            path=path,
+        )
+    if hlen > MAX_HEADER_SIZE:
+        raise FormatError(f"header length {hlen} exceeds the limit of {MAX_HEADER_SIZE} bytes", path=path)
+    if PREAMBLE_SIZE + hlen > file_size:
+        raise TruncatedFileError(
+            f"header of {hlen} bytes runs past the end of the {file_size}-byte file", path=path
+        )
+    return minor, order, hlen, hcrc
+
+
+#: Every integer in a header (offsets, lengths, dims) must fit torch's int64 sizes.
+MAX_INT = 2**63 - 1
+
+
+def _int(v: object, what: str, path: str, entry: str | None, *, lo: int = 0) -> int:
+    if type(v) is not int or not lo <= v <= MAX_INT:  # bool is an int subclass: refuse it too
+        raise FormatError(f"{what} must be an integer in [{lo}, 2**63), got {v!r}"[:300], path=path, entry=entry)
+    return v
+
+
+def _int_list(v: object, what: str, path: str, entry: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > MAX_NDIM:
+        raise FormatError(f"{what} must be a list of at most {MAX_NDIM} integers, got {v!r}"[:300], path=path, entry=entry)
+    return tuple(_int(x, what, path, entry) for x in v)
+
+
+def _decode_entry(raw: object, path: str, i: int) -> Entry:
+    if not isinstance(raw, dict):
+        raise FormatError(f"header entry #{i} is not an object", path=path)
+    fqn = raw.get("fqn")
+    if not isinstance(fqn, str):
+        raise FormatError(f"header entry #{i} has no string 'fqn'", path=path)
+    kind = raw.get("kind")
+    label = fqn
+    crc_s = raw.get("crc32")
+    if not (isinstance(crc_s, str) and len(crc_s) == 8 and all(c in "0123456789abcdef" for c in crc_s)):
+        raise FormatError(f"'crc32' must be 8 lowercase hex digits, got {crc_s!r}", path=path, entry=label)
+    offset = _int(raw.get("offset"), "'offset'", path, label, lo=PREAMBLE_SIZE)
+    length = _int(raw.get("length"), "'length'", path, label)
+    if kind == KIND_BYTES:
+        return Entry(fqn, None, kind, None, (), offset, length, int(crc_s, 16))
+    if kind != KIND_TENSOR:
+        raise FormatError(f"unknown entry kind {kind!r}", path=path, entry=label)
+    chunk = _int_list(raw.get("chunk_offsets"), "'chunk_offsets'", path, label)
+    label = f"{fqn}@{list(chunk)}"
+    shape = _int_list(raw.get("shape"), "'shape'", path, label)
+    if len(chunk) != len(shape):
+        raise FormatError(f"chunk_offsets has {len(chunk)} dims but shape has {len(shape)}", path=path, entry=label)
+    dtype = raw.get("dtype")
+    dtype_from_name(dtype, path=path, entry=label)
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * DTYPES[dtype][1] != length:  # type: ignore[index]
+        raise FormatError(
+            f"length {length} does not match shape {list(shape)} of {dtype} "
+            f"({numel * DTYPES[dtype][1]} bytes)", path=path, entry=label)  # type: ignore[index]
+    if offset % MIN_ALIGNMENT:
+        raise EntryBoundsError(f"data offset {offset} is not a multiple of {MIN_ALIGNMENT}", path=path, entry=label)
+    return Entry(fqn, chunk, kind, dtype, shape, offset, length, int(crc_s, 16))  # type: ignore[arg-type]
+
+
+def decode_header_doc(body: bytes, *, header_crc: int, path: str) -> tuple[dict[str, Any], str | None]:
+    """Check a JSON header's checksum and top level; return (the JSON document, its save id).
+
+    Its entries are not checked: :func:`decode_header` does that. A reader that takes
+    every entry's place from the checkpoint metadata needs only this much.
+    """
+    if zlib.crc32(body) != header_crc:
+        raise FormatError("header checksum mismatch: the header is damaged", path=path)
+    try:
+        doc = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"header is not valid JSON: {e}", path=path) from None
+    if not isinstance(doc, dict) or doc.get("format") != "mmapckpt" or not isinstance(doc.get("entries"), list):
+        raise FormatError("header is not an mmapckpt header object with an 'entries' list", path=path)
+    save_id = doc.get("save_id")
+    if save_id is not None and not (isinstance(save_id, str) and len(save_id) <= 256):
+        raise FormatError(f"'save_id' must be a string of at most 256 characters, got {save_id!r}"[:300], path=path)
+    return doc, save_id
+
+
+def decode_header(body: bytes, *, header_crc: int, byte_order: int, minor: int, file_size: int, path: str,
+                  doc: dict[str, Any] | None = None) -> ShardHeader:
+    """Parse and validate a JSON header against the file's size.
+
+    Every entry must lie after the header and inside the file, and no two may
+    overlap or share a key, so that views built from them never touch bytes
+    outside the file. ``doc``: the header already decoded by :func:`decode_header_doc`.
+    """
+    if doc is None:
+        doc, _ = decode_header_doc(body, header_crc=header_crc, path=path)
+    save_id = doc.get("save_id")
+    data_start = PREAMBLE_SIZE + len(body)
+    entries = tuple(_decode_entry(raw, path, i) for i, raw in enumerate(doc["entries"]))
+    seen: set[tuple[str, tuple[int, ...] | None]] = set()
+    prev_end, prev = data_start, None
+    for e in sorted(entries, key=lambda e: (e.offset, e.length)):
+        if e.key in seen:
+            raise EntryBoundsError("duplicate entry", path=path, entry=e.label)
+        seen.add(e.key)
+        if e.offset < prev_end and e.length:
+            what = "the header" if prev is None else f"entry {prev.label!r}"
+            raise EntryBoundsError(f"data at offset {e.offset} overlaps {what}", path=path, entry=e.label)
+        if e.offset + e.length > file_size:
+            raise TruncatedFileError(
+                f"data [{e.offset}, {e.offset + e.length}) runs past the end of the {file_size}-byte file",
+                path=path, entry=e.label)
+        if e.length:
+            prev_end, prev = e.offset + e.length, e
+    return ShardHeader(entries, data_start, byte_order, minor, save_id)

@@ -1,0 +1,223 @@
+"""The checkpoint metadata file (``.metadata``): encoding without pickle, and safe reading.
+
+An mmapckpt ``.metadata`` file is::
+
+    offset 0   magic     8 bytes  b"\\xffMMAPMD\\n"   (0xff is no pickle opcode: the stock
+                                                     reader fails at once, running nothing)
+    offset 8   major     u16      1
+    offset 10  minor     u16      0
+    offset 12  body_crc  u32      CRC-32 (zlib) of the body
+    offset 16  body_len  u64
+    offset 24  body      UTF-8 JSON encoding of torch's DCP ``Metadata`` (see docs/format.md)
+
+Decoding validates the JSON once, into the index of entries (``entries.EntryInfo``, see metaindex.py)
+that the lazy loader uses as it is; DCP's ``Metadata`` objects are built from that
+index only for ``dcp.load``. Stock DCP checkpoints keep a pickled ``Metadata``,
+read by stockmeta.py without running code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+from ..errors import (
+    BadMagicError,
+    CheckpointNotFoundError,
+    FormatError,
+    IncompleteCheckpointError,
+    UnsupportedVersionError,
+)
+from . import layout as fmt
+from .entries import EntryInfo, paused_gc
+from .metaindex import InvalidMetadata, MetaIndex, index_doc, to_dcp
+from .stockmeta import decode_stock, stock_index
+
+__all__ = [
+    "METADATA_NAME",
+    "META_MAGIC",
+    "encode_metadata",
+    "MetaIndex",
+    "decode_index",
+    "decode_metadata",
+    "read_metadata_file",
+    "read_index_file",
+    "metadata_kind",
+    "find_metadata",
+    "KIND_MMAPCKPT",
+    "KIND_STOCK",
+]
+
+METADATA_NAME = ".metadata"
+META_MAGIC = b"\xffMMAPMD\n"
+META_MAJOR = 1
+META_MINOR = 0
+_META_PRE = struct.Struct("<8sHHIQ")
+#: A metadata file larger than this is refused before it is read.
+MAX_METADATA_SIZE = 1 << 30
+KIND_MMAPCKPT = "mmapckpt"
+KIND_STOCK = "dcp"
+
+
+# --------------------------------------------------------------------------- encoding
+def _enc_planner_data(pd: Any) -> Any:
+    if pd is None:
+        return None
+    ok = isinstance(pd, dict) and all(
+        isinstance(k, str) and isinstance(v, (tuple, list)) and all(type(p) in (str, int) for p in v)
+        for k, v in pd.items()
+    )
+    if not ok:
+        raise TypeError(
+            "mmapckpt stores only the default planners' planner_data ({fqn: path of str/int keys}); "
+            f"got {type(pd).__name__}, which could not be stored without pickle"
+        )
+    return {k: list(v) for k, v in pd.items()}
+
+
+def _enc_item(md: Any) -> dict[str, Any]:
+    if isinstance(md, BytesStorageMetadata):
+        return {"type": "bytes"}
+    return {
+        "type": "tensor",
+        "dtype": fmt.dtype_name(md.properties.dtype),
+        "requires_grad": bool(md.properties.requires_grad),
+        "size": list(md.size),
+        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+    }
+
+
+def _canonical_records(md: Metadata) -> list[tuple[MetadataIndex, Any]]:
+    """Storage records in the order of the items and chunks they store, so that encoding is canonical."""
+    rank: dict[tuple[str, Any], int] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        for c in getattr(item, "chunks", None) or [None]:
+            rank[(fqn, None if c is None else tuple(c.offsets))] = len(rank)
+    return sorted((md.storage_data or {}).items(), key=lambda kv: rank.get(
+        (kv[0].fqn, None if kv[0].offset is None else tuple(kv[0].offset)), len(rank)))
+
+
+def encode_metadata(md: Metadata) -> bytes:
+    """Encode DCP ``Metadata`` whose storage_data values are ``_StorageInfo`` records."""
+    storage = []
+    for idx, info in _canonical_records(md):
+        if getattr(info, "transform_descriptors", None):
+            raise TypeError("mmapckpt does not support stream transforms in storage data")
+        storage.append({
+            "fqn": idx.fqn,
+            "offset": None if idx.offset is None else list(idx.offset),
+            "index": idx.index,
+            "relative_path": info.relative_path,
+            "file_offset": info.offset,
+            "length": info.length,
+        })
+    sm = md.storage_meta
+    doc = {
+        "version": md.version,
+        "state_dict_metadata": {k: _enc_item(v) for k, v in md.state_dict_metadata.items()},
+        "planner_data": _enc_planner_data(md.planner_data),
+        "storage_data": storage,
+        "storage_meta": None if sm is None else {
+            "checkpoint_id": None if sm.checkpoint_id is None else os.fspath(sm.checkpoint_id),
+            "save_id": sm.save_id,
+            "modules": list(sm.modules),
+        },
+    }
+    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return _META_PRE.pack(META_MAGIC, META_MAJOR, META_MINOR, zlib.crc32(body), len(body)) + body
+
+
+def _body(data: bytes, path: str) -> bytes:
+    if len(data) < _META_PRE.size or data[:8] != META_MAGIC:
+        raise BadMagicError("not an mmapckpt metadata file", path=path)
+    _, major, _minor, crc, blen = _META_PRE.unpack_from(data)
+    if major != META_MAJOR:
+        raise UnsupportedVersionError(f"metadata version {major}; this mmapckpt reads {META_MAJOR}.x", path=path)
+    body = data[_META_PRE.size:]
+    if len(body) != blen:
+        raise FormatError(f"metadata body is {len(body)} bytes, its preamble says {blen}", path=path)
+    if zlib.crc32(body) != crc:
+        raise FormatError("metadata checksum mismatch: the file is damaged", path=path)
+    return body
+
+
+def _decoding(data: bytes, path: str, build: Any) -> Any:
+    body = _body(data, path)
+    try:
+        with paused_gc():
+            doc = json.loads(body.decode("utf-8"))
+            out = build(index_doc(doc, path))
+            del doc  # freed before the collector resumes, so that it never walks the document
+        return out
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"metadata is not valid JSON: {e}", path=path) from None
+    except InvalidMetadata as e:
+        raise FormatError(f"invalid metadata: {e}", path=path) from None
+
+
+def decode_index(data: bytes, path: str) -> MetaIndex:
+    """Decode an mmapckpt ``.metadata`` file's bytes into its index; every defect raises FormatError."""
+    return _decoding(data, path, lambda ix: ix)
+
+
+def decode_metadata(data: bytes, path: str) -> Metadata:
+    """Decode an mmapckpt ``.metadata`` file's bytes into DCP ``Metadata``; every defect raises FormatError."""
+    return _decoding(data, path, to_dcp)
+
+
+def metadata_kind(head: bytes) -> str | None:
+    """Which kind of checkpoint a metadata file's first bytes announce, if any."""
+    if head.startswith(META_MAGIC):
+        return KIND_MMAPCKPT
+    if head[:1] == b"\x80":  # pickle protocol 2+
+        return KIND_STOCK
+    return None
+
+
+def _read(path: str | os.PathLike[str]) -> tuple[str, str, bytes]:
+    p = os.fspath(path)
+    with open(p, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_METADATA_SIZE:
+            raise FormatError(f"metadata file of {size} bytes exceeds the limit of {MAX_METADATA_SIZE}", path=p)
+        data = f.read(size)  # not read(MAX_METADATA_SIZE + 1): that allocates the full 1 GiB up front
+    kind = metadata_kind(data[:8])
+    if kind is None:
+        raise BadMagicError("neither mmapckpt nor stock DCP metadata (unknown leading bytes)", path=p)
+    return p, kind, data
+
+
+def read_metadata_file(path: str | os.PathLike[str]) -> tuple[str, Metadata]:
+    """Read a ``.metadata`` file of either kind; return (kind, DCP Metadata)."""
+    p, kind, data = _read(path)
+    return kind, (decode_metadata(data, p) if kind == KIND_MMAPCKPT else decode_stock(data, p))
+
+
+def read_index_file(path: str | os.PathLike[str]) -> tuple[str, dict[str, EntryInfo], str | None]:
+    """Read a ``.metadata`` file of either kind; return (kind, entries by name, save id)."""
+    p, kind, data = _read(path)
+    if kind == KIND_MMAPCKPT:
+        return (kind, *_decoding(data, p, lambda ix: (ix.entries, ix.save_id)))
+    md = decode_stock(data, p)
+    return kind, stock_index(md, p), getattr(md.storage_meta, "save_id", None)
+
+
+def find_metadata(path: str, rank: int | None = None) -> str:
+    """The metadata file of the checkpoint at ``path``; raise if there is none committed."""
+    name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+    meta = os.path.join(path, name)
+    if os.path.isfile(meta):
+        return meta
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError("no checkpoint directory here", path=path)
+    if any(n.endswith(".distcp") or ".distcp.tmp-" in n for n in os.listdir(path)):
+        raise IncompleteCheckpointError(
+            f"incomplete checkpoint: shard files but no committed {name} (the save did not finish)", path=path)
+    raise CheckpointNotFoundError(f"no checkpoint here (no {name})", path=path)

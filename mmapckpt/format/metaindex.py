@@ -1,0 +1,245 @@
+"""The body of an mmapckpt ``.metadata`` file, validated once into the index of entries.
+
+The JSON document is checked in one pass straight into ``EntryInfo``/``ChunkInfo``
+records (what the lazy loader and ``load_into`` use as they are); DCP's ``Metadata``
+objects are built from that index only for ``dcp.load`` (:func:`to_dcp`). Messages
+are built only on failure: a valid file of many entries is decoded at the speed of
+the JSON parser.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ..errors import FormatError
+from ..io.files import safe_relative_path
+from . import layout as fmt
+from .entries import ChunkInfo, EntryInfo
+
+__all__ = ["InvalidMetadata", "MetaIndex", "index_doc", "to_dcp"]
+
+
+class InvalidMetadata(Exception):
+    """A defect of the document; the caller raises FormatError naming the file."""
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise InvalidMetadata(what)
+
+
+def _dims(v: Any, what: str, fqn: str) -> tuple[int, ...]:
+    """A JSON list of at most MAX_NDIM integers in [0, 2**63), as a tuple (messages are built on failure only)."""
+    if type(v) is list and len(v) <= fmt.MAX_NDIM:
+        for x in v:
+            if type(x) is not int:  # bool is an int subclass: refused too
+                break
+        else:
+            if not v or (min(v) >= 0 and max(v) <= fmt.MAX_INT):
+                return tuple(v)
+    raise InvalidMetadata(f"{what} of {fqn!r} must be a list of integers in [0, 2**63)")
+
+
+def _opt_str(v: Any, what: str) -> str | None:
+    _need(v is None or isinstance(v, str), f"{what} must be a string or null")
+    return v
+
+
+class MetaIndex(NamedTuple):
+    """A validated mmapckpt ``.metadata``: the entries, and what DCP's ``Metadata`` also carries."""
+
+    entries: dict[str, EntryInfo]
+    save_id: str | None
+    doc: dict[str, Any]  # the JSON document, for planner_data, storage_meta and version
+    requires_grad: set[str]
+    record_index: dict[tuple[str, tuple[int, ...] | None], int]  # MetadataIndex.index hints
+
+
+_Record = tuple  # (relative_path, file_offset, length)
+
+
+def _records(raw: Any, path: str, record_index: dict[Any, int]) -> dict[tuple[str, Any], _Record]:
+    """The storage records by (fqn, chunk offsets or None)."""
+    _need(type(raw) is list, "'storage_data' must be a list")
+    recs: dict[tuple[str, Any], _Record] = {}
+    rels: set[str] = set()
+    for r in raw:
+        if type(r) is not dict or type(r.get("fqn")) is not str:
+            raise InvalidMetadata("a storage record needs a string 'fqn'")
+        fqn, off, index = r["fqn"], r.get("offset"), r.get("index")
+        key = (fqn, None if off is None else _dims(off, "offset", fqn))
+        if index is not None:
+            if type(index) is not int or index < 0:
+                raise InvalidMetadata("a storage record's 'index' must be an integer")
+            record_index[key] = index
+        rel = r.get("relative_path")
+        if type(rel) is not str:
+            raise InvalidMetadata(f"storage record of {fqn!r} needs a string 'relative_path'")
+        if rel not in rels:
+            rels.add(safe_relative_path(rel, path))
+        fo, ln = r.get("file_offset"), r.get("length")
+        if not (type(fo) is int and type(ln) is int and 0 <= fo <= fmt.MAX_INT and 0 <= ln <= fmt.MAX_INT):
+            raise InvalidMetadata(f"storage record of {fqn!r} needs integer 'file_offset' and 'length' in [0, 2**63)")
+        recs[key] = (rel, fo, ln)
+    return recs
+
+
+def _tensor_chunks(fqn: str, v: dict[str, Any], size: tuple[int, ...], itemsize: int,
+                   recs: dict[tuple[str, Any], _Record], missing: list[str]) -> tuple[ChunkInfo, ...]:
+    raw = v.get("chunks")
+    if type(raw) is not list:
+        raise InvalidMetadata(f"chunks of {fqn!r} must be a list")
+    chunks = []
+    whole = list(size)
+    for c in raw:
+        if type(c) is not dict:
+            raise InvalidMetadata(f"a chunk of {fqn!r} must be an object")
+        off, sz = c.get("offsets"), c.get("sizes")
+        if sz == whole and type(off) is list and len(off) == len(size) and not any(off):
+            off, sz = (0,) * len(size), size  # the whole tensor (the common case): equal to checked values
+        else:
+            off, sz = _dims(off, "chunk offsets", fqn), _dims(sz, "chunk sizes", fqn)
+        if not len(off) == len(sz) == len(size):
+            raise InvalidMetadata(f"a chunk of {fqn!r} has the wrong number of dims")
+        n = itemsize
+        for o, s, g in zip(off, sz, size):
+            if o + s > g:
+                raise InvalidMetadata(f"a chunk of {fqn!r} lies outside the tensor")
+            n *= s
+        rec = recs.pop((fqn, off), None)
+        if rec is None:
+            missing.append(f"{fqn}@{list(off)}")
+            continue
+        if rec[2] != n:
+            raise InvalidMetadata(f"storage record of {fqn!r}@{list(off)} is {rec[2]} bytes, its chunk holds {n}")
+        chunks.append(ChunkInfo(off, sz, *rec))
+    held, whole_n = sum(math.prod(c.sizes) for c in chunks), math.prod(size)
+    if held < whole_n and not missing:  # a part stored nowhere would load as whatever the target held
+        raise InvalidMetadata(f"the chunks of {fqn!r} hold {held} of its {whole_n} elements")
+    return tuple(chunks)
+
+
+def _whole_chunk(fqn: str, v: dict[str, Any], size_raw: list[Any], size: tuple[int, ...], itemsize: int,
+                 recs: dict[tuple[str, Any], _Record]) -> tuple[ChunkInfo, ...] | None:
+    """The common case, checked in a few steps: one chunk, the whole tensor, its record of the right length.
+
+    None (nothing consumed) for anything else, which :func:`_tensor_chunks` then checks in full.
+    """
+    raw = v.get("chunks")
+    if type(raw) is not list or len(raw) != 1 or type(raw[0]) is not dict:
+        return None
+    off = raw[0].get("offsets")
+    if raw[0].get("sizes") != size_raw or type(off) is not list or len(off) != len(size) or any(off):
+        return None
+    zeros = (0,) * len(size)
+    rec = recs.get((fqn, zeros))
+    if rec is None or rec[2] != math.prod(size) * itemsize:
+        return None
+    del recs[(fqn, zeros)]
+    return (ChunkInfo(zeros, size, *rec),)
+
+
+def index_doc(doc: Any, path: str) -> MetaIndex:
+    _need(type(doc) is dict, "metadata must be a JSON object")
+    sdm = doc.get("state_dict_metadata")
+    _need(type(sdm) is dict, "'state_dict_metadata' must be an object")
+    record_index: dict[Any, int] = {}
+    recs = _records(doc.get("storage_data"), path, record_index)
+    entries: dict[str, EntryInfo] = {}
+    grad: set[str] = set()
+    missing: list[str] = []
+    for fqn, v in sdm.items():
+        if type(v) is not dict:
+            raise InvalidMetadata(f"state_dict_metadata[{fqn!r}] must be an object")
+        kind = v.get("type")
+        if kind == "bytes":
+            rec = recs.pop((fqn, None), None)
+            if rec is None:
+                missing.append(fqn)
+                continue
+            entries[fqn] = EntryInfo(fqn, "object", None, None, (ChunkInfo((), (), *rec),))
+            continue
+        if kind != "tensor":
+            raise InvalidMetadata(f"state_dict_metadata[{fqn!r}] has an unknown type")
+        name = v.get("dtype")
+        dt = fmt.DTYPES.get(name) if type(name) is str else None
+        if dt is None:
+            fmt.dtype_from_name(name, path=path, entry=fqn)  # raises UnknownDtypeError
+        size_raw = v.get("size")
+        size = _dims(size_raw, "size", fqn)
+        chunks = _whole_chunk(fqn, v, size_raw, size, dt[1], recs)
+        if chunks is None:
+            chunks = _tensor_chunks(fqn, v, size, dt[1], recs, missing)
+        entries[fqn] = EntryInfo(fqn, "tensor", dt[0], size, chunks)
+        if v.get("requires_grad"):
+            grad.add(fqn)
+    for fqn, off in recs:  # records left over belong to nothing described
+        item = sdm.get(fqn)
+        if item is None:
+            raise InvalidMetadata(f"storage record of {fqn!r} names no item of the state dict")
+        if item.get("type") == "bytes":
+            raise InvalidMetadata(f"storage record of bytes item {fqn!r} has chunk offsets")
+        if off is None:
+            raise InvalidMetadata(f"storage record of tensor {fqn!r} has no chunk offsets")
+        raise InvalidMetadata(f"storage record of {fqn!r}@{list(off)} matches no chunk")
+    if missing:
+        raise FormatError("metadata has no storage record for this entry", path=path, entry=missing[0])
+    sm = doc.get("storage_meta")
+    _need(sm is None or type(sm) is dict, "'storage_meta' must be an object")
+    save_id = None if sm is None else _opt_str(sm.get("save_id"), "save_id")
+    return MetaIndex(entries, save_id, doc, grad, record_index)
+
+
+def _planner_data(raw: Any) -> dict[str, tuple[Any, ...]] | None:
+    if raw is None:
+        return None
+    _need(type(raw) is dict, "'planner_data' must be an object")
+    for v in raw.values():
+        _need(type(v) is list and all(type(p) in (str, int) for p in v), "planner_data paths must be lists")
+    return {k: tuple(v) for k, v in raw.items()}
+
+
+def _storage_meta(raw: Any) -> StorageMeta | None:
+    if raw is None:
+        return None
+    mods = raw.get("modules", [])
+    _need(type(mods) is list and all(isinstance(m, str) for m in mods), "'modules' must be strings")
+    return StorageMeta(checkpoint_id=_opt_str(raw.get("checkpoint_id"), "checkpoint_id"),
+                       save_id=_opt_str(raw.get("save_id"), "save_id"), modules=list(mods))
+
+
+def to_dcp(ix: MetaIndex) -> Metadata:
+    """DCP's ``Metadata`` for an index (what ``dcp.load`` plans with)."""
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for name, e in ix.entries.items():
+        if e.kind == "object":
+            sdm[name] = BytesStorageMetadata()
+            c = e.chunks[0]
+            storage[MetadataIndex(name, None, ix.record_index.get((name, None)))] = _StorageInfo(
+                c.file, c.file_offset, c.length)
+            continue
+        props = TensorProperties(dtype=e.dtype, requires_grad=name in ix.requires_grad)
+        sdm[name] = TensorStorageMetadata(props, torch.Size(e.shape), [
+            ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in e.chunks])
+        for c in e.chunks:
+            storage[MetadataIndex(name, c.offsets, ix.record_index.get((name, c.offsets)))] = _StorageInfo(
+                c.file, c.file_offset, c.length)
+    return Metadata(state_dict_metadata=sdm, planner_data=_planner_data(ix.doc.get("planner_data")),
+                    storage_data=storage, storage_meta=_storage_meta(ix.doc.get("storage_meta")),
+                    version=_opt_str(ix.doc.get("version"), "version"))
+
+

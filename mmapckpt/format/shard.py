@@ -1,0 +1,195 @@
+"""One mapped shard file: validated header, tensors as views over the mapping.
+
+The preamble and the header's checksum and top level are checked before anything is
+mapped. Every entry of the header is checked against the file's size when the header
+is first used (at once, unless ``check_entries=False``); readers that take each
+entry's place from the checkpoint metadata instead use :meth:`Shard.view`, which
+checks the one region it is given. Either way a view never reaches past the end of
+the file as it was when opened (a file truncated later can still raise SIGBUS: see
+docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from ..errors import (
+    CheckpointError,
+    ChecksumError,
+    EntryBoundsError,
+    FormatError,
+    SizeMismatchError,
+    TruncatedFileError,
+)
+from ..io.files import pread_into
+from ..io.mapped import MappedFile, open_regular
+from . import layout as fmt
+
+__all__ = ["Shard", "is_mmapckpt_shard"]
+
+
+def is_mmapckpt_shard(path: str) -> bool:
+    fd = open_regular(path)
+    try:
+        return os.pread(fd, len(fmt.MAGIC), 0) == fmt.MAGIC
+    except OSError as e:
+        raise CheckpointError(f"cannot read shard: {e.strerror}", path=path) from None
+    finally:
+        os.close(fd)
+
+
+class Shard:
+    """A validated, mapped mmapckpt shard file.
+
+    Attributes:
+        path: the file's path.
+        header: its decoded header, every entry checked (decoded on first use).
+        save_id: the id of the save that wrote it, if recorded.
+        data_start: the first byte after the header.
+        size: its size when opened.
+        ident: (st_dev, st_ino) of the file when opened.
+    """
+
+    def __init__(self, path: str, *, check_entries: bool = True) -> None:
+        self.path = path
+        fd = open_regular(path)
+        try:
+            size = os.fstat(fd).st_size
+            pre = os.pread(fd, fmt.PREAMBLE_SIZE, 0)
+            minor, order, hlen, hcrc = fmt.decode_preamble(pre, size, path)
+            body = bytearray(hlen)
+            pread_into(fd, body, fmt.PREAMBLE_SIZE, path=path)
+            self._body = bytes(body)
+            self._doc, self.save_id = fmt.decode_header_doc(self._body, header_crc=hcrc, path=path)
+            self._order, self._minor = order, minor
+            self.data_start = fmt.PREAMBLE_SIZE + hlen
+            self.size = size
+            if check_entries:
+                self.header  # decode and check every entry now
+            # Map the descriptor the header was read from, never the path again: a file
+            # renamed over the path in between would pair this header with other bytes.
+            self.file = MappedFile(fd, path, size)
+        except OSError as e:
+            raise CheckpointError(f"cannot read shard: {e.strerror or e}", path=path) from None
+        finally:
+            os.close(fd)
+
+    @property
+    def ident(self) -> tuple[int, int]:
+        return self.file.ident
+
+    @cached_property
+    def header(self) -> fmt.ShardHeader:
+        return fmt.decode_header(self._body, header_crc=0, byte_order=self._order, minor=self._minor,
+                                 file_size=self.size, path=self.path, doc=self._doc)
+
+    @cached_property
+    def _entries(self) -> dict[tuple[str, tuple[int, ...] | None], fmt.Entry]:
+        return self.header.by_key()
+
+    @cached_property
+    def _placed(self) -> dict[tuple[str, tuple[int, ...] | None], tuple[Any, ...]]:
+        """(offset, length, dtype, shape) of every entry by key, from the header without checking each entry."""
+        try:
+            return {(e["fqn"], tuple(e["chunk_offsets"])) if e.get("kind") == fmt.KIND_TENSOR else (e["fqn"], None):
+                    (e["offset"], e["length"], e.get("dtype"), e.get("shape")) for e in self._doc["entries"]}
+        except (KeyError, TypeError, AttributeError):  # malformed: the full decode says what is wrong
+            self.header
+            raise FormatError("header entries are malformed", path=self.path) from None
+
+    def _refuse_placed(self, key: tuple[str, tuple[int, ...] | None], want: tuple[Any, ...]) -> None:
+        """Raise for a header that does not describe ``key`` as the metadata does (``want``)."""
+        got = self._placed.get(key)
+        self.header  # a header that is itself invalid raises its own, more precise error
+        label = _label(key)
+        if got is None:
+            raise FormatError("entry is not in this shard's header", path=self.path, entry=label)
+        if got[:3] == want[:3]:
+            raise SizeMismatchError(f"stored chunk is {got[3]}, the metadata says {want[3]}", path=self.path,
+                                    entry=label)
+        if got[:2] == want[:2]:
+            raise FormatError(f"shard holds {got[2]} but the metadata says {want[2]}", path=self.path, entry=label)
+        raise FormatError(f"metadata says bytes [{want[0]}, +{want[1]}) but the shard header says "
+                          f"[{got[0]}, +{got[1]})", path=self.path, entry=label)
+
+    def view(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
+             shape: tuple[int, ...]) -> torch.Tensor:
+        """The chunk ``key`` (fqn, chunk offsets), placed by the metadata at ``length`` bytes from ``offset``,
+        as a contiguous tensor of ``dtype`` and ``shape`` over the mapping (no copy).
+
+        The shard header must describe the chunk in the same way (checked per chunk, without
+        decoding every entry of the header), and the bytes must lie after the header, inside
+        the file, aligned, and be as long as the shape says.
+        """
+        want = (offset, length, fmt.dtype_name(dtype), list(shape))
+        if self._placed.get(key) != want:
+            self._refuse_placed(key, want)
+        if not self._in_bounds(offset, length):
+            self._refuse_region(key, offset, length)
+        return self.file.view(offset, dtype, shape)
+
+    def object_bytes(self, fqn: str, offset: int, length: int) -> bytes:
+        """The bytes of the non-tensor entry ``fqn``, placed by the metadata (checked as in :meth:`view`)."""
+        want = (offset, length, None, None)
+        if self._placed.get((fqn, None)) != want:
+            self._refuse_placed((fqn, None), want)
+        if not self._in_bounds(offset, length):
+            self._refuse_region((fqn, None), offset, length)
+        return self.file.raw(offset, length).numpy().tobytes()
+
+    def _in_bounds(self, offset: int, length: int) -> bool:
+        return self.data_start <= offset and offset + length <= self.size and not offset % fmt.MIN_ALIGNMENT
+
+    def _refuse_region(self, key: tuple[str, Any], offset: int, length: int) -> None:
+        if offset + length > self.size:
+            raise TruncatedFileError(f"data [{offset}, {offset + length}) runs past the end of the "
+                                     f"{self.size}-byte file", path=self.path, entry=_label(key))
+        raise EntryBoundsError(f"data [{offset}, +{length}) is not an aligned region after the header",
+                               path=self.path, entry=_label(key))
+
+    def address(self) -> int:
+        """The address of the file's first byte in the mapping (0 for an empty file)."""
+        return self.file.address()
+
+    def entry(self, fqn: str, chunk_offsets: tuple[int, ...] | None) -> fmt.Entry:
+        try:
+            return self._entries[(fqn, chunk_offsets)]
+        except KeyError:
+            label = fqn if chunk_offsets is None else f"{fqn}@{list(chunk_offsets)}"
+            raise CheckpointError("entry is not in this shard's header", path=self.path, entry=label) from None
+
+    def raw(self, e: fmt.Entry) -> torch.Tensor:
+        """The entry's bytes as a uint8 view over the mapping (no copy)."""
+        return self.file.raw(e.offset, e.length)
+
+    def tensor(self, e: fmt.Entry) -> torch.Tensor:
+        """The entry as a tensor of its dtype and shape, a copy-on-write view over the mapping."""
+        dtype = fmt.DTYPES[e.dtype][0]  # type: ignore[index]
+        if e.length == 0:
+            return torch.empty(e.shape, dtype=dtype)
+        return self.raw(e).view(dtype).view(e.shape)
+
+    def read_bytes(self, e: fmt.Entry) -> bytes:
+        return self.raw(e).numpy().tobytes()
+
+    def verify(self, e: fmt.Entry) -> None:
+        """Raise ChecksumError if the entry's bytes do not match their CRC-32."""
+        got = zlib.crc32(self.raw(e).numpy()) if e.length else 0
+        if got != e.crc32:
+            raise ChecksumError(f"CRC-32 of the data is {got:08x}, the header says {e.crc32:08x}",
+                                path=self.path, entry=e.label)
+
+
+def _label(key: tuple[str, tuple[int, ...] | None]) -> str:
+    """An entry's name in errors: ``fqn``, or ``fqn@[chunk offsets]`` for a tensor chunk (as Entry.label)."""
+    return key[0] if key[1] is None else f"{key[0]}@{list(key[1])}"
+
+
+def check_size_unchanged(shard: Shard) -> None:
+    """Raise TruncatedFileError if the shard's file shrank since it was mapped."""
+    shard.file.check_unchanged()

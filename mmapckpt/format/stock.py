@@ -1,0 +1,42 @@
+"""Items of stock DCP shards: ``torch.save`` bytes at (file, offset, length).
+
+The one place that reads such an item within its file's bounds and turns it into a
+tensor with ``torch.load(weights_only=True)``; the reader, the lazy loader and the
+converter all go through it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import IO
+
+import torch
+
+from ..errors import FormatError, TruncatedFileError
+from ..io.files import pread_into
+
+__all__ = ["read_item", "load_tensor"]
+
+
+def read_item(fd: int, offset: int, length: int, *, path: str, entry: str) -> bytearray:
+    """The item's bytes; an item past the end of the file raises TruncatedFileError first."""
+    size = os.fstat(fd).st_size
+    if offset + length > size:
+        raise TruncatedFileError(f"item [{offset}, +{length}) runs past the end of the {size}-byte file",
+                                 path=path, entry=entry)
+    buf = bytearray(length)
+    pread_into(fd, buf, offset, path=path, entry=entry)
+    return buf
+
+
+def load_tensor(src: bytes | bytearray | IO[bytes], *, path: str, entry: str) -> torch.Tensor:
+    """Unpickle an item with ``weights_only=True``; anything but a tensor is a FormatError."""
+    try:
+        t = torch.load(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src,
+                       map_location="cpu", weights_only=True)
+    except Exception as e:  # malformed zip/pickle, or a global weights_only refuses
+        raise FormatError(f"stock item could not be loaded: {type(e).__name__}: {e}", path=path, entry=entry) from None
+    if not isinstance(t, torch.Tensor):
+        raise FormatError(f"stock item holds {type(t).__name__}, not a tensor", path=path, entry=entry)
+    return t

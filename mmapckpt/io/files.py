@@ -1,0 +1,126 @@
+"""Files and durability: atomic commits, positional writes and reads, safe paths, mappings.
+
+Nothing here knows the format or torch.distributed; it moves bytes between
+buffers and files and keeps them durable.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+from ..errors import CheckpointError, TruncatedFileError, UnsafePathError
+
+__all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "safe_relative_path", "open_inside",
+           "is_cached", "unlink_quietly"]
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (new, renamed or removed files) durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes, *, sync: bool = True) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
+
+    temp file in the same directory -> write -> fsync -> rename -> fsync of the directory.
+    """
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        pwrite_all(fd, memoryview(data), 0)
+        if sync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        unlink_quietly(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    if sync:
+        fsync_dir(d)
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def pwrite_all(fd: int, buf: Any, offset: int) -> None:
+    """``os.pwrite`` until every byte of ``buf`` is written (short writes happen)."""
+    mv = memoryview(buf).cast("B")
+    while len(mv):
+        n = os.pwrite(fd, mv, offset)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes at offset {offset}")
+        mv, offset = mv[n:], offset + n
+
+
+def pread_into(fd: int, buf: Any, offset: int, *, path: str, entry: str | None = None) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset``; a short file raises TruncatedFileError."""
+    mv = memoryview(buf).cast("B")
+    while len(mv):
+        n = os.preadv(fd, [mv], offset)
+        if n <= 0:
+            raise TruncatedFileError(f"file ended at offset {offset} while reading", path=path, entry=entry)
+        mv, offset = mv[n:], offset + n
+
+
+def safe_relative_path(rel: str, where: str) -> str:
+    """Refuse storage paths that could leave the checkpoint directory."""
+    bad = (not rel or "\x00" in rel or os.path.isabs(rel) or rel.startswith(("/", "\\"))
+           or any(part in ("..", "") for part in rel.replace("\\", "/").split("/")))
+    if bad:
+        raise UnsafePathError(f"storage path {rel!r} leaves the checkpoint directory", path=where)
+    return rel
+
+
+def open_inside(directory: str, rel: str) -> str:
+    """The real path of ``rel`` inside ``directory``; refuse one that resolves outside (symlinks)."""
+    root = os.path.realpath(directory)
+    full = os.path.realpath(os.path.join(root, rel))
+    if os.path.commonpath([root, full]) != root:
+        raise UnsafePathError(f"{rel!r} resolves to {full}, outside the checkpoint directory", path=directory)
+    return full
+
+
+def map_file(path: str, size: int) -> mmap.mmap | None:
+    """Map ``size`` bytes of ``path`` copy-on-write (MAP_PRIVATE, readable and writable).
+
+    Writable private pages let torch build ordinary tensors over them: writing to
+    one copies that page and never changes the file. Returns None for ``size`` 0.
+    """
+    if size == 0:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot map file: {e}", path=path) from e
+
+
+def is_cached(fd: int, offsets: list[int]) -> bool:
+    """Whether the bytes at ``offsets`` are all in the page cache (a probe that starts no I/O wait).
+
+    Each probe is a one-byte ``preadv`` with RWF_NOWAIT, which fails with EAGAIN instead of
+    waiting for the disk. Where the flag is unsupported the file counts as not cached.
+    """
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return False
+    probe = bytearray(1)
+    for off in offsets:
+        try:
+            if os.preadv(fd, [probe], off, flag) != 1:
+                return False
+        except OSError:  # EAGAIN: not cached; EOPNOTSUPP/EINVAL: cannot tell
+            return False
+    return True

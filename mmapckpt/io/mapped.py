@@ -1,0 +1,115 @@
+"""A regular file opened read-only and mapped copy-on-write, with tensor views at offsets.
+
+Knows nothing of the format: callers say where a tensor's bytes lie. A view never
+reaches past the end of the file as it was when mapped (a file truncated later can
+still raise SIGBUS when touched: :meth:`MappedFile.check_unchanged` tells).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+
+import torch
+
+from ..errors import CheckpointError, IncompleteCheckpointError, TruncatedFileError
+
+__all__ = ["MappedFile", "open_regular"]
+
+
+def open_regular(path: str) -> int:
+    """Open ``path`` read-only; refuse anything but a regular file (a FIFO would block, a device never ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError("shard file is missing", path=path) from None
+    except OSError as e:
+        raise CheckpointError(f"cannot open shard: {e.strerror}", path=path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError("shard is not a regular file", path=path)
+    return fd
+
+
+class MappedFile:
+    """The first ``size`` bytes (default: all) of the open descriptor ``fd``, mapped MAP_PRIVATE (readable and writable).
+
+    Writable private pages let torch build ordinary tensors over them: writing to one
+    copies that page and never changes the file. The mapping holds its own reference to
+    the file, so ``fd`` may be closed afterwards.
+
+    Attributes:
+        path: the file's path (for messages).
+        size: its size when mapped.
+        ident: (st_dev, st_ino) of the file mapped, so that a descriptor opened later can
+            be checked to be the same file.
+    """
+
+    def __init__(self, fd: int, path: str, size: int | None = None) -> None:
+        st = os.fstat(fd)
+        self.path, self.ident = path, (st.st_dev, st.st_ino)
+        self.size = st.st_size if size is None else size
+        self._mmap: mmap.mmap | None = None
+        if self.size:
+            try:
+                self._mmap = mmap.mmap(fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"cannot map file: {e}", path=path) from None
+        # One buffer export for the whole file; views are slices of it.
+        self._base = torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None else None
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def address(self) -> int:
+        """The address of the file's first byte in the mapping (0 for an empty file)."""
+        return 0 if self._base is None else self._base.data_ptr()
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A contiguous tensor of ``dtype`` and ``shape`` whose bytes start at ``offset`` (no copy).
+
+        The caller has checked that the bytes lie inside the file and that ``offset`` is a
+        multiple of the dtype's size.
+        """
+        if self._base is None or 0 in shape:
+            return torch.empty(shape, dtype=dtype)
+        base = self._typed.get(dtype)
+        if base is None:
+            itemsize = dtype.itemsize
+            base = self._typed[dtype] = self._base[:self.size - self.size % itemsize].view(dtype)
+        if len(shape) == 1:
+            return base.as_strided(shape, (1,), offset // dtype.itemsize)
+        return base.as_strided(shape, _contiguous_strides(shape), offset // dtype.itemsize)
+
+    def raw(self, offset: int, length: int) -> torch.Tensor:
+        """``length`` bytes at ``offset`` as a uint8 view (no copy)."""
+        if length == 0 or self._base is None:
+            return torch.empty(0, dtype=torch.uint8)
+        return self._base[offset:offset + length]
+
+    def advise(self, advice: int, offset: int, length: int) -> None:
+        """Pass a madvise hint for the pages holding ``length`` bytes at ``offset``."""
+        if self._mmap is None or not length:
+            return
+        start = offset - offset % mmap.PAGESIZE
+        self._mmap.madvise(advice, start, offset + length - start)
+
+    def check_unchanged(self) -> None:
+        """Raise if the mapped file shrank since it was mapped (touching those pages would SIGBUS).
+
+        The mapping holds its own descriptor, so this checks the same inode even if the
+        path was since replaced by a rename.
+        """
+        if self._mmap is None:
+            return
+        now = self._mmap.size()
+        if now < self.size:
+            raise TruncatedFileError(f"file shrank from {self.size} to {now} bytes while it was being read",
+                                     path=self.path)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))

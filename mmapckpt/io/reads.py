@@ -1,0 +1,95 @@
+"""Positional reads of many regions: one stream in file order, or the process's reader threads.
+
+A cold file reads best as one sequential stream (the kernel's readahead sees one
+pattern); a cached one is a memory copy that several threads share.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+from .files import pread_into
+
+__all__ = ["ReadJob", "pread_jobs", "submit_reads", "READ_PIECE"]
+
+
+class ReadJob(NamedTuple):
+    """Read ``len(buf)`` bytes at ``offset`` into ``buf``; ``entry`` names it in errors."""
+
+    buf: Any
+    offset: int
+    entry: str | None
+
+
+#: Reads are split into pieces of at most this size, so that threads share long entries.
+READ_PIECE = 32 << 20
+
+
+def pread_jobs(fd: int, jobs: list[ReadJob], *, path: str) -> None:
+    """Run every read job in file order on this thread: one sequential stream, which suits a
+    cold file (the kernel's readahead sees one pattern). Cached files: :func:`submit_reads`.
+    """
+    _pread_all(fd, _pieces(jobs), path)
+
+
+def submit_reads(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> list[Future[None]]:
+    """Start ``jobs`` on the process's reader threads, as ``threads`` runs of about equal bytes.
+
+    One task per run: a task per piece would cost more in hand-offs than thousands of small
+    reads take. The caller must wait for every future before it closes ``fd``.
+    """
+    pieces = _pieces(jobs)
+    groups: list[list[ReadJob]] = [[] for _ in range(threads)]
+    total, done = sum(_nbytes(p.buf) for p in pieces), 0
+    for p in pieces:
+        groups[min(threads - 1, done * threads // max(total, 1))].append(p)
+        done += _nbytes(p.buf)
+    pool = _reader_pool(threads)
+    return [pool.submit(_pread_all, fd, g, path) for g in groups if g]
+
+
+def _pieces(jobs: list[ReadJob]) -> list[ReadJob]:
+    """The jobs in file order, long ones split into READ_PIECE pieces so that threads can share them."""
+    pieces = []
+    for j in sorted(jobs, key=lambda j: j.offset):
+        n = _nbytes(j.buf)
+        if n <= READ_PIECE:
+            pieces.append(j)
+            continue
+        mv = memoryview(j.buf).cast("B")
+        for start in range(0, n, READ_PIECE):
+            pieces.append(ReadJob(mv[start:start + READ_PIECE], j.offset + start, j.entry))
+    return pieces
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _reader_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's reader threads, started once (starting threads per load cost milliseconds)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < threads:
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="mmapckpt-pread")
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # the child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def _nbytes(buf: Any) -> int:
+    return buf.nbytes if hasattr(buf, "nbytes") else len(memoryview(buf).cast("B"))
+
+
+def _pread_all(fd: int, pieces: list[ReadJob], path: str) -> None:
+    for p in pieces:
+        pread_into(fd, p.buf, p.offset, path=path, entry=p.entry)

@@ -1,0 +1,115 @@
+"""``mmapckpt inspect``: what a checkpoint holds, for any supported format.
+
+Pure functions returning data; the command line only prints it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from ..conversion.detect import open_source
+from ..format import layout as fmt
+from ..io.progress import human_bytes
+
+__all__ = ["EntrySummary", "CheckpointInfo", "inspect_checkpoint", "format_table"]
+
+
+@dataclass(frozen=True)
+class EntrySummary:
+    """One state-dict entry.
+
+    Attributes:
+        name: the DCP fully-qualified name.
+        kind: ``"tensor"`` or ``"bytes"`` (a pickled non-tensor object).
+        dtype: the dtype's on-disk name, for tensors.
+        shape: the global shape, for tensors.
+        chunks: stored chunks (pieces written by different ranks).
+        nbytes: bytes of data (for bytes entries, the stored pickle's length).
+    """
+
+    name: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    chunks: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint's format and entries, as ``mmapckpt inspect`` shows them."""
+
+    path: str
+    format: str
+    version: str
+    files: int
+    entries: tuple[EntrySummary, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def tensors(self) -> int:
+        return sum(e.kind == "tensor" for e in self.entries)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "format": self.format, "version": self.version, "files": self.files,
+            "entries": [{**asdict(e), "shape": None if e.shape is None else list(e.shape)} for e in self.entries],
+            "totals": {"entries": len(self.entries), "tensors": self.tensors,
+                       "non_tensors": len(self.entries) - self.tensors, "bytes": self.total_bytes},
+        }
+
+
+def _dtype(dtype: Any) -> str:
+    try:
+        return fmt.dtype_name(dtype)
+    except ValueError:  # a torch.save file may hold dtypes the mmapckpt format has no name for
+        return str(dtype).removeprefix("torch.")
+
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """Describe the checkpoint at ``path`` (mmapckpt, stock DCP, safetensors or torch.save).
+
+    Reads metadata and headers only (a torch.save file is mapped, not read).
+
+    Raises:
+        CheckpointError: nothing recognisable at ``path``, or its metadata is damaged.
+
+    Example:
+        >>> info = inspect_checkpoint("ckpt")  # doctest: +SKIP
+        >>> [(e.name, e.dtype, e.shape) for e in info.entries]  # doctest: +SKIP
+    """
+    with open_source(path) as src:
+        entries = []
+        for name, item in src.items():
+            if isinstance(item, TensorStorageMetadata):
+                n = item.properties.dtype.itemsize
+                for s in item.size:
+                    n *= s
+                entries.append(EntrySummary(name, "tensor", _dtype(item.properties.dtype), tuple(item.size),
+                                         len(item.chunks), n))
+            else:
+                entries.append(EntrySummary(name, "bytes", None, None, 1, src.bytes_length(MetadataIndex(name))))
+        return CheckpointInfo(os.fspath(path), src.kind, src.version, src.files, tuple(entries))
+
+
+def format_table(info: CheckpointInfo) -> str:
+    """The human-readable report: a heading, one row per entry, and totals."""
+    rows = [("name", "dtype", "shape", "chunks", "bytes")]
+    for e in info.entries:
+        shape = "-" if e.shape is None else "[" + ", ".join(map(str, e.shape)) + "]"
+        rows.append((e.name, e.dtype or "(object)", shape, str(e.chunks), human_bytes(e.nbytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = [f"{info.path}: {info.format} ({info.version}), {info.files} file{'s' if info.files != 1 else ''}", ""]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    others = len(info.entries) - info.tensors
+    lines += ["", f"total: {len(info.entries)} entries ({info.tensors} tensors, {others} non-tensor), "
+                  f"{human_bytes(info.total_bytes)} ({info.total_bytes} bytes)"]
+    return "\n".join(lines)

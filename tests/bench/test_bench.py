@@ -1,0 +1,96 @@
+"""The benchmark runs at a tiny size and produces every row and valid JSON (no timing is asserted)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import pytest
+
+from mmapckpt.bench import runner as bench
+from mmapckpt.bench.methods import METHODS, lazy_note
+from mmapckpt.bench.report import PHASES, TARGET_METHODS, TARGETS
+
+
+def _args(tmp_path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(["--quick", "--size", "2MB", "--tensors", "13", "--out", str(tmp_path / "out"),
+                              "--dir", str(tmp_path / "work"), "--threads", "1", *extra])
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow  # one child process per method for the memory rows: ~15 s on a busy 2-core machine
+def test_quick_run_produces_every_row_and_valid_json(tmp_path, capsys) -> None:
+    assert bench.run(_args(tmp_path, "--repeats", "2")) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "out" / "bench.json").read_text())
+
+    # every method, every phase it supports, with two timings each
+    expected = {(m.key, p) for m in METHODS for p in ("save", "warm", "cold")}
+    expected |= {(m.key, "lazy") for m in METHODS if m.lazy is not None and not (m.key == "mmapckpt" and lazy_note())}
+    got = {(r["method"], r["phase"]) for r in doc["rows"]}
+    assert got == expected
+    for r in doc["rows"]:
+        assert r["n"] == 2 and r["min_s"] <= r["median_s"] <= r["max_s"], r
+        assert _positive(r["gbps"]) and _positive(r["fraction_of_limit"]) and _positive(r["ratio_to_dcp"] or 1.0)
+        assert r["limit"] == PHASES[r["phase"]][1]
+    dcp_rows = [r for r in doc["rows"] if r["method"] == "dcp"]
+    assert all(r["ratio_to_dcp"] == 1.0 for r in dcp_rows)
+
+    # the limits, each measured twice on as many bytes as the state dict
+    assert {"copy", "write_buffered", "write_direct", "cold_read"} <= set(doc["limits"])
+    assert all(v["n"] == 2 and _positive(v["gbps"]) for k, v in doc["limits"].items() if k != "safetensors_lazy")
+
+    # memory of a load into targets, in a child process per method
+    assert set(doc["memory"]) == {m.key for m in METHODS}
+    for v in doc["memory"].values():
+        assert v["targets_bytes"] == doc["run"]["bytes"] and v["peak_anon_added"] >= -(1 << 20)
+
+    run = doc["run"]
+    assert run["tensors"] == 13 and run["bytes"] > 1_000_000 and run["repeats"] == 2
+    assert all(run["correct"].values()) and set(run["correct"]) == {m.key for m in METHODS}
+    assert set(run["write_paths"]) == {"mmapckpt", "mmapckpt-api"}
+    assert all(set(v) <= {"direct", "buffered"} for v in run["write_paths"].values())
+    assert {(t["method"], t["phase"]) for t in doc["targets"]} == (
+        {(m, p) for m in TARGET_METHODS for p in TARGETS if (m, p) in got} | {(m, "memory") for m in TARGET_METHODS})
+
+    # the table shows every row and every limit; the temporary checkpoints are gone
+    for r in doc["rows"]:
+        assert f"{PHASES[r['phase']][0]:<24}{r['method']:<15}" in out
+    assert "limit: sequential cold read" in out and "against the targets" in out
+    assert not [n for n in os.listdir(tmp_path / "work") if n.startswith(".mmapckpt-bench-")]
+
+
+def test_method_subset_without_memory(tmp_path, capsys) -> None:
+    assert bench.run(_args(tmp_path, "--methods", "mmapckpt,safetensors", "--no-memory")) == 0
+    doc = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert {r["method"] for r in doc["rows"]} == {"mmapckpt", "safetensors"}
+    assert all(r["ratio_to_dcp"] is None for r in doc["rows"])  # no stock DCP row to compare with
+    assert doc["memory"] == {}
+
+
+def test_bad_options_exit_2(tmp_path, capsys) -> None:
+    assert bench.run(_args(tmp_path, "--dtype", "float17")) == 2
+    assert bench.run(_args(tmp_path, "--methods", "nothing")) == 2
+    assert bench.run(_args(tmp_path, "--repeats", "0")) == 2
+    assert "mmapckpt bench:" in capsys.readouterr().err
+
+
+def test_cuda_benchmark_says_why_without_a_gpu() -> None:
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the script would run the real benchmark")
+    script = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "cuda_bench.py")
+    proc = subprocess.run([sys.executable, script, "--size", "8MB"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "no CUDA device is available" in proc.stderr and "nothing was measured" in proc.stderr

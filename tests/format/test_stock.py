@@ -1,0 +1,67 @@
+"""Stock DCP items read through mmapckpt: bounds, weights_only, typed errors, via the reader."""
+
+import io
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import mmapckpt
+from helpers import dcp_failure, dcp_load
+from mmapckpt.format.stock import load_tensor, read_item
+
+
+def _stock_checkpoint(path):
+    dcp.save({"w": torch.arange(6.0)}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    meta = os.path.join(path, ".metadata")
+    with open(meta, "rb") as f:
+        md = pickle.load(f)  # the stock file written just above
+    (idx, info), = [(i, s) for i, s in md.storage_data.items() if i.fqn == "w"]
+    return os.path.join(path, info.relative_path), info, md, meta
+
+
+def test_load_tensor_accepts_a_tensor_and_refuses_other_objects():
+    buf = io.BytesIO()
+    torch.save(torch.tensor([1.5, -0.0]), buf)
+    t = load_tensor(buf.getvalue(), path="f", entry="e")
+    assert t.tolist() == [1.5, -0.0]
+    buf = io.BytesIO()
+    torch.save({"not": "a tensor"}, buf)
+    with pytest.raises(mmapckpt.FormatError, match="not a tensor") as ei:
+        load_tensor(buf.getvalue(), path="f", entry="e")
+    assert ei.value.path == "f" and ei.value.entry == "e"
+    with pytest.raises(mmapckpt.FormatError, match="could not be loaded"):
+        load_tensor(b"garbage", path="f", entry="e")
+
+
+def test_read_item_refuses_an_item_past_the_end(tmp_path):
+    p = tmp_path / "x"
+    p.write_bytes(b"0123456789")
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert bytes(read_item(fd, 2, 5, path=str(p), entry="e")) == b"23456"
+        with pytest.raises(mmapckpt.TruncatedFileError):
+            read_item(fd, 8, 5, path=str(p), entry="e")
+    finally:
+        os.close(fd)
+
+
+def test_reader_on_a_stock_item_replaced_by_a_non_tensor(tmp_path):
+    """The item is a valid torch.save of a list (a stock writer's bytes, as metadata says): refused by type."""
+    shard, info, md, meta = _stock_checkpoint(str(tmp_path))
+    buf = io.BytesIO()
+    torch.save([1, 2, 3], buf)
+    with open(shard, "ab") as f:
+        offset = f.tell()
+        f.write(buf.getvalue())
+    info.offset, info.length = offset, len(buf.getvalue())
+    with open(meta, "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(BaseException) as ei:
+        dcp_load({"w": torch.zeros(6)}, mmapckpt.MmapReader(str(tmp_path)))
+    err = dcp_failure(ei.value)
+    assert isinstance(err, mmapckpt.FormatError), repr(err)
+    assert "holds list, not a tensor" in str(err)
+    assert shard in str(err) and "'w" in str(err)
