@@ -77,10 +77,13 @@ def save(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *
                                    tensor_data=TensorWriteData(chunk=chunk, properties=props, size=t.size())))
             sdm[fqn] = TensorStorageMetadata(properties=props, size=t.size(), chunks=[chunk])
         writer.set_up_storage_writer(True, rank=0, use_collectives=True)
-        plan = writer.prepare_global_plan([writer.prepare_local_plan(SavePlan(items))])[0]
-        results = writer.write_data(plan, _Tensors(tensors)).wait()
-        metadata = Metadata(state_dict_metadata=sdm, planner_data={fqn: (fqn,) for fqn in tensors})
-        writer.finish(metadata, [results])
+        try:
+            plan = writer.prepare_global_plan([writer.prepare_local_plan(SavePlan(items))])[0]
+            results = writer.write_data(plan, _Tensors(tensors)).wait()
+            metadata = Metadata(state_dict_metadata=sdm, planner_data={fqn: (fqn,) for fqn in tensors})
+            writer.finish(metadata, [results])
+        finally:
+            writer._release()  # the save lock, also when a step failed (finish releases it otherwise)
     return writer
 
 

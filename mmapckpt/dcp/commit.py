@@ -1,17 +1,72 @@
-"""The checkpoint directory's commits: where the metadata lives, and what an overwrite removes."""
+"""A save over an existing checkpoint: old or new at every instant, never neither.
+
+The one commit point is the atomic, fsynced rename of the new metadata file over the
+old one (``.metadata``, or ``__{rank}.metadata`` for a save with use_collectives=False).
+Until then the old commit and every file it names stay untouched: new shard files never
+take a name that a commit in the directory references (:func:`shard_name`). Only after
+the new commit is durable are the files that no commit references any more removed
+(:func:`remove_stale`): the old checkpoint's shards, and the leftovers of killed saves.
+
+Removing leftovers is safe only while no other save writes into the directory, so a save
+holds :class:`SaveLock` (an exclusive ``flock`` on the directory) from planning to
+commit: a second save into the same directory at the same time gets a CheckpointWriteError.
+The kernel drops the lock when its process dies, so a killed save never blocks the next.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
+import re
 
-from ..errors import CheckpointWriteError
-from ..format.metadata import METADATA_NAME
-from ..io.files import fsync_dir
+from ..errors import CheckpointError, CheckpointWriteError
+from ..format.metadata import METADATA_NAME, read_index_file
+from ..io.files import atomic_write, fsync_dir
 
-__all__ = ["SHARD_SUFFIX", "metadata_path", "rank_commits", "invalidate", "remove_stale_shards"]
+__all__ = ["SHARD_SUFFIX", "SaveLock", "metadata_path", "commit_files", "committed_files",
+           "shard_name", "commit", "remove_stale"]
 
 SHARD_SUFFIX = ".distcp"
+#: Files of a DCP checkpoint's own making, the only ones a save ever removes.
+_SHARD = re.compile(r"__\d+_\d+(\.[0-9a-f]{8})?\.distcp\Z")
+_RANK_COMMIT = re.compile(r"__\d+\.metadata\Z")
+_TEMP = re.compile(r"\.(__\d+_\d+(\.[0-9a-f]{8})?\.distcp|(__\d+)?\.metadata)\.tmp-[0-9a-z]+\Z")
+
+
+class SaveLock:
+    """A ``flock`` on the checkpoint directory itself, held for one save (no lock file is left behind).
+
+    A collective save takes it exclusively; a per-rank save (use_collectives=False) shared,
+    so that the ranks of one such save do not exclude one another. Raises
+    CheckpointWriteError at once if another save (in any process, this one included) holds
+    it in a conflicting mode. Where the filesystem has no flock for directories (some network
+    filesystems), saves go unlocked.
+    """
+
+    def __init__(self, directory: str, *, shared: bool = False) -> None:
+        try:
+            fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot open the checkpoint directory: {e}", path=directory) from e
+        self._fd: int | None = fd
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            raise CheckpointWriteError(
+                "another save into this directory is in progress (it holds the directory's lock); wait for it to "
+                "finish or save elsewhere", path=directory) from None
+        except OSError:
+            self.release()  # no flock here: nothing to hold
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def metadata_path(path: str, rank: int | None) -> str:
@@ -20,31 +75,90 @@ def metadata_path(path: str, rank: int | None) -> str:
     return os.path.join(path, name)
 
 
-def rank_commits(path: str) -> list[str]:
-    """Per-rank metadata files (``__{rank}.metadata``) of a save made with use_collectives=False."""
-    return glob.glob(os.path.join(glob.escape(path), f"__*{METADATA_NAME}"))
+def commit_files(path: str) -> list[str]:
+    """Every commit in the directory: ``.metadata`` and the per-rank ``__{rank}.metadata`` files."""
+    found = glob.glob(os.path.join(glob.escape(path), f"__*{METADATA_NAME}"))
+    found = [p for p in found if _RANK_COMMIT.match(os.path.basename(p))]
+    main = os.path.join(path, METADATA_NAME)
+    return ([main] if os.path.isfile(main) else []) + sorted(found)
 
 
-def invalidate(path: str, meta: str, *, sync: bool) -> None:
+def committed_files(path: str, commits: list[str] | None = None) -> set[str]:
+    """The file names the commits in the directory reference.
+
+    A commit that cannot be read counts as referencing every shard file there: nothing it
+    might name is ever reused or removed because of it.
+    """
+    names: set[str] = set()
+    for meta in commit_files(path) if commits is None else commits:
+        try:
+            _, entries, _ = read_index_file(meta)
+        except (CheckpointError, OSError):
+            names.update(n for n in _listdir(path) if n.endswith(SHARD_SUFFIX))
+            continue
+        names.update(c.file for e in entries.values() for c in e.chunks)
+    return names
+
+
+def shard_name(prefix: str, k: int, save_id: str, avoid: frozenset[str] | set[str]) -> str:
+    """``{prefix}{k}.distcp`` (DCP's own name), or with the save id in it where a commit uses that name."""
+    name = f"{prefix}{k}{SHARD_SUFFIX}"
+    if name in avoid:
+        name = f"{prefix}{k}.{save_id.replace('-', '')[:8]}{SHARD_SUFFIX}"
+    if name in avoid:  # cannot happen for a fresh save id; refuse rather than overwrite a committed file
+        raise CheckpointWriteError("no free shard file name (a commit references both candidates)", path=name)
+    return name
+
+
+def commit(target: str, data: bytes, *, sync: bool) -> None:
+    """The commit point: ``data`` replaces ``target`` atomically (temp file, fsync, rename, fsync of the directory)."""
     try:
-        os.unlink(meta)
-        if sync:
-            fsync_dir(path)
-    except FileNotFoundError:
-        return
+        atomic_write(target, data, sync=sync)
     except OSError as e:
-        raise CheckpointWriteError(f"cannot remove the previous checkpoint's metadata: {e}", path=meta) from e
+        raise CheckpointWriteError(f"committing the metadata failed: {e}", path=target) from e
 
 
-def remove_stale_shards(path: str, referenced: set[str]) -> None:
-    """Drop shard files of an overwritten checkpoint that the new one does not use,
-    and temporary files left by earlier saves that were killed (this save's are renamed by now)."""
-    d = glob.escape(path)
-    leftovers = glob.glob(os.path.join(d, f".__*_*{SHARD_SUFFIX}.tmp-*")) + glob.glob(
-        os.path.join(d, f".{METADATA_NAME}.tmp-*"))
-    for p in glob.glob(os.path.join(d, f"__*_*{SHARD_SUFFIX}")) + leftovers:
-        if os.path.basename(p) not in referenced:
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+def remove_stale(path: str, *, keep_commit: str, rank_prefix: str | None, sync: bool) -> None:
+    """After a durable commit: remove what no commit references any more.
+
+    ``keep_commit`` is the commit just written. A collective save (``rank_prefix`` None)
+    removes the per-rank commits of an earlier use_collectives=False save, then every shard
+    and temporary file of DCP's making that ``.metadata`` does not reference. A per-rank save
+    removes ``.metadata`` (an earlier collective save's commit, which would otherwise load as
+    a checkpoint older than this rank's), then only its own rank's unreferenced shards and
+    temporary files: other ranks may still be writing theirs. Files of other names (notes,
+    configs) are never touched. Errors are ignored: what stays is removed next time.
+    """
+    names = _listdir(path)
+    if rank_prefix is None:
+        doomed = [n for n in names if _RANK_COMMIT.match(n)]
+    else:
+        doomed = [METADATA_NAME] if METADATA_NAME in names else []
+    for n in doomed:
+        _unlink(os.path.join(path, n))
+    keep = committed_files(path, [keep_commit] + ([] if rank_prefix is None else [
+        p for p in commit_files(path) if p != keep_commit]))
+    own = () if rank_prefix is None else (rank_prefix, f"{rank_prefix[:-1]}{METADATA_NAME}.tmp-")
+    mine = (lambda n: True) if rank_prefix is None else (lambda n: n.lstrip(".").startswith(own))
+    for n in names:
+        if n not in keep and (_SHARD.match(n) or _TEMP.match(n)) and mine(n):
+            _unlink(os.path.join(path, n))
+    if sync:
+        try:
+            fsync_dir(path)
+        except OSError:
+            pass
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _unlink(p: str) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, SizeMismatchError
 from ..format import layout as fmt
-from ..format.metadata import KIND_MMAPCKPT
+from ..format.metadata import KIND_MMAPCKPT, missing_shard_error
 from ..format.shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from ..format.stock import load_tensor, read_item
 from ..io.direct_reads import DirectReads
@@ -53,8 +53,7 @@ class FileReads:
     def read_file(self, rel: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
         path = open_inside(self.root, rel)
         if not os.path.exists(path):
-            raise IncompleteCheckpointError("shard file named in the metadata is missing", path=path,
-                                  entry=label(reqs[0].storage_index))
+            raise missing_shard_error(self.root, path, self.save_id, label(reqs[0].storage_index))
         if self.metadata_kind == KIND_MMAPCKPT or is_mmapckpt_shard(path):
             return self._read_mmapckpt(path, reqs, planner)
         return self._read_stock(path, reqs, planner)

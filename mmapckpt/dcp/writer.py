@@ -21,8 +21,8 @@ from torch.futures import Future
 
 from ..errors import CheckpointExistsError, CheckpointWriteError
 from ..format.metadata import encode_metadata
-from ..io.files import atomic_write, fsync_dir
-from .commit import SHARD_SUFFIX, invalidate, metadata_path, rank_commits, remove_stale_shards
+from ..io.files import fsync_dir
+from .commit import SaveLock, commit, commit_files, committed_files, metadata_path, remove_stale, shard_name
 from .shard_writer import WriterOptions, chunk_nbytes, write_shard
 
 __all__ = ["MmapWriter", "WriterOptions"]
@@ -33,7 +33,8 @@ DCP_VERSION = "1.0.0"
 @dataclass(frozen=True)
 class _Prefix:
     prefix: str
-    save_id: str | None = None  # the coordinator's save id, written into every shard header
+    save_id: str  # the coordinator's save id, written into every shard header
+    avoid: frozenset[str] = frozenset()  # names with this prefix that a commit in the directory references
 
 
 def _split_into_files(n: int, items: list[WriteItem]) -> list[list[WriteItem]]:
@@ -84,9 +85,11 @@ class MmapWriter(StorageWriter):
         self.rank: int | None = None
         self.use_collectives = True
         self.is_coordinator = False
+        self._lock: SaveLock | None = None
 
     # ------------------------------------------------------------------ DCP interface
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._release()  # a save of this writer that failed before its commit
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.save_id = str(uuid.uuid4())
@@ -102,29 +105,38 @@ class MmapWriter(StorageWriter):
             os.makedirs(self.path, exist_ok=True)
         except OSError as e:
             raise CheckpointWriteError(f"cannot create the checkpoint directory: {e}", path=self.path) from e
-        meta = metadata_path(self.path, None if self.use_collectives else self.rank)
-        if any(os.path.exists(m) for m in [meta, metadata_path(self.path, None)] + rank_commits(self.path)):
-            if not self.options.overwrite:
-                raise CheckpointExistsError("a checkpoint already exists here and overwrite=False", path=self.path)
-            if not self.use_collectives:  # any commit here may name the shard files this rank rewrites
-                invalidate(self.path, meta, sync=self.options.sync_files)
-                invalidate(self.path, metadata_path(self.path, None), sync=self.options.sync_files)
-        if self.rank is not None and not self.use_collectives:
-            plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_", self.save_id))
+        per_rank = not self.use_collectives and self.rank is not None
+        if self.is_coordinator or per_rank:  # the rank that commits holds the lock until it has
+            self._lock = SaveLock(self.path, shared=per_rank)
+        commits = commit_files(self.path)
+        if commits and not self.options.overwrite:
+            self._release()
+            raise CheckpointExistsError("a checkpoint already exists here and overwrite=False", path=self.path)
+        if per_rank:
+            prefix = f"__{self.rank}_"
+            avoid = frozenset(n for n in committed_files(self.path, commits) if n.startswith(prefix))
+            plan = dataclasses.replace(plan, storage_data=_Prefix(prefix, self.save_id, avoid))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # Runs on the coordinator before any rank writes a shard: the old commit goes
-        # first, so no metadata ever points at shards being rewritten.
-        if self.use_collectives:
-            for m in [metadata_path(self.path, None)] + rank_commits(self.path):
-                invalidate(self.path, m, sync=self.options.sync_files)
-        return [p if p.storage_data is not None else dataclasses.replace(p, storage_data=_Prefix(f"__{i}_", self.save_id))
-                for i, p in enumerate(plans)]
+        # Runs on the coordinator before any rank writes a shard. The old commit stays in
+        # place; new shards take names that no commit here references (commit.shard_name).
+        if all(p.storage_data is not None for p in plans):
+            return plans
+        used = committed_files(self.path)
+        out = []
+        for i, p in enumerate(plans):
+            if p.storage_data is None:
+                prefix = f"__{i}_"
+                p = dataclasses.replace(p, storage_data=_Prefix(
+                    prefix, self.save_id, frozenset(n for n in used if n.startswith(prefix))))
+            out.append(p)
+        return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix, save_id = plan.storage_data.prefix, plan.storage_data.save_id
-        files = [(f"{prefix}{i}{SHARD_SUFFIX}", bucket)
+        sd = plan.storage_data
+        prefix, save_id = sd.prefix, sd.save_id
+        files = [(shard_name(prefix, i, save_id, sd.avoid), bucket)
                  for i, bucket in enumerate(_split_into_files(self.options.thread_count, plan.items))]
         if self.options.thread_count > 1 and len(files) > 1:
             with ThreadPoolExecutor(self.options.thread_count, thread_name_prefix="mmapckpt-write") as pool:
@@ -144,17 +156,23 @@ class MmapWriter(StorageWriter):
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
-        target = metadata_path(self.path, None if self.use_collectives else self.rank)
+        per_rank = not self.use_collectives and self.rank is not None
+        target = metadata_path(self.path, self.rank if per_rank else None)
         try:
-            data = encode_metadata(metadata)
-        except (TypeError, ValueError) as e:
-            raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}", path=target) from e
-        try:
-            atomic_write(target, data, sync=self.options.sync_files)
-        except OSError as e:
-            raise CheckpointWriteError(f"committing the metadata failed: {e}", path=target) from e
-        if self.use_collectives:
-            remove_stale_shards(self.path, {info.relative_path for info in metadata.storage_data.values()})
+            try:
+                data = encode_metadata(metadata)
+            except (TypeError, ValueError) as e:
+                raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}", path=target) from e
+            commit(target, data, sync=self.options.sync_files)
+            remove_stale(self.path, keep_commit=target, rank_prefix=f"__{self.rank}_" if per_rank else None,
+                         sync=self.options.sync_files)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

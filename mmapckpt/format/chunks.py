@@ -16,6 +16,7 @@ import torch
 from ..errors import FormatError, IncompleteCheckpointError, SizeMismatchError
 from ..io.files import open_inside
 from .entries import ChunkInfo, EntryInfo, numel
+from .metadata import missing_shard_error
 from .shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from .stock import load_tensor, read_item
 
@@ -51,7 +52,7 @@ class ChunkFiles:
         for rel in sorted(rels):
             full = open_inside(root, rel)
             if not os.path.isfile(full):
-                raise IncompleteCheckpointError("shard file named in the metadata is missing", path=full)
+                raise missing_shard_error(root, full, save_id)
             if is_mmapckpt_shard(full):
                 shard = Shard(full, check_entries=False)  # chunks are placed by the metadata: see chunk()
                 sid = shard.save_id

@@ -49,6 +49,7 @@ __all__ = [
     "read_index_file",
     "metadata_kind",
     "find_metadata",
+    "missing_shard_error",
     "KIND_MMAPCKPT",
     "KIND_STOCK",
 ]
@@ -221,3 +222,21 @@ def find_metadata(path: str, rank: int | None = None) -> str:
         raise IncompleteCheckpointError(
             f"incomplete checkpoint: shard files but no committed {name} (the save did not finish)", path=path)
     raise CheckpointNotFoundError(f"no checkpoint here (no {name})", path=path)
+
+
+def missing_shard_error(root: str, path: str, save_id: str | None, entry: str | None = None) -> IncompleteCheckpointError:
+    """The error for a shard file the metadata read names but the directory lacks.
+
+    A save over the checkpoint removes the old shards after its commit, so a load that
+    read the old metadata just before can find them gone: say so when the committed
+    metadata now belongs to another save, so that loading again is the fix.
+    """
+    try:
+        _, _, now = read_index_file(os.path.join(root, METADATA_NAME))
+    except (OSError, FormatError):
+        now = save_id
+    if now != save_id:
+        return IncompleteCheckpointError(
+            "shard file named in the metadata is missing: the checkpoint was replaced while it was being loaded "
+            f"(metadata of save {save_id}, now {now}); load it again", path=path, entry=entry)
+    return IncompleteCheckpointError("shard file named in the metadata is missing", path=path, entry=entry)

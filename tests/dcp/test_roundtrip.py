@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import pickle
 import struct
 import sys
@@ -255,9 +256,17 @@ def test_overwrite_replaces_and_drops_stale_shards(tmp_path) -> None:
     dcp_save(_many_tensors(), mmapckpt.MmapWriter(tmp_path, thread_count=3))
     assert len([n for n in os.listdir(tmp_path) if n.endswith(".distcp")]) == 3
     new = {"only": torch.full((5,), -0.0, dtype=torch.float64)}
+    (tmp_path / "notes.txt").write_text("kept")
     dcp_save(new, mmapckpt.MmapWriter(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == [".metadata", "__0_0.distcp"]
+    # the new shard could not take the name __0_0.distcp, which the old commit referenced
+    names = sorted(os.listdir(tmp_path))
+    assert names[0] == ".metadata" and names[2] == "notes.txt" and len(names) == 3, names
+    assert re.fullmatch(r"__0_0\.[0-9a-f]{8}\.distcp", names[1]), names
     assert_tree_equal(new, dcp_load(fresh_like(new, 0xA5), mmapckpt.MmapReader(tmp_path)))
+    # and the next overwrite takes DCP's own name again, which nothing references any more
+    dcp_save(_many_tensors(), mmapckpt.MmapWriter(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [".metadata", "__0_0.distcp", "notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "kept"
 
 
 # --------------------------------------------------------------------------- nothing unpickled

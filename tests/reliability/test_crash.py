@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -330,10 +331,14 @@ def test_sigkill_at_random_moments(tmp_path, saver):
         expected = {v: sd for v, sd in expected.items() if v in (committed, trial + 1)}
     _report(f"{TIMED_TRIALS} timed SIGKILLs ({mb} MiB, saves took {durations} s)", phases, outcomes)
     assert sum(outcomes.values()) == TIMED_TRIALS
-    # a clean save afterwards commits, loads, and removes every temporary file the kills left behind
+    # every kill fell on a save over a committed checkpoint: each left the old one or the new one
+    assert outcomes["incomplete"] == 0, outcomes
+    # a clean save afterwards commits, loads, and removes every file the kills left behind
     saver.run_to_end(path, 999, mb, 2)
     assert _check_after_kill(path, [999], targets, mb, {}) == 999
-    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    names = sorted(os.listdir(path))
+    assert names[0] == ".metadata" and len(names) == 3 and all(
+        re.fullmatch(r"__0_[01](\.[0-9a-f]{8})?\.distcp", n) for n in names[1:]), names
 
 
 def _pick_events(names: list[str]) -> list[int]:
@@ -355,9 +360,11 @@ def test_sigkill_at_every_step_of_a_save(tmp_path, saver):
     path = str(tmp_path / "ckpt")
     mb = EVENT_MB
     names = saver.run_to_end(path, 0, mb)["events"]  # a save over nothing: events from makedirs on
-    names_over = saver.run_to_end(path, 1, mb)["events"]  # a save over a checkpoint: starts by removing .metadata
-    assert names_over[0] == "unlink" and names[0] != "open:.metadata", (names, names_over)
+    names_over = saver.run_to_end(path, 1, mb)["events"]  # a save over a checkpoint
     assert names_over.count("replace") == 2, names_over  # one shard, then the metadata
+    commit_at = len(names_over) - 1 - names_over[::-1].index("replace")
+    # nothing is removed before the new metadata is renamed over the old: the old commit stays loadable
+    assert "unlink" not in names_over[:commit_at] and "unlink" in names_over[commit_at:], names_over
     targets, expected = _targets(mb), {}
     committed: int | None = 1
     phases: dict[str, int] = {}
@@ -375,14 +382,14 @@ def test_sigkill_at_every_step_of_a_save(tmp_path, saver):
         allowed = [trial] + ([committed] if committed is not None else [])
         got = _check_after_kill(path, allowed, targets, mb, expected)
         outcomes["incomplete" if got is None else ("new" if got == trial else "old")] += 1
-        if 1 <= kill_at <= names_over.index("replace"):  # the shard is not in place: the old commit is gone
-            assert got is None, f"killed before {names_over[kill_at]} #{kill_at} but version {got} loaded"
-        if kill_at > len(names_over) - 1 - names_over[::-1].index("replace"):  # metadata renamed: committed
+        if kill_at <= commit_at:  # before the metadata rename: the old checkpoint, bit for bit
+            assert got == committed, f"killed before {names_over[kill_at]} #{kill_at} but version {got} loaded"
+        else:  # metadata renamed: committed
             assert got == trial, f"killed after the metadata rename but loaded {got}"
         committed = got
         expected = {v: sd for v, sd in expected.items() if v in (committed, trial + 1)}
     _report(f"{len(picks)} event kills out of {len(names_over)} calls", phases, outcomes)
-    assert outcomes["incomplete"] > 0 and outcomes["new"] > 0
+    assert outcomes["incomplete"] == 0 and outcomes["old"] > 0 and outcomes["new"] > 0, outcomes
 
 
 def test_sigkill_of_a_first_save_into_a_new_directory(tmp_path, saver):
