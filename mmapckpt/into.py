@@ -18,12 +18,15 @@ import torch
 from .errors import SizeMismatchError
 from .format.entries import EntryInfo, paused_gc
 from .io.direct_reads import DirectReads
-from .lazy import LazyCheckpoint
+from .format.chunks import check_coverage
+from .io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool, needs_staging
+from .lazy import LazyCheckpoint, chunk_stager
 
 __all__ = ["load_into"]
 
 
-def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool = True) -> list[str]:
+def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool = True,
+              staging_bytes: int = DEFAULT_STAGING_BYTES, staging_buffers: int = DEFAULT_STAGING_BUFFERS) -> list[str]:
     """Copy the checkpoint's tensors into the tensors of ``state_dict``, in place.
 
     Every tensor value of ``state_dict`` receives the full (unsharded) tensor of the same
@@ -35,6 +38,8 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
         path: the checkpoint directory (mmapckpt or stock DCP).
         strict: raise KeyError if a tensor of ``state_dict`` is not in the checkpoint;
             with False, such tensors are left unchanged and their names returned.
+        staging_bytes, staging_buffers: the pinned staging ring for accelerator targets
+            (default 3 buffers of 32 MiB, allocated for this call only when a target is on one).
 
     Returns:
         The names of ``state_dict``'s tensors that the checkpoint does not hold (empty when strict).
@@ -60,7 +65,10 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
             if tuple(t.shape) != info.shape:
                 raise SizeMismatchError(f"stored tensor is {list(info.shape or ())} but the target is {list(t.shape)}",
                                         path=ckpt.path, entry=name)
-        _fill(ckpt, plan)
+        _fill(ckpt, [p for p in plan if not needs_staging(p[1])])
+        on_device = [p for p in plan if needs_staging(p[1])]
+        if on_device:
+            _fill_devices(ckpt, on_device, staging_bytes, staging_buffers)
     return missing
 
 
@@ -88,6 +96,26 @@ def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]])
         for reader in readers.values():
             reader.close()
     files.check_unchanged(c for _, _, info in plan for c in info.chunks)
+
+
+def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]], staging_bytes: int,
+                  staging_buffers: int) -> None:
+    """Accelerator targets: every chunk read into the pinned staging ring and copied into its region."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor, EntryInfo]]] = {}
+    for p in plan:
+        by_device.setdefault(p[1].device, []).append(p)
+    for device, items in by_device.items():
+        pool = StagingPool(device, staging_bytes=staging_bytes, staging_buffers=staging_buffers)
+        try:
+            with pool, chunk_stager(ckpt, [info for _, _, info in items]) as stage_chunk:
+                for name, t, info in items:
+                    if info.whole is None:
+                        check_coverage(info, ckpt.path)
+                    for c in info.chunks:
+                        region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
+                        stage_chunk(pool, info, c, t.detach()[region])
+        finally:
+            pool.close()
 
 
 def _refuse_dtensors(targets: dict[str, torch.Tensor]) -> None:

@@ -15,6 +15,7 @@ Inside this package ``open`` names the checkpoint opener, so no module may
 
 from __future__ import annotations
 
+import contextlib
 import io
 import mmap
 import operator
@@ -27,7 +28,8 @@ from .errors import CheckpointError, FormatError
 from .format.chunks import ChunkFiles, ChunkInfo, EntryInfo, check_coverage
 from .format.entries import paused_gc
 from .format.metadata import find_metadata, read_index_file
-from .io.staging import DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS, StagingPool
+from .io.direct_reads import DirectReads
+from .io.staging import StagingPool, stage, staging_options
 
 __all__ = ["open", "load", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
 
@@ -258,14 +260,17 @@ def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], 
 
 def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
          keys: KeySelector = None, allow_unpickle: bool = False, prefetch: bool = False,
-         buffer_bytes: int = DEFAULT_BUFFER_BYTES, num_buffers: int = DEFAULT_NUM_BUFFERS) -> dict[str, Any]:
+         staging_bytes: int | None = None, staging_buffers: int | None = None,
+         buffer_bytes: int | None = None, num_buffers: int | None = None) -> dict[str, Any]:
     """Load a checkpoint's full (unsharded) state dict as a flat ``{fqn: tensor}`` dict.
 
     On the CPU, tensors stored as one chunk of an mmapckpt checkpoint are copy-on-write
     views over the file mappings: the call costs time per tensor, not per byte, and
     memory is only used (as shared page cache) when the bytes are touched. On an
-    accelerator the bytes go through ``num_buffers`` pinned buffers of ``buffer_bytes``
-    each, reading one while the last is copied; the result is synchronised.
+    accelerator the bytes are read from the files straight into ``staging_buffers`` pinned
+    buffers of ``staging_bytes`` each, one filled while the last is copied; the result is
+    synchronised. A flipped bit in the file is returned as it is (no CRC-32 check on this
+    path; ``mmapckpt verify`` or ``MmapReader(verify=True)`` checks them).
 
     Args:
         path: the checkpoint directory.
@@ -276,7 +281,9 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
             Without it they are left out, and naming one in ``keys`` raises CheckpointError.
         prefetch: ask the kernel to start reading the selected tensors' pages now
             (MADV_WILLNEED); see docs/lazy.md for when that pays.
-        buffer_bytes, num_buffers: the pinned staging pool for accelerator devices.
+        staging_bytes, staging_buffers: the pinned staging ring for accelerator devices
+            (default 3 buffers of 32 MiB, allocated for this call).
+        buffer_bytes, num_buffers: deprecated names of ``staging_bytes`` and ``staging_buffers``.
 
     Returns:
         ``{fqn: tensor}`` (plus objects with ``allow_unpickle``), ready for
@@ -288,6 +295,7 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         >>> model.load_state_dict(mmapckpt.load("/tmp/ckpt"), assign=True)
     """
     device = torch.device(device)
+    nbytes, count = staging_options(staging_bytes, staging_buffers, buffer_bytes, num_buffers, "mmapckpt.load")
     with LazyCheckpoint(path) as ckpt:
         names, explicit = _select(ckpt.keys(), keys, ckpt.path)
         objects = [n for n in names if ckpt.metadata(n).kind == "object"]
@@ -305,7 +313,9 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
                 for n in tensors:
                     out[n] = ckpt._tensor(ckpt._entries[n])
         else:
-            out.update(_load_to_device(ckpt, tensors, device, buffer_bytes, num_buffers))
+            with StagingPool(device, staging_bytes=nbytes, staging_buffers=count) as pool:
+                out.update(_load_to_device(ckpt, tensors, pool))
+            pool.close()
         if dtype is not None:
             for n in tensors:
                 if out[n].is_floating_point() and out[n].dtype != dtype:
@@ -316,20 +326,48 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         return {n: out[n] for n in names if n in out}
 
 
-def _load_to_device(ckpt: LazyCheckpoint, names: list[str], device: torch.device, buffer_bytes: int,
-                    num_buffers: int) -> dict[str, torch.Tensor]:
-    """Every chunk through the pinned staging pool into one device tensor per name."""
-    files = ckpt._open_files()
+def _load_to_device(ckpt: LazyCheckpoint, names: list[str], pool: StagingPool) -> dict[str, torch.Tensor]:
+    """Every chunk through the staging pool into one device tensor per name (read from the files)."""
     out: dict[str, torch.Tensor] = {}
-    with StagingPool(device, buffer_bytes=buffer_bytes, num_buffers=num_buffers) as pool:
+    with chunk_stager(ckpt, [ckpt.metadata(n) for n in names]) as stage_chunk:
         for n in names:
             info = ckpt.metadata(n)
             if info.whole is None:
                 check_coverage(info, ckpt.path)
-            t = torch.empty(info.shape or (), dtype=info.dtype, device=device)
+            t = torch.empty(info.shape or (), dtype=info.dtype, device=pool.device)
             for c in info.chunks:
                 region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
-                pool.copy(files.chunk(info, c), t[region])
+                stage_chunk(pool, info, c, t[region])
             out[n] = t
-    files.check_unchanged(c for n in names for c in ckpt.metadata(n).chunks)
     return out
+
+
+@contextlib.contextmanager
+def chunk_stager(ckpt: LazyCheckpoint, infos: list[EntryInfo]) -> Iterator[Callable[..., None]]:
+    """``stage_chunk(pool, info, chunk, dst, done=None)``: one stored chunk into accelerator tensor ``dst``.
+
+    Chunks of mmapckpt shards are read from the file straight into the staging buffers
+    (``preadv`` through :class:`DirectReads`, which also starts the kernel's readahead on a
+    cold file); stock items are loaded and then staged. Used by ``load(device=...)`` and
+    ``load_into`` with accelerator targets.
+    """
+    files = ckpt._open_files()
+    chunks = [c for info in infos for c in info.chunks]
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for c in chunks:
+        if c.file in files.shards and c.length:
+            ranges.setdefault(c.file, []).append((c.file_offset, c.length))
+    readers = {rel: DirectReads(files.shards[rel].file, ranges=sorted(r)) for rel, r in ranges.items()}
+
+    def stage_chunk(pool: StagingPool, info: EntryInfo, c: ChunkInfo, dst: torch.Tensor,
+                    done: Callable[[], None] = lambda: None) -> None:
+        src = files.chunk(info, c)
+        reader = readers.get(c.file)
+        stage(pool, src, dst, done, reader.reader_for(src, info.name) if reader is not None else None)
+
+    try:
+        yield stage_chunk
+    finally:
+        for r in readers.values():
+            r.close()
+    files.check_unchanged(chunks)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import tempfile
+import zlib
 from typing import Any, Callable
 
 import torch
@@ -93,3 +96,22 @@ def dcp_load(targets: Any, reader: Any) -> Any:
 
     dcp.load(targets, storage_reader=reader, no_dist=True)
     return targets
+
+
+# --------------------------------------------------------------------------- rewriting headers (hostile files)
+def shard_with_header(data: bytes, doc: Any) -> bytes:
+    """A shard's bytes with its header replaced by ``doc`` (checksum and length made to match)."""
+    body = json.dumps(doc).encode()
+    pre = bytearray(data[:32])
+    pre[16:24] = struct.pack("<Q", len(body))
+    pre[24:28] = struct.pack("<I", zlib.crc32(body))
+    out = bytearray(data)
+    out[:32] = pre
+    out[32:32 + len(body)] = body
+    return bytes(out)
+
+
+def metadata_with_doc(data: bytes, doc: Any) -> bytes:
+    """An mmapckpt .metadata file's bytes with its body replaced by ``doc`` (checksum and length made to match)."""
+    body = json.dumps(doc).encode()
+    return data[:12] + struct.pack("<IQ", zlib.crc32(body), len(body)) + body

@@ -25,7 +25,7 @@ from ..format.metadata import METADATA_NAME, read_index_file
 from ..io.files import atomic_write, fsync_dir
 
 __all__ = ["SHARD_SUFFIX", "SaveLock", "metadata_path", "commit_files", "committed_files",
-           "shard_name", "commit", "remove_stale"]
+           "shard_name", "commit", "remove_stale", "writable_local_path"]
 
 SHARD_SUFFIX = ".distcp"
 #: Files of a DCP checkpoint's own making, the only ones a save ever removes.
@@ -148,6 +148,20 @@ def remove_stale(path: str, *, keep_commit: str, rank_prefix: str | None, sync: 
             fsync_dir(path)
         except OSError:
             pass
+
+
+def writable_local_path(s: str) -> bool:
+    """Whether ``s`` names a local path whose nearest existing directory is writable (no URL)."""
+    if "://" in s:
+        return False
+    p = os.path.abspath(s)
+    while True:
+        if os.path.isdir(p):
+            return os.access(p, os.W_OK)
+        parent = os.path.dirname(p)
+        if parent == p:
+            return False
+        p = parent
 
 
 def _listdir(path: str) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -26,6 +26,7 @@ from ..format.shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from ..format.stock import load_tensor, read_item
 from ..io.direct_reads import DirectReads
 from ..io.files import open_inside
+from ..io.staging import StagingPool, needs_staging, stage
 
 __all__ = ["FileReads", "label"]
 
@@ -39,9 +40,12 @@ class FileReads:
     """One load's reads: the metadata's records, and how to read the items of one shard file."""
 
     def __init__(self, root: str, storage_data: dict[MetadataIndex, _StorageInfo], state_dict_metadata: dict[str, Any],
-                 save_id: str | None, metadata_kind: str | None, *, verify: bool, direct_reads: bool) -> None:
+                 save_id: str | None, metadata_kind: str | None, *, verify: bool, direct_reads: bool,
+                 pool_for: Callable[[torch.device], StagingPool], stage_cpu: bool = False) -> None:
         self.root, self.storage_data, self.state_dict_metadata = root, storage_data, state_dict_metadata
         self.save_id, self.metadata_kind, self.verify, self.direct_reads = save_id, metadata_kind, verify, direct_reads
+        #: the reader's staging pool for an accelerator (one per device, kept across loads)
+        self.pool_for, self.stage_cpu = pool_for, stage_cpu
 
     def info(self, idx: MetadataIndex) -> _StorageInfo:
         try:
@@ -68,7 +72,11 @@ class FileReads:
         devices = []
         ranges = [(self.storage_data[r.storage_index].offset, self.storage_data[r.storage_index].length)
                   for r in reqs if r.type != LoadItemType.BYTE_IO and r.storage_index in self.storage_data]
-        direct = DirectReads(shard.file, enabled=self.direct_reads and _defers_safely(planner), ranges=ranges)
+        # Reads straight into the targets (CPU) or into the staging buffers (accelerators) instead
+        # of copying out of the mapping; CPU reads are gathered and run at the end of the file,
+        # which only planners whose commit_tensor does nothing allow.
+        direct = DirectReads(shard.file, enabled=self.direct_reads, ranges=ranges)
+        defer = _defers_safely(planner)
         accept_view = getattr(planner, "accept_view", None)
         try:
             for req in reqs:
@@ -84,7 +92,7 @@ class FileReads:
                 # may keep the mapped view of the whole stored chunk instead of having it copied.
                 if accept_view is not None and accept_view(req, view):
                     continue
-                dev = self._copy(view, req, planner, path, direct=direct)
+                dev = self._copy(view, req, planner, path, direct=direct, defer=defer)
                 if dev is not None:
                     devices.append(dev)
             for req, target in direct.run():
@@ -113,7 +121,7 @@ class FileReads:
         return e
 
     def _copy(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str,
-              direct: DirectReads | None = None) -> torch.device | None:
+              direct: DirectReads | None = None, defer: bool = False) -> torch.device | None:
         if any(req.storage_offsets) or req.lengths != src.size():
             try:
                 src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
@@ -125,12 +133,15 @@ class FileReads:
         if target.size() != src.size():
             raise SizeMismatchError(f"stored region has shape {list(src.size())} but the target has "
                                     f"{list(target.size())}", path=path, entry=label(req.storage_index))
-        if direct is not None and direct.take(src, target, req, label(req.storage_index)):
+        if self.stage_cpu or needs_staging(target):
+            read = direct.reader_for(src, label(req.storage_index)) if direct is not None else None
+            stage(self.pool_for(target.device), src, target, lambda: planner.commit_tensor(req, target), read)
+            return target.device
+        if defer and direct is not None and direct.take(src, target, req, label(req.storage_index)):
             return None  # read by direct.run(), then committed
-        on_device = target.device.type != "cpu"
-        target.copy_(src, non_blocking=on_device)
+        target.copy_(src)
         planner.commit_tensor(req, target)
-        return target.device if on_device else None
+        return None
 
     def _read_stock(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
         """A stock (torch.save per item) shard: each item is loaded with weights_only=True."""

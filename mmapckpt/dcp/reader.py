@@ -23,6 +23,7 @@ from torch.futures import Future
 from ..errors import FormatError
 from ..format.entries import paused_gc
 from ..format.metadata import METADATA_NAME, find_metadata, read_metadata_file
+from ..io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool
 from .read_paths import FileReads
 
 __all__ = ["MmapReader"]
@@ -37,7 +38,12 @@ class MmapReader(StorageReader):
         verify: check each entry's CRC-32 before using it (reads every byte of the entries used).
         direct_reads: read contiguous regions bound for contiguous CPU targets with ``preadv``
             straight into the target (one stream on a cold file, threads on a cached one)
-            instead of copying them out of the mapping; False always copies from the mapping.
+            instead of copying them out of the mapping, and read regions bound for accelerator
+            targets straight into the pinned staging buffers; False always copies from the mapping.
+        staging_bytes, staging_buffers: the pinned staging ring for accelerator targets
+            (default 3 buffers of 32 MiB; see docs/lazy.md). Allocated on the first load
+            into an accelerator, reused by every later load of this reader, freed by
+            :meth:`close` or when the reader is dropped.
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -45,11 +51,20 @@ class MmapReader(StorageReader):
         >>> dcp.load(sd, storage_reader=MmapReader("/tmp/ckpt"))
     """
 
+    #: Tests only: copy into CPU targets through the staging pipeline as into accelerator ones.
+    _stage_cpu_targets = False
+
     def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1, verify: bool = False,
-                 direct_reads: bool = True) -> None:
+                 direct_reads: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 staging_buffers: int = DEFAULT_STAGING_BUFFERS) -> None:
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        if staging_bytes < 1 or staging_buffers < 1:
+            raise ValueError(f"need staging_bytes >= 1 and staging_buffers >= 1, got {staging_bytes}, "
+                             f"{staging_buffers}")
+        self.staging_bytes, self.staging_buffers = staging_bytes, staging_buffers
+        self._pools: dict[torch.device, StagingPool] = {}
         self.path = os.fspath(path)
         self.thread_count = thread_count
         self.verify = verify
@@ -91,15 +106,25 @@ class MmapReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with paused_gc():  # thousands of small objects per load; see _entries.paused_gc
-            self._read_plan(plan, planner)
+        """Read every item of ``plan``; returns once every copy is complete and committed."""
+        ok = False
+        for pool in self._pools.values():  # kept from an earlier load: order this load's current stream first
+            pool.begin()
+        try:
+            with paused_gc():  # thousands of small objects per load; see format/entries.paused_gc
+                self._read_plan(plan, planner)
+            ok = True
+        finally:
+            for pool in self._pools.values():  # accelerator copies: wait, then commit_tensor for each
+                pool.flush(commit=ok)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         reads = FileReads(self.path, self.storage_data, self.state_dict_metadata, self.save_id,
-                          self._metadata_kind, verify=self.verify, direct_reads=self.direct_reads)
+                          self._metadata_kind, verify=self.verify, direct_reads=self.direct_reads,
+                          pool_for=self._pool_for, stage_cpu=self._stage_cpu_targets)
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             info = reads.info(req.storage_index)
@@ -107,12 +132,26 @@ class MmapReader(StorageReader):
         jobs = [(rel, sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset))
                 for rel, reqs in per_file.items()]
         if self.thread_count > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="mmapckpt-read") as pool:
-                devices = [d for ds in pool.map(lambda j: reads.read_file(j[0], j[1], planner), jobs) for d in ds]
+            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="mmapckpt-read") as threads:
+                list(threads.map(lambda j: reads.read_file(j[0], j[1], planner), jobs))
         else:
-            devices = [d for rel, reqs in jobs for d in reads.read_file(rel, reqs, planner)]
-        for dev in set(devices):  # copies to accelerators were issued non_blocking
-            torch.get_device_module(dev).synchronize(dev)
+            for rel, reqs in jobs:
+                reads.read_file(rel, reqs, planner)
+
+    def _pool_for(self, device: torch.device) -> StagingPool:
+        """This reader's staging ring for ``device``, made on first use and ordered after the caller's stream."""
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = StagingPool(device, staging_bytes=self.staging_bytes,
+                                                     staging_buffers=self.staging_buffers)
+            pool.begin()
+        return pool
+
+    def close(self) -> None:
+        """Free the pinned staging buffers (a later load into an accelerator allocates them again)."""
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            pool.close()
 
     @property
     def checkpoint_id(self) -> str:

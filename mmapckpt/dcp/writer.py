@@ -22,7 +22,7 @@ from torch.futures import Future
 from ..errors import CheckpointExistsError, CheckpointWriteError
 from ..format.metadata import encode_metadata
 from ..io.files import fsync_dir
-from .commit import SaveLock, commit, commit_files, committed_files, metadata_path, remove_stale, shard_name
+from .commit import SaveLock, commit, writable_local_path, commit_files, committed_files, metadata_path, remove_stale, shard_name
 from .shard_writer import WriterOptions, chunk_nbytes, write_shard
 
 __all__ = ["MmapWriter", "WriterOptions"]
@@ -183,17 +183,7 @@ class MmapWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        s = os.fspath(checkpoint_id)
-        if "://" in s:
-            return False
-        p = os.path.abspath(s)
-        while True:
-            if os.path.isdir(p):
-                return os.access(p, os.W_OK)
-            parent = os.path.dirname(p)
-            if parent == p:
-                return False
-            p = parent
+        return writable_local_path(os.fspath(checkpoint_id))
 
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner,
                     save_id: str | None) -> list[WriteResult]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .files import is_cached
+from .files import is_cached, pread_into
 from .mapped import MappedFile
 from .reads import ReadJob, pread_jobs, submit_reads
 
@@ -84,6 +84,21 @@ class DirectReads:
             if self._pending_bytes >= _BATCH:
                 self._start()
         return True
+
+    def reader_for(self, src: torch.Tensor, label: str | None = None) -> Callable[[torch.Tensor, int, int], None] | None:
+        """For the staging pool: a function that reads ``src``'s bytes (a contiguous view of the mapping)
+        from the file straight into a staging buffer, or None where a read cannot stand in for ``src``."""
+        if not (self.enabled and src.numel() and src.is_contiguous()):
+            return None
+        if self._base is None:
+            self._base = self.file.address()
+        offset = src.data_ptr() - self._base
+        fd, path = self.fd, self.file.path
+
+        def read(staged: torch.Tensor, start: int, nbytes: int) -> None:
+            pread_into(fd, staged.numpy(), offset + start, path=path, entry=label)
+
+        return read
 
     def _start(self) -> None:
         if self._pending:

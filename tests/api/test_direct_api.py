@@ -140,7 +140,7 @@ def test_a_tensor_described_with_no_chunks_is_refused(tmp_path):
     for every reader: dcp.load would otherwise plan no read for it and leave the target as it was."""
     import json
 
-    from test_fuzz import metadata_with_doc
+    from helpers import metadata_with_doc
 
     path = tmp_path / "c"
     mmapckpt.save({"w": torch.ones(2, 3), "b": torch.ones(4)}, path)
@@ -197,7 +197,7 @@ def test_an_error_after_reads_started_waits_for_them_and_is_raised(tmp_path, mon
     import struct
 
     from mmapckpt.io import direct_reads as _direct
-    from test_fuzz import shard_with_header
+    from helpers import shard_with_header
 
     monkeypatch.setattr(_direct, "_BATCH", 1)
     sd = {f"t{i}": torch.full((256, 16), float(i)) for i in range(12)}

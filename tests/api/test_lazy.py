@@ -24,6 +24,7 @@ import helpers
 import lazy_dist
 import mmapckpt
 from mmapckpt.format import layout as fmt
+from mmapckpt.io.staging import StagingPool
 from mmapckpt.lazy import _load_to_device
 from mmapckpt.format.metadata import encode_metadata, read_metadata_file
 
@@ -94,7 +95,9 @@ def _check_checkpoint(path: str, spec: lazy_dist.Spec, data: st.DataObject, n_sl
             helpers.assert_bitwise_equal(f.get_tensor(name), targets[name], f"get_tensor {name}")
             info = f.metadata(name)
             assert (info.dtype, info.shape) == (exp.dtype, tuple(exp.shape))
-        staged = _load_to_device(f, sorted(expected), torch.device("cpu"), buffer_bytes=16, num_buffers=2)
+        with StagingPool("cpu", staging_bytes=16, staging_buffers=2) as pool:  # many blocks, buffers reused
+            staged = _load_to_device(f, sorted(expected), pool)
+        assert pool.max_in_use <= 2
         for name, exp in expected.items():
             helpers.assert_bitwise_equal(staged[name], exp, f"staged {name}")
         for _ in range(n_slices):

@@ -226,10 +226,20 @@ def read_results(out: str, phase: str, world: int) -> list[dict[str, str]]:
 
 # ---------------------------------------------------------------------------- loads
 #: reader name -> factory. "mmap-mapped" copies every region out of the mapping (no preadv into
-#: the target), reads files on 2 threads and verifies each entry's CRC-32.
+#: the target), reads files on 2 threads and verifies each entry's CRC-32. "mmap-staged" sends
+#: every region through the accelerator staging pipeline (CPU buffers of 256 bytes: packing,
+#: pieces and buffer reuse), as dcp.load into GPU targets does.
+
+
+def _staged(reader: Any) -> Any:
+    reader._stage_cpu_targets = True
+    return reader
+
+
 READERS: dict[str, Callable[[str], Any]] = {
     "mmap": MmapReader,
     "mmap-mapped": lambda path: MmapReader(path, thread_count=2, verify=True, direct_reads=False),
+    "mmap-staged": lambda path: _staged(MmapReader(path, staging_bytes=256, staging_buffers=2)),
     "stock": FileSystemReader,
 }
 
@@ -288,8 +298,9 @@ def _scramble(sd: dict[str, Any]) -> None:
 # A save is (tag, mesh, layout, mmap dir, stock dir or None, thread_count); a load group is
 # (tag, mesh, layout, layout name, [(checkpoint dir, reader)]).
 LAYOUTS: dict[str, dict[str, Any]] = {"save": SAVE, "alt": ALT, "mesh2d": MESH2D}
-_LOADS_2 = [("m2", "mmap"), ("m2", "mmap-mapped"), ("a2", "mmap"), ("s2", "mmap"), ("s2", "stock")]
-_LOADS_4 = [("m4", "mmap"), ("m4", "mmap-mapped"), ("s4", "mmap"), ("s4", "stock")]
+_LOADS_2 = [("m2", "mmap"), ("m2", "mmap-mapped"), ("m2", "mmap-staged"), ("a2", "mmap"), ("s2", "mmap"),
+            ("s2", "stock")]
+_LOADS_4 = [("m4", "mmap"), ("m4", "mmap-mapped"), ("m4", "mmap-staged"), ("s4", "mmap"), ("s4", "stock")]
 PHASES: dict[str, dict[str, Any]] = {
     "two_save": {"world": 2, "async": "a2",
                  "saves": [("2r", "1d", "save", "m2", "s2", 2)],

@@ -33,7 +33,7 @@ def ckpt(tmp_path):
 @pytest.mark.parametrize("buffer_bytes, num_buffers", [(4096, 2), (1 << 20, 3), (32 << 20, 1)])
 def test_cuda_load_is_bitwise_equal(ckpt, buffer_bytes, num_buffers):
     sd, path = ckpt
-    out = mmapckpt.load(path, device="cuda", buffer_bytes=buffer_bytes, num_buffers=num_buffers)
+    out = mmapckpt.load(path, device="cuda", staging_bytes=buffer_bytes, staging_buffers=num_buffers)
     assert set(out) == set(sd)
     for k, v in sd.items():
         assert out[k].device.type == "cuda"
@@ -48,7 +48,7 @@ def test_cuda_load_casts_floats_only(ckpt):
 
 
 def test_pool_is_pinned_and_bounded():
-    with StagingPool("cuda", buffer_bytes=1 << 20, num_buffers=3) as pool:
+    with StagingPool("cuda", staging_bytes=1 << 20, staging_buffers=3) as pool:
         assert all(b.is_pinned() for b in pool._bufs)
         assert sum(b.numel() for b in pool._bufs) == 3 << 20
         src = torch.arange(3 << 20, dtype=torch.uint8)
@@ -64,7 +64,7 @@ def test_current_stream_work_is_ordered_before_the_copies():
     dst = torch.empty(1 << 22, device="cuda")
     dst.fill_(1.0)
     src = torch.full((1 << 22,), 2.0)
-    with StagingPool("cuda", buffer_bytes=1 << 20, num_buffers=2) as pool:
+    with StagingPool("cuda", staging_bytes=1 << 20, staging_buffers=2) as pool:
         pool.copy(src, dst)
     assert bool((dst == 2.0).all())
 

@@ -8,6 +8,7 @@ CPU destinations, with buffers small enough to force many blocks and reuse.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_pool_copies_into_strided_regions(dtype_name, buffer_bytes, num_buffers)
     big = torch.zeros((9, 4, 11), dtype=src.dtype)
     region = big[1:8, 1:4, ::2][:, :, :5]  # a non-contiguous destination, like a chunk's place in a tensor
     assert not region.is_contiguous()
-    with StagingPool("cpu", buffer_bytes=buffer_bytes, num_buffers=num_buffers) as pool:
+    with StagingPool("cpu", staging_bytes=buffer_bytes, staging_buffers=num_buffers) as pool:
         pool.copy(src, region)
     helpers.assert_bitwise_equal(region, src)
     untouched = big.clone()
@@ -62,7 +63,7 @@ def test_pool_copies_into_strided_regions(dtype_name, buffer_bytes, num_buffers)
 
 
 def test_pool_handles_scalars_empty_and_odd_strides():
-    with StagingPool("cpu", buffer_bytes=8, num_buffers=2) as pool:
+    with StagingPool("cpu", staging_bytes=8, staging_buffers=2) as pool:
         scalar, out = torch.tensor(3.5, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         pool.copy(scalar, out)
         empty = torch.empty(0, 4)
@@ -74,4 +75,129 @@ def test_pool_handles_scalars_empty_and_odd_strides():
     with pytest.raises(ValueError):
         StagingPool("cpu").copy(torch.zeros(3), torch.zeros(4))
     with pytest.raises(ValueError):
-        StagingPool("cpu", num_buffers=0)
+        StagingPool("cpu", staging_buffers=0)
+
+
+# --------------------------------------------------------------------------- the pipeline's properties
+#: sizes in units of the buffer: 0 bytes, 1 byte, exactly a buffer, 3.5 buffers, and odd ones
+_SIZES = st.sampled_from(["zero", "byte", "buffer", "3.5", "small", "odd"])
+_DTYPES = st.sampled_from([torch.uint8, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int64,
+                           torch.complex64, torch.bool])
+
+
+def _numel(kind: str, buf: int, itemsize: int, odd: int) -> int:
+    return {"zero": 0, "byte": 1, "buffer": buf // itemsize, "3.5": (7 * buf // 2) // itemsize,
+            "small": 1 + odd % 7, "odd": odd}[kind]
+
+
+@settings(max_examples=120, deadline=None)
+@given(items=st.lists(st.tuples(_SIZES, _DTYPES, st.integers(0, 300), st.booleans()), min_size=1, max_size=12),
+       buf_kib=st.sampled_from([1, 4]), buffers=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_any_mix_lands_bitwise_within_the_bounded_ring(items, buf_kib, buffers, seed):
+    """0 bytes, 1 byte, exactly a buffer, 3.5 buffers, strided sources: bitwise, at most `buffers` in use,
+    each `done` exactly once and only once its destination is complete."""
+    g = torch.Generator().manual_seed(seed)
+    cap = buf_kib << 10
+    pool = StagingPool("cpu", staging_bytes=cap, staging_buffers=buffers)
+    pairs, calls = [], []
+    with pool:
+        for k, (kind, dtype, odd, strided) in enumerate(items):
+            n = _numel(kind, cap, dtype.itemsize, odd)
+            raw = torch.randint(0, 256, (2 * n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+            whole = raw.view(dtype)  # NaN payloads and -0.0 included: raw bytes
+            src = whole[::2] if strided else whole[:n]  # a strided source, as a resharded region is
+            dst = torch.zeros(n, dtype=dtype)
+
+            def done(k=k, src=src, dst=dst):
+                assert helpers.tensor_bytes(dst) == helpers.tensor_bytes(src), f"item {k} committed incomplete"
+                calls.append(k)
+
+            pool.copy(src, dst, done=done)
+            pairs.append((src, dst))
+    assert sorted(calls) == list(range(len(items)))
+    assert pool.max_in_use <= buffers
+    for src, dst in pairs:
+        helpers.assert_bitwise_equal(dst, src)
+
+
+def test_small_tensors_share_a_buffer_and_large_ones_stream_in_pieces():
+    pool = StagingPool("cpu", staging_bytes=4096, staging_buffers=3)
+    with pool:
+        for i in range(40):  # 40 x 64 bytes: one buffer
+            pool.copy(torch.full((16,), float(i)), torch.empty(16))
+    assert pool.blocks_per_buffer == [40, 0, 0]
+    pool = StagingPool("cpu", staging_bytes=4096, staging_buffers=2)
+    src = torch.arange(3500, dtype=torch.float32)  # 14,000 bytes: four pieces through two buffers
+    dst = torch.empty_like(src)
+    with pool:
+        pool.copy(src, dst)
+    assert pool.blocks_per_buffer == [2, 2] and pool.max_in_use == 2
+    assert torch.equal(dst, src)
+
+
+def test_callbacks_wait_until_the_buffer_is_reused_or_flushed():
+    """`done` runs when the buffer holding the item's last block is waited for, not when it is filled."""
+    pool = StagingPool("cpu", staging_bytes=1024, staging_buffers=2)
+    seen: list[str] = []
+    with pool:
+        pool.copy(torch.zeros(200), torch.empty(200), done=lambda: seen.append("a"))  # 800 B: buffer 0
+        assert seen == []
+        pool.copy(torch.zeros(200), torch.empty(200), done=lambda: seen.append("b"))  # buffer 1
+        assert seen == []
+        pool.copy(torch.zeros(200), torch.empty(200), done=lambda: seen.append("c"))  # reuses buffer 0
+        assert seen == ["a"]
+    assert seen == ["a", "b", "c"]
+
+
+def test_an_error_skips_the_callbacks_but_waits_for_the_copies():
+    pool = StagingPool("cpu", staging_bytes=1024, staging_buffers=2)
+    seen: list[int] = []
+    with pytest.raises(RuntimeError):
+        with pool:
+            pool.copy(torch.zeros(8), torch.empty(8), done=lambda: seen.append(1))
+            raise RuntimeError("a read failed")
+    assert seen == [] and pool._order == []  # nothing committed, nothing left in flight
+    pool.close()
+    with pytest.raises(ValueError, match="closed"):
+        pool.copy(torch.zeros(1), torch.empty(1))
+
+
+def test_reads_fill_the_buffers_from_the_file(tmp_path):
+    """With `read`, the bytes come from the file at the source's place, piece by piece, not from the source."""
+    from mmapckpt.io.direct_reads import DirectReads
+    from mmapckpt.io.mapped import MappedFile
+
+    data = torch.arange(5000, dtype=torch.int32)
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * 4096 + data.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapped = MappedFile(fd, str(path))
+    finally:
+        os.close(fd)
+    src = mapped.view(4096, torch.int32, (5000,))
+    reads = DirectReads(mapped, ranges=[(4096, 20000)])
+    calls: list[tuple[int, int]] = []
+    inner = reads.reader_for(src, "x")
+
+    def read(staged, start, nbytes):
+        calls.append((start, nbytes))
+        inner(staged, start, nbytes)
+
+    dst = torch.zeros(5000, dtype=torch.int32)
+    try:
+        with StagingPool("cpu", staging_bytes=8192, staging_buffers=2) as pool:
+            pool.copy(src, dst, read=read)
+    finally:
+        reads.close()
+    assert calls == [(0, 8192), (8192, 8192), (16384, 3616)]
+    assert torch.equal(dst, data)
+    assert reads.reader_for(src[::2]) is None  # a strided region is gathered from the mapping instead
+
+
+def test_deprecated_names_still_work_and_warn():
+    from mmapckpt.io.staging import staging_options
+
+    with pytest.warns(DeprecationWarning, match="buffer_bytes is deprecated; use staging_bytes"):
+        assert staging_options(None, None, 4096, None, "x") == (4096, 3)
+    assert staging_options(1024, 2, None, None, "x") == (1024, 2)

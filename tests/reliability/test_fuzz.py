@@ -38,13 +38,12 @@ import struct
 import subprocess
 import sys
 import tempfile
-import zlib
 from typing import Any, Callable
 
 import pytest
 import torch
 
-from helpers import dcp_failure, dcp_load, dcp_save, tensor_bytes
+from helpers import dcp_failure, dcp_load, dcp_save, metadata_with_doc, shard_with_header, tensor_bytes
 
 from mmapckpt import CheckpointError, MmapReader, MmapWriter
 
@@ -234,22 +233,6 @@ def mutate_doc(doc: Any, draw: Callable, hv: Any) -> Any:
     else:
         c[k] = draw(hv)
     return doc
-
-
-def shard_with_header(data: bytes, doc: Any) -> bytes:
-    body = json.dumps(doc).encode()
-    pre = bytearray(data[:32])
-    pre[16:24] = struct.pack("<Q", len(body))
-    pre[24:28] = struct.pack("<I", zlib.crc32(body))
-    out = bytearray(data)
-    out[:32] = pre
-    out[32:32 + len(body)] = body
-    return bytes(out)
-
-
-def metadata_with_doc(data: bytes, doc: Any) -> bytes:
-    body = json.dumps(doc).encode()
-    return data[:12] + struct.pack("<IQ", zlib.crc32(body), len(body)) + body
 
 
 # --------------------------------------------------------------------------- the child

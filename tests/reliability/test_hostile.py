@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from helpers import assert_tree_equal, dcp_failure, dcp_load, dcp_save
-from test_fuzz import metadata_with_doc, shard_with_header
+from helpers import metadata_with_doc, shard_with_header
 
 import mmapckpt
 from mmapckpt import (
