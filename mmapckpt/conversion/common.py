@@ -16,11 +16,12 @@ from typing import Any, Iterator
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-__all__ = ["FORMATS", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "SINGLE_FILE", "Source", "label",
+__all__ = ["FORMATS", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "SAFETENSORS_SINGLE", "SINGLE_FILE", "Source", "label",
            "tensor_chunk_sizes"]
 
 FORMATS = ("mmapckpt", "dcp", "safetensors", "torch")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"  # the one file of an unsharded Hugging Face model directory
 SINGLE_FILE = "__0_0.distcp"
 
 #: safetensors dtype codes <-> torch dtypes, written out by hand (the safetensors spec's names).

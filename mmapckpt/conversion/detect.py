@@ -9,7 +9,7 @@ import zipfile
 from ..errors import CheckpointError, CheckpointNotFoundError, FormatError
 from ..format.metadata import KIND_MMAPCKPT, METADATA_NAME, find_metadata, metadata_kind, read_metadata_file
 from ..io.files import open_inside
-from .common import SAFETENSORS_INDEX, Source
+from .common import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, Source
 from .flat import SafetensorsSource, TorchSource
 from .sources import MmapckptSource, StockSource
 
@@ -70,7 +70,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             if kind is None:
                 raise FormatError("neither mmapckpt nor stock DCP metadata", path=os.path.join(p, METADATA_NAME))
             return kind
-        if _index_file(p) is not None:
+        if _index_file(p) is not None or os.path.isfile(os.path.join(p, SAFETENSORS_SINGLE)):
             return "safetensors"
         find_metadata(p)  # raises IncompleteCheckpointError or CheckpointNotFoundError
     if not os.path.exists(p):
@@ -96,5 +96,7 @@ def open_source(path: str | os.PathLike[str]) -> Source:
         got, md = read_metadata_file(find_metadata(p))
         return MmapckptSource(p, md) if got == KIND_MMAPCKPT else StockSource(p, md)
     if kind == "safetensors":
+        if os.path.isdir(p) and _index_file(p) is None:  # a Hugging Face directory with one model.safetensors
+            return SafetensorsSource(p, {os.path.join(p, SAFETENSORS_SINGLE): []})
         return SafetensorsSource(p, _safetensors_index(p) if os.path.isdir(p) else {p: []})
     return TorchSource(p)

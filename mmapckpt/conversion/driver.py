@@ -1,16 +1,19 @@
 """Conversions between checkpoint formats: mmapckpt, stock DCP, safetensors, torch.save.
 
-``convert(src, dst, to=...)`` reads the source one item at a time (_convert_src)
-and streams it into a writer for the target format (_convert_dst), under a
-temporary sibling of ``dst`` that is renamed into place only when complete.
+``convert(src, dst, to=...)`` reads the source one item at a time and streams it
+into a writer for the target format (sinks.py), under a temporary sibling of ``dst``
+that replaces ``dst`` only when complete (io/replace.py): ``dst`` holds the old or the
+new checkpoint at every instant, and an old directory's files that are not its
+checkpoint's (see :func:`previous_checkpoint_files`) are kept.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
 import re
 import shutil
-import uuid
 import warnings
 from dataclasses import dataclass
 
@@ -19,11 +22,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from ..io.files import fsync_dir
 from ..io.progress import Progress
-from .common import FORMATS, Source
+from ..io.replace import recover, remove_stale_temps, replace_path, temp_sibling
+from .common import FORMATS, SAFETENSORS_SINGLE, Source
 from .detect import open_source
 from .sinks import write_dcp, write_mmapckpt, write_safetensors, write_torch
 
-__all__ = ["convert", "ConvertResult", "ConversionWarning", "parse_size", "FORMATS"]
+__all__ = ["convert", "ConvertResult", "ConversionWarning", "parse_size", "previous_checkpoint_files", "FORMATS"]
 
 
 class ConversionWarning(UserWarning):
@@ -82,26 +86,90 @@ def _check_paths(src: str, dst: str, overwrite: bool) -> None:
         raise CheckpointError("the destination's parent directory does not exist", path=parent)
 
 
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.unlink(path)
+#: A DCP checkpoint's own files (mmapckpt and stock alike), with the temp files of its writers.
+_DCP_FILES = (".metadata", "__*.metadata", "__*_*.distcp", "..metadata.tmp-*", ".__*.metadata.tmp-*",
+              ".__*_*.distcp.tmp-*")
+#: A Hugging Face safetensors checkpoint's own files, besides those its index names.
+_HF_FILES = ("*.safetensors.index.json", ".*.safetensors.index.json.tmp-*", SAFETENSORS_SINGLE)
+_HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def previous_checkpoint_files(directory: str) -> set[str]:
+    """The names in ``directory`` that belong to a checkpoint there, which ``convert --overwrite`` replaces.
+
+    DCP (mmapckpt or stock): ``.metadata``, ``__*.metadata``, ``__*_*.distcp`` and their writers'
+    temp files. Hugging Face safetensors: every ``*.safetensors.index.json``, the files their
+    ``weight_map`` names, ``model.safetensors`` and ``model-NNNNN-of-NNNNN.safetensors``. Only
+    regular files and links directly in ``directory``; everything else (config.json, tokenizers,
+    notes, other ``*.safetensors`` such as adapters, subdirectories) is not the checkpoint's.
+    """
+    names = {n for n in os.listdir(directory)
+             if os.path.islink(os.path.join(directory, n)) or os.path.isfile(os.path.join(directory, n))}
+    owned = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in _DCP_FILES + _HF_FILES) or _HF_SHARD.match(n)}
+    for idx in [n for n in owned if n.endswith(".safetensors.index.json")]:
+        try:
+            with open(os.path.join(directory, idx), encoding="utf-8") as f:
+                wm = json.load(f).get("weight_map", {})
+            owned |= {v for v in wm.values() if isinstance(v, str) and v in names}
+        except (OSError, ValueError, AttributeError):
+            pass  # an unreadable index names nothing; the file itself is still replaced
+    return owned
+
+
+def _writes_directory(dst: str, to: str, limit: int | None) -> bool:
+    """mmapckpt, dcp and sharded safetensors are directories; so is safetensors into an existing directory."""
+    return to in ("mmapckpt", "dcp") or (to == "safetensors" and (
+        limit is not None or (os.path.isdir(dst) and not os.path.islink(dst))))
+
+
+def _check_replaceable(dst: str, to: str, limit: int | None) -> None:
+    """A file output may not replace a directory that holds files of no checkpoint."""
+    if _writes_directory(dst, to, limit):
+        return
+    if os.path.isdir(dst) and not os.path.islink(dst):
+        foreign = sorted(set(os.listdir(dst)) - previous_checkpoint_files(dst))
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise CheckpointExistsError(f"destination is a directory holding files that are not a checkpoint's "
+                                        f"({shown}); a {to} file would replace them all: name a file, e.g. "
+                                        f"{os.path.join(dst, 'model.' + ('safetensors' if to == 'safetensors' else 'pt'))}",
+                                        path=dst)
+
+
+def _recover(path: str) -> None:
+    """Finish or undo an interrupted replacement of ``path``, and drop temp files of dead conversions."""
+    done = recover(path)
+    if done:
+        warnings.warn(f"{path}: an interrupted `convert --overwrite` was found: {done}", ConversionWarning,
+                      stacklevel=3)
+    if os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        remove_stale_temps(path)
+
+
+def _abandon(tmp: str, dst: str) -> None:
+    """After a failure: undo or finish a replacement already under way, else drop the unfinished ``tmp``."""
+    try:
+        if recover(dst) is None and os.path.lexists(tmp):
+            if os.path.isdir(tmp) and not os.path.islink(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                os.unlink(tmp)
+    except OSError:
+        pass  # the journal stays: the next conversion into dst recovers
 
 
 def _commit(tmp: str, dst: str, overwrite: bool) -> None:
-    """Rename the finished ``tmp`` to ``dst``; an old ``dst`` is moved aside first and removed after."""
-    parent = os.path.dirname(os.path.abspath(dst))
-    old = None
-    if os.path.lexists(dst):
-        if not overwrite:
-            raise CheckpointExistsError("destination appeared during the conversion", path=dst)
-        old = os.path.join(parent, f".{os.path.basename(dst)}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(dst, old)
-    os.rename(tmp, dst)
-    fsync_dir(parent)
-    if old is not None:
-        _remove(old)
+    """Put the finished ``tmp`` at ``dst``: old or new at every instant, the old directory's other files kept."""
+    if os.path.lexists(dst) and not overwrite:
+        raise CheckpointExistsError("destination appeared during the conversion", path=dst)
+    is_dir = os.path.isdir(dst) and not os.path.islink(dst)
+    try:
+        kept = replace_path(tmp, dst, owned=previous_checkpoint_files(dst) if is_dir else ())
+    except FileExistsError as e:
+        raise CheckpointExistsError("destination appeared during the conversion", path=dst) from e
+    if kept:
+        warnings.warn(f"{dst}: files that appeared in the old destination during the conversion and could not "
+                      f"be placed were kept in {kept[0]}", ConversionWarning, stacklevel=3)
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, overwrite: bool = False,
@@ -117,9 +185,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     Args:
         src: a checkpoint directory (mmapckpt or stock DCP), a ``.safetensors`` file, a
             directory with ``model.safetensors.index.json``, or a ``torch.save`` file.
-        dst: where to write; a directory for mmapckpt, dcp and sharded safetensors, else a file.
+        dst: where to write; a directory for mmapckpt, dcp and sharded safetensors, else a file
+            (safetensors into an existing directory is written there as ``model.safetensors``).
         to: one of ``"mmapckpt"``, ``"dcp"``, ``"safetensors"``, ``"torch"``.
-        overwrite: replace an existing ``dst``.
+        overwrite: replace an existing ``dst``: it holds the old or the new checkpoint at every
+            instant, and a directory keeps every file that is not its checkpoint's
+            (:func:`previous_checkpoint_files`). An interrupted earlier replacement of ``dst``
+            is finished or undone first (a ConversionWarning says which).
         max_shard_size: for safetensors only: write HF-style shards of at most this size
             (bytes, or a string such as ``"5GB"``) plus ``model.safetensors.index.json``.
         progress: draw a progress bar on stderr when it is a terminal.
@@ -141,23 +213,28 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     src_s, dst_s = os.fspath(src), os.fspath(dst)
     dst_s = dst_s.rstrip("/" + os.sep) or dst_s  # "out/" names the entry "out" (its temp sibling is ".out.tmp-*")
+    _recover(dst_s)
+    if not os.path.lexists(src_s):
+        _recover(src_s)  # a source caught mid-replacement by a killed conversion comes back
     _check_paths(src_s, dst_s, overwrite)
-    tmp = os.path.join(os.path.dirname(os.path.abspath(dst_s)), f".{os.path.basename(dst_s)}.tmp-{uuid.uuid4().hex[:8]}")
+    _check_replaceable(dst_s, to, limit)
+    tmp = temp_sibling(dst_s)
     with open_source(src_s) as source:
         tensors = [md for _, md in source.items() if isinstance(md, TensorStorageMetadata)]
         total = sum(md.properties.dtype.itemsize * _numel(md.size) for md in tensors)
         bar = Progress(total, f"{source.kind} -> {to}", enabled=progress)
+        as_dir = _writes_directory(dst_s, to, limit)
         try:
             with bar:
-                dropped = _write(source, tmp, to, limit, os.path.abspath(dst_s), bar)
+                dropped = _write(source, tmp, to, limit, os.path.abspath(dst_s), bar, as_dir)
             _commit(tmp, dst_s, overwrite)
         except OSError as e:
-            _remove(tmp)
+            _abandon(tmp, dst_s)
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointWriteError(f"conversion failed: {e}", path=dst_s) from e
         except BaseException:
-            _remove(tmp)
+            _abandon(tmp, dst_s)
             raise
     if dropped:
         why = "safetensors holds only tensors" if to == "safetensors" else \
@@ -174,13 +251,19 @@ def _numel(size: tuple[int, ...]) -> int:
     return n
 
 
-def _write(source: Source, tmp: str, to: str, limit: int | None, final: str, bar: Progress) -> list[str]:
+def _write(source: Source, tmp: str, to: str, limit: int | None, final: str, bar: Progress,
+           as_dir: bool) -> list[str]:
     if to == "mmapckpt":
         write_mmapckpt(source, tmp, checkpoint_id=final, progress=bar)
         return []
     if to == "dcp":
         write_dcp(source, tmp, checkpoint_id=final, progress=bar)
         return []
+    if to == "safetensors" and as_dir and limit is None:  # into a directory, as Hugging Face names one file
+        os.makedirs(tmp)
+        dropped = write_safetensors(source, os.path.join(tmp, SAFETENSORS_SINGLE), max_shard_size=None, progress=bar)
+        fsync_dir(tmp)
+        return dropped
     if to == "safetensors":
         return write_safetensors(source, tmp, max_shard_size=limit, progress=bar)
     return write_torch(source, tmp, progress=bar)

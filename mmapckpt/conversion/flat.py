@@ -74,7 +74,9 @@ class SafetensorsSource(Source):
         self.metadata, order = _flat_metadata(specs, {k: (k,) for k in specs})
         self.layout = [(SINGLE_FILE, order)]
         self.files = len(files)
-        self.version = f"{len(files)} shards with index" if os.path.isdir(path) else "single file"
+        one = list(files) == [os.path.join(path, "model.safetensors")]  # a directory without an index
+        self.version = "single file" if not os.path.isdir(path) else \
+            "model.safetensors in a directory" if one else f"{len(files)} shards with index"
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         return self._handles[self._where[idx.fqn]].get_tensor(idx.fqn)

@@ -130,10 +130,13 @@ def _run_verify(args: argparse.Namespace) -> int:
             print(f"ok       {line}")
         for line in report.notes:
             print(f"note     {line}")
+        for w in report.warnings:
+            print(f"warning  {w}")
     for prob in report.problems:
         print(f"PROBLEM  {prob}")
     if report.ok:
-        print(f"{args.path}: sound ({report.bytes_checked} bytes checked)")
+        extra = f"; {len(report.warnings)} unreferenced file{'s' * (len(report.warnings) != 1)}" if report.warnings else ""
+        print(f"{args.path}: sound ({report.bytes_checked} bytes checked{extra})")
     else:
         print(f"{args.path}: NOT sound: {len(report.problems)} problem{'s' if len(report.problems) != 1 else ''}")
     return 0 if report.ok else 1

@@ -6,12 +6,16 @@ exists, with a valid preamble and header whose entries lie in bounds, aligned an
 without overlaps; every storage record matches a header entry (same file, offset,
 length, kind, dtype and chunk shape); the CRC-32 of every entry's bytes matches.
 Problems are collected, never raised one at a time, so one run shows them all.
+Files in the directory that no metadata references (left-over shards, temp files,
+files of other programs such as config.json) are listed with their sizes as
+warnings: they do not make the checkpoint unsound.
 """
 
 from __future__ import annotations
 
-import glob
+import fnmatch
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +28,7 @@ from ..format.shard import Shard, check_size_unchanged
 from ..io.files import open_inside
 from ..io.progress import Progress, human_bytes
 
-__all__ = ["Problem", "VerifyReport", "verify_checkpoint"]
+__all__ = ["Problem", "FileWarning", "VerifyReport", "verify_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -44,14 +48,27 @@ class Problem:
         return f"{where}: {self.message}"
 
 
+@dataclass(frozen=True)
+class FileWarning:
+    """A file in the checkpoint directory that no metadata references (not a defect)."""
+
+    path: str
+    size: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message} ({human_bytes(self.size)})"
+
+
 @dataclass
 class VerifyReport:
-    """The outcome of :func:`verify_checkpoint`: what was checked, problems, and notes (not defects)."""
+    """The outcome of :func:`verify_checkpoint`: what was checked, problems, warnings and notes (not defects)."""
 
     path: str
     checked: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[FileWarning] = field(default_factory=list)
     bytes_checked: int = 0
 
     @property
@@ -61,6 +78,7 @@ class VerifyReport:
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "ok": self.ok, "checked": self.checked, "notes": self.notes,
                 "bytes_checked": self.bytes_checked,
+                "warnings": [{"path": w.path, "bytes": w.size, "message": w.message} for w in self.warnings],
                 "problems": [{"path": p.path, "entry": p.entry, "message": p.message} for p in self.problems]}
 
 
@@ -212,9 +230,28 @@ def _check_shard(p: str, rel: str, records: list[MetadataIndex], md: Metadata, r
                               f"({human_bytes(sum(e.length for e in shard.header.entries))})")
 
 
+_COMMITS = (".metadata", "__*.metadata")
+_SHARD = re.compile(r"^__\d+_\d+(\.[0-9a-f]{8})?\.distcp$")
+_TEMP = re.compile(r"^\..*\.tmp-[0-9a-z-]+$")
+
+
+def _why_unreferenced(name: str) -> str:
+    if _SHARD.match(name):
+        return "not referenced by the metadata: shard file left over by an earlier save (safe to delete)"
+    if _TEMP.match(name):
+        return "not referenced by the metadata: temporary file of an unfinished write (safe to delete)"
+    return "not referenced by the metadata: not part of the checkpoint (kept; verify did not check it)"
+
+
 def _check_directory(p: str, referenced: set[str], report: VerifyReport) -> None:
-    for f in sorted(glob.glob(os.path.join(glob.escape(p), "*.distcp"))):
-        if os.path.basename(f) not in referenced:
-            report.notes.append(f"{f}: shard file not referenced by the metadata (left over; safe to delete)")
-    for f in sorted(glob.glob(os.path.join(glob.escape(p), ".*.tmp-*"))):
-        report.notes.append(f"{f}: temporary file of an unfinished write (safe to delete)")
+    """Every regular file that is neither a commit (metadata) file nor referenced is a warning with its size."""
+    for name in sorted(os.listdir(p)):
+        full = os.path.join(p, name)
+        if name in referenced or any(fnmatch.fnmatchcase(name, c) for c in _COMMITS):
+            continue
+        try:
+            st = os.lstat(full)
+        except OSError:
+            continue
+        if os.path.isfile(full) and not os.path.islink(full):
+            report.warnings.append(FileWarning(full, st.st_size, _why_unreferenced(name)))

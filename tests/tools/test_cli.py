@@ -102,6 +102,21 @@ def test_verify_sound_and_damaged(capsys, ck) -> None:
     assert code == 1 and not any(line.startswith("ok") for line in out.splitlines())
 
 
+def test_verify_prints_unreferenced_files_as_warnings(capsys, ck) -> None:
+    with open(os.path.join(ck, "config.json"), "wb") as f:
+        f.write(b"{}" * 1000)
+    code, out, _ = run(capsys, "verify", ck)
+    lines = out.splitlines()
+    assert code == 0 and not any(line.startswith("PROBLEM") for line in lines)
+    warned = [line for line in lines if line.startswith("warning  ")]
+    assert warned == [f"warning  {os.path.join(ck, 'config.json')}: not referenced by the metadata: not part of the "
+                      "checkpoint (kept; verify did not check it) (2.0 KiB)"]
+    assert lines[-1].startswith(f"{ck}: sound (") and lines[-1].endswith("; 1 unreferenced file)")
+    doc = json.loads(run(capsys, "verify", ck, "--json")[1])
+    assert doc["ok"] is True and doc["warnings"] == [{"path": os.path.join(ck, "config.json"), "bytes": 2000,
+                                                      "message": warned[0].split(": ", 1)[1].rsplit(" (", 1)[0]}]
+
+
 def test_convert_then_refuse_then_overwrite(capsys, ck, tmp_path) -> None:
     dst = str(tmp_path / "m.safetensors")
     code, out, err = run(capsys, "convert", ck, dst, "--to", "safetensors")

@@ -147,7 +147,22 @@ def test_missing_path_raises(tmp_path) -> None:
         verify_checkpoint(tmp_path / "nothing")
 
 
-def test_leftovers_are_notes_not_problems(ck) -> None:
-    open(os.path.join(ck, "__9_0.distcp"), "wb").close()
+def test_unreferenced_files_are_warnings_with_sizes_not_problems(ck) -> None:
+    assert verify_checkpoint(ck).warnings == []
+    files = {"__9_0.distcp": 0, ".__0_0.distcp.tmp-1a2b3c": 123, "config.json": 17, "notes.txt": 4096}
+    for name, size in files.items():
+        with open(os.path.join(ck, name), "wb") as f:
+            f.write(b"x" * size)
+    os.makedirs(os.path.join(ck, "tokenizer"))  # a directory is not a file the checkpoint could reference
+    open(os.path.join(ck, "__3.metadata"), "wb").close()  # a per-rank commit file: metadata, not unreferenced
     r = verify_checkpoint(ck)
-    assert r.ok and any("__9_0.distcp" in n and "not referenced" in n for n in r.notes)
+    assert r.ok and r.problems == []
+    got = {os.path.basename(w.path): w.size for w in r.warnings}
+    assert got == files
+    assert all(w.path == os.path.join(ck, os.path.basename(w.path)) for w in r.warnings)
+    why = {os.path.basename(w.path): w.message for w in r.warnings}
+    assert "left over" in why["__9_0.distcp"] and "temporary" in why[".__0_0.distcp.tmp-1a2b3c"]
+    assert "not part of the checkpoint" in why["config.json"]
+    doc = r.to_json()
+    assert doc["ok"] is True
+    assert {os.path.basename(w["path"]): w["bytes"] for w in doc["warnings"]} == files
