@@ -7,7 +7,8 @@ Each subclass also derives from the built-in exception users already catch::
     └── CheckpointError
         ├── CheckpointNotFoundError      (FileNotFoundError)  no checkpoint at the path
         ├── IncompleteCheckpointError    (FileNotFoundError)  no committed metadata, or a shard it names is missing
-        ├── CheckpointExistsError        (FileExistsError)    overwrite=False and a checkpoint is there
+        ├── CheckpointExistsError        (FileExistsError,    overwrite=False and a checkpoint is there
+        │                                 RuntimeError)       (RuntimeError, as stock DCP raises)
         ├── FormatError                  (ValueError)         bytes that do not follow the format
         │   ├── BadMagicError                                 not an mmapckpt file
         │   ├── UnsupportedVersionError                       a format version this reader does not know
@@ -93,8 +94,12 @@ class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
     """The checkpoint is not whole: no committed metadata (a save did not finish), or a shard it names is missing."""
 
 
-class CheckpointExistsError(CheckpointError, FileExistsError):
-    """A checkpoint already exists and overwriting was not allowed."""
+class CheckpointExistsError(CheckpointError, FileExistsError, RuntimeError):
+    """A checkpoint already exists and overwriting was not allowed.
+
+    Also a RuntimeError, which the stock FileSystemWriter raises in this case (code and
+    PyTorch's own tests catch that, and match "Checkpoint already exists").
+    """
 
 
 class FormatError(CheckpointError, ValueError):

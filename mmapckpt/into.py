@@ -26,18 +26,22 @@ __all__ = ["load_into"]
 
 
 def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool = True,
-              staging_bytes: int = DEFAULT_STAGING_BYTES, staging_buffers: int = DEFAULT_STAGING_BUFFERS) -> list[str]:
+              allow_cast: bool = False, staging_bytes: int = DEFAULT_STAGING_BYTES,
+              staging_buffers: int = DEFAULT_STAGING_BUFFERS) -> list[str]:
     """Copy the checkpoint's tensors into the tensors of ``state_dict``, in place.
 
     Every tensor value of ``state_dict`` receives the full (unsharded) tensor of the same
     name, cast to its dtype as ``Tensor.copy_`` does; other values are left alone. Use
-    ``dcp.load`` for DTensors and other sharded targets.
+    ``dcp.load`` for DTensors and other sharded targets, and ``load`` with
+    ``model.load_state_dict(sd, assign=True)`` for a model on the meta device.
 
     Args:
         state_dict: ``{fqn: tensor}`` (a ``model.state_dict()`` works), CPU or accelerator tensors.
         path: the checkpoint directory (mmapckpt or stock DCP).
         strict: raise KeyError if a tensor of ``state_dict`` is not in the checkpoint;
             with False, such tensors are left unchanged and their names returned.
+        allow_cast: also copy into targets of a dtype that loses the stored values' kind
+            (floating point into integers or bool, complex into real); refused by default.
         staging_bytes, staging_buffers: the pinned staging ring for accelerator targets
             (default 3 buffers of 32 MiB, allocated for this call only when a target is on one).
 
@@ -46,7 +50,8 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
 
     Raises:
         KeyError: ``strict`` and names missing from the checkpoint.
-        TypeError: a target is a DTensor.
+        TypeError: a target is a DTensor, or its dtype would lose the stored values (see ``allow_cast``).
+        ValueError: a target is on the meta device (it has no memory to fill).
         CheckpointError: a damaged checkpoint, a name holding a non-tensor value, or a
             stored shape other than the target's (SizeMismatchError).
 
@@ -56,6 +61,10 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
     """
     targets = {n: t for n, t in state_dict.items() if isinstance(t, torch.Tensor)}
     _refuse_dtensors(targets)
+    meta = [n for n, t in targets.items() if t.is_meta]
+    if meta:
+        raise ValueError(f"{meta[0]!r} (and {len(meta) - 1} more) is on the meta device: it has no memory to load "
+                         "into. Use model.load_state_dict(mmapckpt.load(path), assign=True) instead")
     with LazyCheckpoint(path) as ckpt, paused_gc(), torch.no_grad():
         missing = [n for n in targets if n not in ckpt]
         if missing and strict:
@@ -65,6 +74,9 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
             if tuple(t.shape) != info.shape:
                 raise SizeMismatchError(f"stored tensor is {list(info.shape or ())} but the target is {list(t.shape)}",
                                         path=ckpt.path, entry=name)
+            if not allow_cast and _loses_values(info.dtype, t.dtype):
+                raise TypeError(f"{ckpt.path}: entry {name!r}: the stored {info.dtype} values would be truncated "
+                                f"in a {t.dtype} target; pass allow_cast=True to cast anyway")
         _fill(ckpt, [p for p in plan if not needs_staging(p[1])])
         on_device = [p for p in plan if needs_staging(p[1])]
         if on_device:
@@ -116,6 +128,13 @@ def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, Entr
                         stage_chunk(pool, info, c, t.detach()[region])
         finally:
             pool.close()
+
+
+def _loses_values(stored: torch.dtype, target: torch.dtype) -> bool:
+    """A cast that changes what kind of number a value is: floating point to integer or bool, complex to real."""
+    if stored.is_complex and not target.is_complex:
+        return True
+    return (stored.is_floating_point or stored.is_complex) and not (target.is_floating_point or target.is_complex)
 
 
 def _refuse_dtensors(targets: dict[str, torch.Tensor]) -> None:

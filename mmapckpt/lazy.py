@@ -29,7 +29,7 @@ from .format.chunks import ChunkFiles, ChunkInfo, EntryInfo, check_coverage
 from .format.entries import paused_gc
 from .format.metadata import find_metadata, read_index_file
 from .io.direct_reads import DirectReads
-from .io.staging import StagingPool, stage, staging_options
+from .io.staging import StagingPool, check_device, stage, staging_options
 
 __all__ = ["open", "load", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
 
@@ -295,6 +295,7 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         >>> model.load_state_dict(mmapckpt.load("/tmp/ckpt"), assign=True)
     """
     device = torch.device(device)
+    check_device(device)
     nbytes, count = staging_options(staging_bytes, staging_buffers, buffer_bytes, num_buffers, "mmapckpt.load")
     with LazyCheckpoint(path) as ckpt:
         names, explicit = _select(ckpt.keys(), keys, ckpt.path)

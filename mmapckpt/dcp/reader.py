@@ -24,6 +24,7 @@ from ..errors import FormatError
 from ..format.entries import paused_gc
 from ..format.metadata import METADATA_NAME, find_metadata, read_metadata_file
 from ..io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool
+from .compat import reader_compat
 from .read_paths import FileReads
 
 __all__ = ["MmapReader"]
@@ -44,6 +45,7 @@ class MmapReader(StorageReader):
             (default 3 buffers of 32 MiB; see docs/lazy.md). Allocated on the first load
             into an accelerator, reused by every later load of this reader, freed by
             :meth:`close` or when the reader is dropped.
+        _extension_registry: FileSystemReader's argument; only None (no stream transforms).
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -56,8 +58,9 @@ class MmapReader(StorageReader):
 
     def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1, verify: bool = False,
                  direct_reads: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 staging_buffers: int = DEFAULT_STAGING_BUFFERS) -> None:
+                 staging_buffers: int = DEFAULT_STAGING_BUFFERS, _extension_registry: Any = None) -> None:
         super().__init__()
+        reader_compat(_extension_registry)
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         if staging_bytes < 1 or staging_buffers < 1:

@@ -22,6 +22,7 @@ from torch.futures import Future
 from ..errors import CheckpointExistsError, CheckpointWriteError
 from ..format.metadata import encode_metadata
 from ..io.files import fsync_dir
+from .compat import writer_compat
 from .commit import SaveLock, commit, writable_local_path, commit_files, committed_files, metadata_path, remove_stale, shard_name
 from .shard_writer import WriterOptions, chunk_nbytes, write_shard
 
@@ -35,6 +36,18 @@ class _Prefix:
     prefix: str
     save_id: str  # the coordinator's save id, written into every shard header
     avoid: frozenset[str] = frozenset()  # names with this prefix that a commit in the directory references
+
+
+def _with_prefixes(plans: list[SavePlan], save_id: str, used: set[str]) -> list[SavePlan]:
+    """Each rank's plan with its file prefix ``__{rank}_``, the save id and the names it must avoid."""
+    out = []
+    for i, p in enumerate(plans):
+        if p.storage_data is None:
+            prefix = f"__{i}_"
+            p = dataclasses.replace(p, storage_data=_Prefix(
+                prefix, save_id, frozenset(n for n in used if n.startswith(prefix))))
+        out.append(p)
+    return out
 
 
 def _split_into_files(n: int, items: list[WriteItem]) -> list[list[WriteItem]]:
@@ -68,6 +81,11 @@ class MmapWriter(StorageWriter):
             three times faster; the saved files are then not in the page cache). Where the
             filesystem refuses O_DIRECT (tmpfs, some network filesystems) the shard is written
             buffered instead, automatically. ``write_paths`` records which path each shard took.
+        single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict, _extensions,
+            serialization_format: FileSystemWriter's arguments, so that swapping the class is
+            the only change; ``single_file_per_rank=False`` writes one file per item, the rest
+            are accepted at their stock defaults and otherwise refused with what to use instead
+            (dcp/compat.py).
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -75,8 +93,14 @@ class MmapWriter(StorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1, sync_files: bool = True,
-                 alignment: int = 4096, overwrite: bool = True, direct_io: bool = True) -> None:
+                 alignment: int = 4096, overwrite: bool = True, direct_io: bool = True,
+                 single_file_per_rank: bool = True, per_thread_copy_ahead: int = 10_000_000,
+                 cache_staged_state_dict: bool = False, _extensions: Any = None,
+                 serialization_format: Any = None) -> None:
         super().__init__()
+        writer_compat(single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict, _extensions,
+                      serialization_format)
+        self.single_file_per_rank = single_file_per_rank
         self.path = os.fspath(path)
         self.options = WriterOptions(thread_count, sync_files, alignment, overwrite, direct_io)
         #: shard file name -> "direct" (O_DIRECT) or "buffered", for the last save
@@ -111,7 +135,9 @@ class MmapWriter(StorageWriter):
         commits = commit_files(self.path)
         if commits and not self.options.overwrite:
             self._release()
-            raise CheckpointExistsError("a checkpoint already exists here and overwrite=False", path=self.path)
+            raise CheckpointExistsError("Checkpoint already exists and overwrite=False: pass overwrite=True to "
+                                        "replace it (the old one stays loadable until the new one is committed)",
+                                        path=self.path)
         if per_rank:
             prefix = f"__{self.rank}_"
             avoid = frozenset(n for n in committed_files(self.path, commits) if n.startswith(prefix))
@@ -123,21 +149,14 @@ class MmapWriter(StorageWriter):
         # place; new shards take names that no commit here references (commit.shard_name).
         if all(p.storage_data is not None for p in plans):
             return plans
-        used = committed_files(self.path)
-        out = []
-        for i, p in enumerate(plans):
-            if p.storage_data is None:
-                prefix = f"__{i}_"
-                p = dataclasses.replace(p, storage_data=_Prefix(
-                    prefix, self.save_id, frozenset(n for n in used if n.startswith(prefix))))
-            out.append(p)
-        return out
+        return _with_prefixes(plans, self.save_id, committed_files(self.path))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         sd = plan.storage_data
         prefix, save_id = sd.prefix, sd.save_id
-        files = [(shard_name(prefix, i, save_id, sd.avoid), bucket)
-                 for i, bucket in enumerate(_split_into_files(self.options.thread_count, plan.items))]
+        buckets = (_split_into_files(self.options.thread_count, plan.items) if self.single_file_per_rank
+                   else [[it] for it in plan.items])  # the stock writer's single_file_per_rank=False
+        files = [(shard_name(prefix, i, save_id, sd.avoid), bucket) for i, bucket in enumerate(buckets)]
         if self.options.thread_count > 1 and len(files) > 1:
             with ThreadPoolExecutor(self.options.thread_count, thread_name_prefix="mmapckpt-write") as pool:
                 per_file = list(pool.map(lambda f: self._write_file(f[0], f[1], planner, save_id), files))

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 __all__ = ["Block", "plan_blocks", "StagingPool", "DEFAULT_STAGING_BYTES", "DEFAULT_STAGING_BUFFERS",
-           "staging_options", "stage", "needs_staging", "STAGE_CPU_TARGETS"]
+           "staging_options", "stage", "needs_staging", "STAGE_CPU_TARGETS", "check_device"]
 
 #: 32 MiB a buffer: a copy's fixed cost (~10 us to launch) is under 2% of moving 32 MiB at
 #: 25-50 GB/s, and one buffer still holds the largest layer of most models in a few pieces.
@@ -107,6 +107,21 @@ def plan_blocks(shape: tuple[int, ...], itemsize: int, cap: int) -> Iterator[Blo
                 yield from rec(prefix + (r,), dims[1:], base + r * row)
 
     yield from rec((), tuple(shape), 0)
+
+
+def check_device(device: torch.device) -> None:
+    """Raise a clear RuntimeError, before any work, for an accelerator this process cannot use."""
+    if device.type == "cpu":
+        return
+    try:
+        mod = torch.get_device_module(device)
+        available = bool(mod.is_available())
+    except (AttributeError, RuntimeError):
+        available = False
+    if not available:
+        raise RuntimeError(f"device {str(device)!r} is not available in this process (torch {torch.__version__}"
+                           f"{', built without CUDA' if device.type == 'cuda' and torch.version.cuda is None else ''}"
+                           "); load to device='cpu', or install a torch build for that device")
 
 
 def staging_options(staging_bytes: int | None, staging_buffers: int | None, buffer_bytes: int | None,

@@ -246,6 +246,17 @@ def test_overwrite_false_refuses_stock_checkpoint(tmp_path) -> None:
     assert isinstance(dcp_failure(ei.value), mmapckpt.CheckpointExistsError)
 
 
+def test_overwrite_false_matches_the_stock_writers_error(tmp_path) -> None:
+    """Code written for FileSystemWriter catches RuntimeError and matches "Checkpoint already exists"."""
+    dcp_save({"w": torch.ones(2)}, mmapckpt.MmapWriter(tmp_path))
+    for writer in (lambda: FileSystemWriter(tmp_path, overwrite=False), lambda: mmapckpt.MmapWriter(tmp_path, overwrite=False)):
+        with pytest.raises(BaseException) as ei:
+            dcp_save({"w": torch.zeros(2)}, writer())
+        err = dcp_failure(ei.value)
+        assert isinstance(err, RuntimeError) and "Checkpoint already exists" in str(err), err
+    assert isinstance(err, mmapckpt.CheckpointExistsError) and isinstance(err, FileExistsError)
+
+
 def test_overwrite_false_allows_empty_directory(tmp_path) -> None:
     sd = {"w": torch.ones(3)}
     dcp_save(sd, mmapckpt.MmapWriter(tmp_path, overwrite=False))
