@@ -1,19 +1,32 @@
 #!/usr/bin/env python3
 """Accelerator benchmark: loading a multi-GB checkpoint to a CUDA GPU, and saving from one.
 
-Measures, in one run and on the same bytes:
+Measures, in one run and on the same bytes (a transformer-shaped state dict):
 
-- the limit: pinned host-to-device copy bandwidth (``copy_`` from pinned CPU memory,
-  non_blocking, then synchronize);
-- load into preallocated GPU targets with ``dcp.load`` + mmapckpt's MmapReader and with
-  the stock FileSystemReader, warm (page cache hot) and cold (evicted with
-  posix_fadvise DONTNEED), and ``mmapckpt.load(path, device="cuda")``;
-- save from GPU tensors with MmapWriter and the stock FileSystemWriter (durable: fsync).
+- the limits: pinned host-to-device copy bandwidth (``copy_`` from pinned CPU memory,
+  non_blocking, then synchronize), and a sequential cold read (64 MB reads after
+  posix_fadvise DONTNEED) of each checkpoint's own files;
+- loads to the device, warm (page cache hot) and cold (evicted): ``dcp.load`` with
+  mmapckpt's MmapReader into preallocated device targets, ``mmapckpt.load_into`` into the
+  same targets, ``mmapckpt.load(path, device=...)``, ``dcp.load`` with the stock
+  FileSystemReader, ``safetensors.torch.load_file(device=...)``,
+  ``torch.load(mmap=True, weights_only=True)`` then ``.to(device)``, and fastsafetensors
+  (``nogds``) where it imports;
+- saves from device tensors with MmapWriter and the stock FileSystemWriter (durable: fsync).
 
-Every figure is the median of ``--repeats`` runs, with min and max. Without a CUDA
-device it prints why and exits with status 2, having measured nothing.
+Each load is a ratio to its limit: warm to the pinned copy, cold to min(cold read of its
+files, pinned copy) in bandwidth. mmapckpt's rows are held to targets: warm >= 0.8, cold
+>= 0.9. Every load is checked bitwise on the first repetition (the run fails otherwise);
+every figure is the median of ``--repeats`` runs, with min and max. A new MmapReader is
+made (and closed) per load, as a caller would. An 8 GB run (``--size 8GB --repeats 2``)
+takes a few minutes on an H200 host with a fast NVMe disk.
+
+Without a CUDA device it says why and exits with status 2, having measured nothing.
+``--device cpu`` is a smoke mode for CI: the same code with CPU targets at a tiny size
+(default 8MB); its ratios mean nothing and are labelled so.
 
     python benchmarks/cuda_bench.py --size 4GB --repeats 3 --out cuda_bench.json
+    python benchmarks/cuda_bench.py --device cpu --size 8MB --repeats 1 --out smoke.json
 """
 
 from __future__ import annotations
@@ -27,18 +40,52 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+#: (key, label, checkpoint it reads) for every load; the first three are mmapckpt's
+LOADS = (
+    ("mmapckpt-dcp", "dcp.load + MmapReader", "mmapckpt"),
+    ("mmapckpt-load_into", "mmapckpt.load_into", "mmapckpt"),
+    ("mmapckpt-load", "mmapckpt.load(device=)", "mmapckpt"),
+    ("dcp", "dcp.load + FileSystemReader", "dcp"),
+    ("safetensors", "safetensors load_file(device=)", "safetensors"),
+    ("torch", "torch.load(mmap=True) + .to(device)", "torch"),
+    ("fastsafetensors", "fastsafetensors (nogds)", "safetensors"),
+)
+TARGET_LOADS = ("mmapckpt-dcp", "mmapckpt-load_into", "mmapckpt-load")
+TARGETS = {"warm": 0.8, "cold": 0.9}
+SAVES = ("mmapckpt", "dcp")
+LIMIT_OF = {"warm": "pinned H2D", "cold": "min(cold read, pinned H2D)"}
+SMOKE_NOTE = ("--device cpu smoke run: CPU targets, an unpinned memcpy as the 'H2D' limit, a tiny size; "
+              "the ratios and targets mean nothing, only that every path ran and loaded the right bytes")
+StateDict = dict[str, torch.Tensor]
 
-def _cuda_or_exit() -> torch.device:
+
+def _device_or_exit(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
     if not torch.cuda.is_available():
         print("cuda_bench: no CUDA device is available (torch.cuda.is_available() is False; "
               f"torch {torch.__version__}, built with CUDA {torch.version.cuda}). "
-              "This benchmark needs an NVIDIA GPU; nothing was measured.", file=sys.stderr)
+              "This benchmark needs an NVIDIA GPU; nothing was measured. "
+              "(--device cpu runs a smoke version on the CPU.)", file=sys.stderr)
         sys.exit(2)
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed(fn: Callable[[], Any], dev: torch.device) -> tuple[float, Any]:
+    _sync(dev)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(dev)
+    return time.perf_counter() - t0, out
 
 
 def _stats(xs: list[float], nbytes: int) -> dict[str, float]:
@@ -46,106 +93,293 @@ def _stats(xs: list[float], nbytes: int) -> dict[str, float]:
     return {"median_s": med, "min_s": min(xs), "max_s": max(xs), "gbps": nbytes / med / 1e9, "n": len(xs)}
 
 
-def _timed(fn: Callable[[], object], dev: torch.device) -> float:
-    torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize(dev)
-    return time.perf_counter() - t0
-
-
-def _h2d_limit(sd: dict[str, torch.Tensor], dev: torch.device) -> float:
-    """Seconds to copy the same bytes from one pinned buffer to the device, in 256 MB pieces."""
-    nbytes = sum(t.nbytes for t in sd.values())
+def _h2d_limit(nbytes: int, dev: torch.device) -> float:
+    """Seconds to copy as many bytes from one pinned buffer to the device, in 256 MB pieces."""
     piece = min(nbytes, 256 << 20)
-    src = torch.empty(piece, dtype=torch.uint8).pin_memory()
+    pinned = dev.type == "cuda"
+    src = torch.empty(piece, dtype=torch.uint8, pin_memory=pinned)
     dst = torch.empty(piece, dtype=torch.uint8, device=dev)
 
     def run() -> None:
         done = 0
         while done < nbytes:
             n = min(piece, nbytes - done)
-            dst[:n].copy_(src[:n], non_blocking=True)
+            dst[:n].copy_(src[:n], non_blocking=pinned)
             done += n
     run()  # warm-up: first use of the pinned pages and the copy engine
-    return _timed(run, dev)
+    return _timed(run, dev)[0]
 
 
-def main(argv: list[str] | None = None) -> int:
+# ---------------------------------------------------------------- saves and loads
+def _paths(root: str) -> dict[str, str]:
+    return {"mmapckpt": os.path.join(root, "mmapckpt"), "dcp": os.path.join(root, "dcp"),
+            "safetensors": os.path.join(root, "model.safetensors"), "torch": os.path.join(root, "model.pt")}
+
+
+def _save_reference_files(sd_cpu: StateDict, paths: dict[str, str]) -> None:
+    """The safetensors and torch.save files of the same state dict (untimed: their loads are measured)."""
+    from safetensors.torch import save_file
+
+    save_file(sd_cpu, paths["safetensors"])
+    torch.save(sd_cpu, paths["torch"])
+
+
+def _save(method: str, sd: StateDict, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import mmapckpt
+
+    writer = mmapckpt.MmapWriter(path) if method == "mmapckpt" else dcp.FileSystemWriter(path)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+
+
+class _Held(dict):
+    """Tensors that are views of a loader's buffers, valid until ``close()``."""
+
+    def __init__(self, tensors: StateDict, close: Callable[[], None]) -> None:
+        super().__init__(tensors)
+        self.close = close
+
+
+def _fastsafetensors(path: str, dev: torch.device, names: list[str]) -> Callable[[], StateDict] | str:
+    """A fastsafetensors load of the safetensors file, or why there is none."""
+    try:
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+    except Exception as e:  # not installed, or built against another torch/CUDA
+        return f"skipped: fastsafetensors does not import ({type(e).__name__}: {e})"[:300]
+
+    def load() -> StateDict:
+        try:
+            loader = SafeTensorsFileLoader(SingleGroup(), dev, nogds=True)
+        except (TypeError, AttributeError):  # versions that take the device as a string
+            loader = SafeTensorsFileLoader(SingleGroup(), str(dev), nogds=True)
+        loader.add_filenames({0: [path]})
+        fb = loader.copy_files_to_device()
+
+        def close() -> None:
+            fb.close()
+            loader.close()
+        return _Held({k: fb.get_tensor(k) for k in names}, close)
+    return load
+
+
+def _loads(paths: dict[str, str], targets: StateDict, dev: torch.device,
+           names: list[str]) -> tuple[dict[str, Callable[[], StateDict]], dict[str, str]]:
+    """Every load as a callable returning the loaded tensors; and notes on those left out."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    import mmapckpt
+
+    def mmap_dcp() -> StateDict:
+        reader = mmapckpt.MmapReader(paths["mmapckpt"])
+        try:
+            dcp.load(targets, storage_reader=reader, no_dist=True)
+        finally:
+            reader.close()  # frees its pinned staging ring
+        return targets
+
+    def load_into() -> StateDict:
+        mmapckpt.load_into(targets, paths["mmapckpt"])
+        return targets
+
+    def stock() -> StateDict:
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(paths["dcp"]), no_dist=True)
+        return targets
+
+    def torch_load() -> StateDict:
+        return {k: v.to(dev) for k, v in torch.load(paths["torch"], mmap=True, weights_only=True).items()}
+
+    fns: dict[str, Callable[[], StateDict]] = {
+        "mmapckpt-dcp": mmap_dcp, "mmapckpt-load_into": load_into,
+        "mmapckpt-load": lambda: mmapckpt.load(paths["mmapckpt"], device=dev), "dcp": stock,
+        "safetensors": lambda: load_file(paths["safetensors"], device=str(dev)), "torch": torch_load}
+    notes: dict[str, str] = {}
+    fst = _fastsafetensors(paths["safetensors"], dev, names)
+    if isinstance(fst, str):
+        notes["fastsafetensors"] = fst
+    else:
+        fns["fastsafetensors"] = fst
+    return fns, notes
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _check(out: StateDict, sd: StateDict, dev: torch.device, what: str) -> None:
+    """Every tensor on ``dev`` with the reference's dtype, shape and bytes, else the run fails."""
+    for k, v in sd.items():
+        o = out.get(k)
+        same = (isinstance(o, torch.Tensor) and o.device.type == dev.type and o.dtype == v.dtype
+                and o.shape == v.shape and torch.equal(_as_bytes(o), _as_bytes(v)))
+        if not same:
+            raise SystemExit(f"cuda_bench: {what} loaded different bytes for {k!r}")
+
+
+def _scramble(targets: StateDict) -> None:
+    """Overwrite the targets so that a load that skips a tensor cannot pass the check."""
+    for t in targets.values():
+        t.detach().reshape(-1).view(torch.uint8).fill_(0xA5)  # contiguous: made by empty_like
+
+
+# ---------------------------------------------------------------- the run
+def _load_once(ctx: dict[str, Any], key: str, phase: str, check: bool) -> float | None:
+    """One timed load (checked bitwise when ``check``); None where an optional load failed."""
+    if check:
+        _scramble(ctx["targets"])
+    try:
+        seconds, out = _timed(ctx["loads"][key], ctx["dev"])
+    except Exception as e:
+        if key != "fastsafetensors":
+            raise
+        ctx["notes"][key] = f"skipped: it failed ({type(e).__name__}: {e})"[:300]
+        del ctx["loads"][key]
+        return None
+    if check:
+        _check(out, ctx["sd"], ctx["dev"], f"{key} ({phase})")
+        ctx["checked"][key] = True
+    if isinstance(out, _Held):
+        out.close()
+    return seconds
+
+
+def _repetition(r: int, ctx: dict[str, Any], add: Callable[[str, str, float], None]) -> None:
+    from mmapckpt.bench.system import cold_read_limit, evict, files_under, warm_up
+
+    dev, paths = ctx["dev"], ctx["paths"]
+    add("limit", "h2d", _h2d_limit(ctx["nbytes"], dev))
+    for m in SAVES:
+        shutil.rmtree(paths[m], ignore_errors=True)
+        os.sync()  # the removed files' journal commit is not the save's
+        add("save", m, _timed(lambda m=m: _save(m, ctx["sd"], paths[m]), dev)[0])
+    for fmt, p in paths.items():
+        add("cold_read", fmt, sum(cold_read_limit(f) for f in files_under(p)))
+    for phase, prep in (("warm", warm_up), ("cold", evict)):
+        for key, _label, fmt in LOADS:
+            if key in ctx["loads"]:
+                prep(files_under(paths[fmt]))
+                seconds = _load_once(ctx, key, phase, check=r == 0)
+                if seconds is not None:
+                    add(phase, key, seconds)
+
+
+def _measure(sd: StateDict, root: str, repeats: int, dev: torch.device) -> tuple[dict, dict, dict]:
+    """Every phase ``repeats`` times: (times by (phase, key), bitwise checks, notes)."""
+    paths = _paths(root)
+    _save_reference_files({k: v.cpu() for k, v in sd.items()}, paths)
+    targets = {k: torch.empty_like(v) for k, v in sd.items()}
+    loads, notes = _loads(paths, targets, dev, list(sd))
+    ctx = {"dev": dev, "sd": sd, "targets": targets, "paths": paths, "loads": loads, "notes": notes,
+           "checked": {k: False for k in loads}, "nbytes": sum(t.nbytes for t in sd.values())}
+    times: dict[tuple[str, str], list[float]] = {}
+    for r in range(repeats):
+        print(f"repetition {r + 1}/{repeats}", file=sys.stderr)
+        _repetition(r, ctx, lambda phase, key, s: times.setdefault((phase, key), []).append(s))
+    return times, ctx["checked"], notes
+
+
+# ---------------------------------------------------------------- the report
+def _rows(times: dict[tuple[str, str], list[float]], nbytes: int) -> list[dict[str, Any]]:
+    """A row per save and load, each load with its limit (seconds) and its ratio to it (throughput)."""
+    h2d = statistics.median(times[("limit", "h2d")])
+    fmt_of = {key: fmt for key, _label, fmt in LOADS}
+    labels = {key: label for key, label, _fmt in LOADS}
+    rows = []
+    for (phase, key), xs in times.items():
+        if phase not in ("save", "warm", "cold"):
+            continue
+        limit = None
+        if phase == "warm":
+            limit = h2d
+        elif phase == "cold":
+            limit = max(h2d, statistics.median(times[("cold_read", fmt_of[key])]))
+        med = statistics.median(xs)
+        label = f"save from device (fsync): {key}" if phase == "save" else labels[key]
+        rows.append({"phase": phase, "method": key, "label": label, **_stats(xs, nbytes),
+                     "limit": LIMIT_OF.get(phase), "limit_s": limit, "ratio": limit / med if limit else None})
+    return rows
+
+
+def _targets(rows: list[dict[str, Any]], meaningful: bool) -> list[dict[str, Any]]:
+    return [{"method": r["method"], "phase": r["phase"], "ratio": r["ratio"], "target": TARGETS[r["phase"]],
+             "met": r["ratio"] >= TARGETS[r["phase"]], "meaningful": meaningful}
+            for r in rows if r["method"] in TARGET_LOADS and r["phase"] in TARGETS]
+
+
+def _print(doc: dict[str, Any]) -> None:
+    print(f"\n{'':<6}{'':<40}{'median s':>9}{'min':>8}{'max':>8}{'GB/s':>7}{'ratio':>7}  of")
+    for r in doc["rows"]:
+        ratio = f"{r['ratio']:>7.2f}" if r["ratio"] is not None else f"{'':>7}"
+        print(f"{r['phase']:<6}{r['label']:<40}{r['median_s']:>9.3f}{r['min_s']:>8.3f}{r['max_s']:>8.3f}"
+              f"{r['gbps']:>7.2f}{ratio}  {r['limit'] or ''}")
+    h2d = "pinned host-to-device copy" if doc["ratios_meaningful"] else "host memcpy (smoke: stands in for pinned H2D)"
+    print(f"\nlimit: {h2d} {doc['limits']['h2d']['gbps']:.2f} GB/s")
+    for fmt, s in doc["limits"]["cold_read"].items():
+        print(f"limit: sequential cold read of the {fmt} files {s['gbps']:.2f} GB/s")
+    print("\nmmapckpt against the targets" + ("" if doc["ratios_meaningful"] else " (smoke run: meaningless)"))
+    for t in doc["targets"]:
+        print(f"  {t['phase']:<5} {t['method']:<20} {t['ratio']:.2f} (>= {t['target']}): "
+              f"{'met' if t['met'] else 'MISSED'}")
+    for key, ok in doc["checked_bitwise"].items():
+        print(f"checked bitwise: {key}: {'yes' if ok else 'NO'}")
+    for key, note in doc["skipped"].items():
+        print(f"{key}: {note}")
+    if doc.get("note"):
+        print(f"note: {doc['note']}")
+
+
+def _document(args: argparse.Namespace, dev: torch.device, sd: StateDict, times: dict, checked: dict,
+              notes: dict) -> dict[str, Any]:
+    from mmapckpt.bench.system import machine_info
+
+    nbytes, smoke = sum(t.nbytes for t in sd.values()), dev.type == "cpu"
+    rows = _rows(times, nbytes)
+    return {"device": dev.type, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+            "smoke": smoke, "ratios_meaningful": not smoke, "note": SMOKE_NOTE if smoke else None,
+            "machine": machine_info(os.getcwd()), "bytes": nbytes, "tensors": len(sd), "repeats": args.repeats,
+            "limits": {"h2d": _stats(times[("limit", "h2d")], nbytes),
+                       "cold_read": {k: _stats(xs, nbytes) for (p, k), xs in times.items() if p == "cold_read"}},
+            "rows": rows, "targets": _targets(rows, not smoke), "checked_bitwise": checked, "skipped": notes}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="4GB", help="state dict size (default 4GB)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda (default), or cpu: a smoke run of the same code, ratios meaningless")
+    parser.add_argument("--size", default=None, help="state dict size (default 4GB; 8MB with --device cpu)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: under the cwd)")
     parser.add_argument("--out", default="cuda_bench.json", help="JSON result file")
     args = parser.parse_args(argv)
-    dev = _cuda_or_exit()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
 
-    from mmapckpt.bench.system import machine_info
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    dev = _device_or_exit(args.device)
+
     from mmapckpt.bench.synthetic import parse_size, transformer_state_dict
 
     warnings.simplefilter("ignore")
-    sd = {k: v.to(dev) for k, v in transformer_state_dict(parse_size(args.size), dtype=getattr(torch, args.dtype)).items()}
-    nbytes = sum(t.nbytes for t in sd.values())
-    print(f"{len(sd)} tensors, {nbytes / 1e9:.2f} GB on {torch.cuda.get_device_name(dev)}", file=sys.stderr)
+    size = parse_size(args.size or ("8MB" if dev.type == "cpu" else "4GB"))
+    sd = {k: v.to(dev) for k, v in transformer_state_dict(size, dtype=getattr(torch, args.dtype)).items()}
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "the CPU (smoke run)"
+    print(f"{len(sd)} tensors, {sum(t.nbytes for t in sd.values()) / 1e9:.3f} GB on {where}", file=sys.stderr)
     root = tempfile.mkdtemp(prefix=".mmapckpt-cuda-bench-", dir=args.dir or os.getcwd())
     try:
-        times = _measure(sd, root, args.repeats, dev)
+        times, checked, notes = _measure(sd, root, args.repeats, dev)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rows = _report(times, nbytes)
-    doc = {"machine": machine_info(os.getcwd()), "gpu": torch.cuda.get_device_name(dev), "bytes": nbytes,
-           "tensors": len(sd), "repeats": args.repeats, "rows": rows}
+    doc = _document(args, dev, sd, times, checked, notes)
+    _print(doc)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
     print(f"\nJSON: {args.out}")
     return 0
-
-
-def _measure(sd: dict[str, torch.Tensor], root: str, repeats: int, dev: torch.device) -> dict[str, list[float]]:
-    """Every phase ``repeats`` times; the loads are checked bitwise on the first repetition."""
-    import torch.distributed.checkpoint as dcp
-
-    import mmapckpt
-    from mmapckpt.bench.system import evict, files_under, warm_up
-
-    targets = {k: torch.empty_like(v) for k, v in sd.items()}
-    paths = {"mmapckpt": os.path.join(root, "mmapckpt"), "dcp": os.path.join(root, "dcp")}
-    writers = {"mmapckpt": lambda p: mmapckpt.MmapWriter(p), "dcp": lambda p: dcp.FileSystemWriter(p)}
-    readers = {"mmapckpt": lambda p: mmapckpt.MmapReader(p), "dcp": lambda p: dcp.FileSystemReader(p)}
-    times: dict[str, list[float]] = {}
-
-    def add(name: str, seconds: float) -> None:
-        times.setdefault(name, []).append(seconds)
-
-    for r in range(repeats):
-        print(f"repetition {r + 1}/{repeats}", file=sys.stderr)
-        add("limit: pinned host-to-device copy", _h2d_limit(sd, dev))
-        for m in ("mmapckpt", "dcp"):
-            shutil.rmtree(paths[m], ignore_errors=True)
-            add(f"save from GPU (fsync): {m}",
-                _timed(lambda: dcp.save(sd, storage_writer=writers[m](paths[m]), no_dist=True), dev))
-        for phase, prep in (("warm", warm_up), ("cold", evict)):
-            for m in ("mmapckpt", "dcp"):
-                prep(files_under(paths[m]))
-                add(f"{phase} load into GPU targets: {m}",
-                    _timed(lambda: dcp.load(targets, storage_reader=readers[m](paths[m]), no_dist=True), dev))
-                if r == 0 and not all(torch.equal(targets[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd):
-                    raise SystemExit(f"cuda_bench: {m} loaded different bytes ({phase})")
-            prep(files_under(paths["mmapckpt"]))
-            add(f"{phase} mmapckpt.load(device='cuda')", _timed(lambda: mmapckpt.load(paths["mmapckpt"], device=dev), dev))
-    return times
-
-
-def _report(times: dict[str, list[float]], nbytes: int) -> dict[str, dict[str, float]]:
-    """Print the table; return its rows (each with its fraction of the host-to-device limit)."""
-    limit = statistics.median(times["limit: pinned host-to-device copy"])
-    rows = {name: {**_stats(xs, nbytes), "fraction_of_h2d": limit / statistics.median(xs)} for name, xs in times.items()}
-    print(f"\n{'':<44}{'median s':>9}{'min':>8}{'max':>8}{'GB/s':>7}{'of H2D':>8}")
-    for name, s in rows.items():
-        print(f"{name:<44}{s['median_s']:>9.3f}{s['min_s']:>8.3f}{s['max_s']:>8.3f}{s['gbps']:>7.2f}"
-              f"{s['fraction_of_h2d']:>8.2f}")
-    return rows
 
 
 if __name__ == "__main__":

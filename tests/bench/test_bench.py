@@ -94,3 +94,40 @@ def test_cuda_benchmark_says_why_without_a_gpu() -> None:
     proc = subprocess.run([sys.executable, script, "--size", "8MB"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert "no CUDA device is available" in proc.stderr and "nothing was measured" in proc.stderr
+
+
+def test_cuda_benchmark_smoke_runs_every_row_on_the_cpu(tmp_path) -> None:
+    """`--device cpu`: the accelerator benchmark's code with CPU targets, every load checked bitwise."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "cuda_bench.py")
+    out = tmp_path / "cuda_bench.json"
+    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--size", "8MB", "--repeats", "1",
+                           "--out", str(out), "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["device"] == "cpu" and doc["smoke"] and not doc["ratios_meaningful"] and "mean nothing" in doc["note"]
+
+    loads = ["mmapckpt-dcp", "mmapckpt-load_into", "mmapckpt-load", "dcp", "safetensors", "torch"]
+    if "fastsafetensors" not in doc["skipped"]:  # measured only where it imports
+        loads.append("fastsafetensors")
+    got = {(r["method"], r["phase"]) for r in doc["rows"]}
+    assert got == {(m, p) for m in loads for p in ("warm", "cold")} | {("mmapckpt", "save"), ("dcp", "save")}
+    assert doc["checked_bitwise"] == {m: True for m in loads}
+    for r in doc["rows"]:
+        assert r["n"] == 1 and r["min_s"] <= r["median_s"] <= r["max_s"] and _positive(r["gbps"]), r
+        if r["phase"] == "save":
+            assert r["ratio"] is None
+        else:
+            assert _positive(r["ratio"]) and _positive(r["limit_s"]) and r["limit"]
+    assert {(t["method"], t["phase"]) for t in doc["targets"]} == {
+        (m, p) for m in ("mmapckpt-dcp", "mmapckpt-load_into", "mmapckpt-load") for p in ("warm", "cold")}
+    assert all(isinstance(t["met"], bool) and t["meaningful"] is False for t in doc["targets"])
+    assert _positive(doc["limits"]["h2d"]["gbps"])
+    assert set(doc["limits"]["cold_read"]) == {"mmapckpt", "dcp", "safetensors", "torch"}
+    assert doc["bytes"] > 1_000_000 and doc["repeats"] == 1
+    for label in ("dcp.load + MmapReader", "mmapckpt.load_into", "safetensors load_file", "against the targets"):
+        assert label in proc.stdout
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".mmapckpt-cuda-bench-")]  # cleaned up
