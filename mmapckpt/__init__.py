@@ -5,6 +5,7 @@ single-process ``save``, ``open``/``load`` (lazy views) and ``load_into`` (in pl
 """
 
 from .conversion.driver import ConversionWarning, ConvertResult, convert
+from .dcp.fast_planner import FastLoadPlanner, FastSavePlanner
 from .dcp.planner import SafeLoadPlanner, ZeroCopyLoadPlanner
 from .dcp.reader import MmapReader
 from .dcp.writer import MmapWriter
@@ -47,6 +48,8 @@ __all__ = [
     "ChunkInfo",
     "ZeroCopyLoadPlanner",
     "SafeLoadPlanner",
+    "FastLoadPlanner",
+    "FastSavePlanner",
     "convert",
     "ConvertResult",
     "ConversionWarning",

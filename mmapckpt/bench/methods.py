@@ -97,6 +97,20 @@ def _api_load(targets: StateDict, path: str) -> None:
     load_into(targets, path)
 
 
+def _fast_save(sd: StateDict, path: str) -> MmapWriter:
+    from ..dcp.fast_planner import FastSavePlanner
+
+    w = MmapWriter(path)
+    _quiet(lambda: dcp.save(sd, storage_writer=w, planner=FastSavePlanner(), no_dist=True))
+    return w
+
+
+def _fast_load(targets: StateDict, path: str) -> None:
+    from ..dcp.fast_planner import FastLoadPlanner
+
+    _quiet(lambda: dcp.load(targets, storage_reader=MmapReader(path), planner=FastLoadPlanner(), no_dist=True))
+
+
 # ---------------------------------------------------------------- stock DCP
 def _dcp_save(sd: StateDict, path: str) -> None:
     _quiet(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=True))
@@ -170,6 +184,7 @@ METHODS: tuple[Method, ...] = (
 #: copies out of the mapping), to show in one run what the fast paths move.
 EXTRA_METHODS: tuple[Method, ...] = (
     Method("mmapckpt-base", "mmapckpt, buffered writes and mapped copies", _base_save, _base_load, None),
+    Method("mmapckpt-fast", "mmapckpt with FastSavePlanner/FastLoadPlanner", _fast_save, _fast_load, None),
 )
 
 

@@ -268,7 +268,7 @@ def _run_scan(args: argparse.Namespace, cfg: dict, bench_dir: str) -> int:
     raw = (args.points or _SCAN_POINTS[args.scan]).split(",")
     points = [parse_size(p) if args.scan == "sizes" else int(p) for p in raw]
     fixed = args.tensors or _DEFAULTS["tensors"] if args.scan == "sizes" else cfg["size"]
-    methods = [m.key for m in cfg["methods"] if m.key in ("mmapckpt", "mmapckpt-api", "safetensors", "dcp")] or ["mmapckpt"]
+    methods = [m.key for m in cfg["methods"] if m.key in ("mmapckpt", "mmapckpt-fast", "mmapckpt-api", "safetensors", "dcp")] or ["mmapckpt"]
     doc = _bench_scan.scan(args.scan, points, fixed=fixed, dtype=cfg["dtype"], repeats=cfg["repeats"],
                            methods=methods, bench_dir=bench_dir, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(_bench_scan.render(doc))

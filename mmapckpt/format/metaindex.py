@@ -63,7 +63,7 @@ class MetaIndex(NamedTuple):
 
     entries: dict[str, EntryInfo]
     save_id: str | None
-    doc: dict[str, Any]  # the JSON document, for planner_data, storage_meta and version
+    doc: dict[str, Any]  # the document's version, planner_data and storage_meta (not its entries)
     requires_grad: set[str]
     record_index: dict[tuple[str, tuple[int, ...] | None], int]  # MetadataIndex.index hints
 
@@ -200,7 +200,10 @@ def index_doc(doc: Any, path: str) -> MetaIndex:
     sm = doc.get("storage_meta")
     _need(sm is None or type(sm) is dict, "'storage_meta' must be an object")
     save_id = None if sm is None else _opt_str(sm.get("save_id"), "save_id")
-    return MetaIndex(entries, save_id, doc, grad, record_index)
+    # Only the small top-level fields are kept: the entries' JSON is freed by the caller while
+    # the collector is still paused (freeing 100,000 entries' dicts later cost 2.6 us an entry).
+    top = {k: doc.get(k) for k in ("version", "planner_data", "storage_meta")}
+    return MetaIndex(entries, save_id, top, grad, record_index)
 
 
 def _planner_data(raw: Any) -> dict[str, tuple[Any, ...]] | None:
@@ -222,22 +225,34 @@ def _storage_meta(raw: Any) -> StorageMeta | None:
 
 
 def to_dcp(ix: MetaIndex) -> Metadata:
-    """DCP's ``Metadata`` for an index (what ``dcp.load`` plans with)."""
+    """DCP's ``Metadata`` for an index (what ``dcp.load`` plans with).
+
+    The immutable ``torch.Size`` objects are shared where values are equal (a whole
+    chunk's sizes are the tensor's size; all-zero offsets one object per rank), which
+    halves the objects built per entry; every mutable record is built per entry.
+    """
     sdm: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
+    hints = ix.record_index
+    zeros: dict[int, torch.Size] = {}
     for name, e in ix.entries.items():
         if e.kind == "object":
             sdm[name] = BytesStorageMetadata()
             c = e.chunks[0]
-            storage[MetadataIndex(name, None, ix.record_index.get((name, None)))] = _StorageInfo(
-                c.file, c.file_offset, c.length)
+            storage[MetadataIndex(name, None, hints.get((name, None)))] = _StorageInfo(c.file, c.file_offset, c.length)
             continue
-        props = TensorProperties(dtype=e.dtype, requires_grad=name in ix.requires_grad)
-        sdm[name] = TensorStorageMetadata(props, torch.Size(e.shape), [
-            ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in e.chunks])
+        size = torch.Size(e.shape)
+        chunks = []
         for c in e.chunks:
-            storage[MetadataIndex(name, c.offsets, ix.record_index.get((name, c.offsets)))] = _StorageInfo(
-                c.file, c.file_offset, c.length)
+            off = zeros.get(len(c.offsets)) if not any(c.offsets) else None
+            if off is None:
+                off = torch.Size(c.offsets)
+                if not any(c.offsets):
+                    zeros[len(c.offsets)] = off
+            chunks.append(ChunkStorageMetadata(offsets=off, sizes=size if c.sizes == e.shape else torch.Size(c.sizes)))
+            storage[MetadataIndex(name, off, hints.get((name, c.offsets)))] = _StorageInfo(c.file, c.file_offset, c.length)
+        sdm[name] = TensorStorageMetadata(TensorProperties(dtype=e.dtype, requires_grad=name in ix.requires_grad),
+                                          size, chunks)
     return Metadata(state_dict_metadata=sdm, planner_data=_planner_data(ix.doc.get("planner_data")),
                     storage_data=storage, storage_meta=_storage_meta(ix.doc.get("storage_meta")),
                     version=_opt_str(ix.doc.get("version"), "version"))
