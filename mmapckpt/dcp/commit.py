@@ -3,7 +3,8 @@
 The one commit point is the atomic, fsynced rename of the new metadata file over the
 old one (``.metadata``, or ``__{rank}.metadata`` for a save with use_collectives=False).
 Until then the old commit and every file it names stay untouched: new shard files never
-take a name that a commit in the directory references (:func:`shard_name`). Only after
+take the name of a shard file in the directory (:func:`shard_name`), so never one a commit
+references. Only after
 the new commit is durable are the files that no commit references any more removed
 (:func:`remove_stale`): the old checkpoint's shards, and the leftovers of killed saves.
 
@@ -16,6 +17,7 @@ The kernel drops the lock when its process dies, so a killed save never blocks t
 from __future__ import annotations
 
 import fcntl
+import gc
 import glob
 import os
 import re
@@ -25,7 +27,7 @@ from ..format.metadata import METADATA_NAME, read_index_file
 from ..io.files import atomic_write, fsync_dir
 
 __all__ = ["SHARD_SUFFIX", "SaveLock", "metadata_path", "commit_files", "committed_files",
-           "shard_name", "commit", "remove_stale", "writable_local_path"]
+           "existing_shards", "shard_name", "commit", "remove_stale", "writable_local_path"]
 
 SHARD_SUFFIX = ".distcp"
 #: Files of a DCP checkpoint's own making, the only ones a save ever removes.
@@ -51,7 +53,13 @@ class SaveLock:
             raise CheckpointWriteError(f"cannot open the checkpoint directory: {e}", path=directory) from e
         self._fd: int | None = fd
         try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                # A save of this process that failed on another rank never reached finish(): its
+                # writer may be garbage that still holds the lock (DCP's exceptions form cycles).
+                gc.collect()
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             self.release()
             raise CheckpointWriteError(
@@ -100,13 +108,22 @@ def committed_files(path: str, commits: list[str] | None = None) -> set[str]:
     return names
 
 
+def existing_shards(path: str) -> set[str]:
+    """The shard files in the directory: whatever a commit there may reference (new shards avoid them all).
+
+    Listing the directory, rather than decoding the old metadata, keeps the cost per save
+    independent of the old checkpoint's entry count.
+    """
+    return {n for n in _listdir(path) if n.endswith(SHARD_SUFFIX)}
+
+
 def shard_name(prefix: str, k: int, save_id: str, avoid: frozenset[str] | set[str]) -> str:
-    """``{prefix}{k}.distcp`` (DCP's own name), or with the save id in it where a commit uses that name."""
+    """``{prefix}{k}.distcp`` (DCP's own name), or with the save id in it where that name is taken."""
     name = f"{prefix}{k}{SHARD_SUFFIX}"
     if name in avoid:
         name = f"{prefix}{k}.{save_id.replace('-', '')[:8]}{SHARD_SUFFIX}"
     if name in avoid:  # cannot happen for a fresh save id; refuse rather than overwrite a committed file
-        raise CheckpointWriteError("no free shard file name (a commit references both candidates)", path=name)
+        raise CheckpointWriteError("no free shard file name (both candidates exist)", path=name)
     return name
 
 
@@ -118,10 +135,11 @@ def commit(target: str, data: bytes, *, sync: bool) -> None:
         raise CheckpointWriteError(f"committing the metadata failed: {e}", path=target) from e
 
 
-def remove_stale(path: str, *, keep_commit: str, rank_prefix: str | None, sync: bool) -> None:
+def remove_stale(path: str, *, keep_commit: str, keep_files: set[str], rank_prefix: str | None, sync: bool) -> None:
     """After a durable commit: remove what no commit references any more.
 
-    ``keep_commit`` is the commit just written. A collective save (``rank_prefix`` None)
+    ``keep_commit`` is the commit just written and ``keep_files`` the files it references.
+    A collective save (``rank_prefix`` None)
     removes the per-rank commits of an earlier use_collectives=False save, then every shard
     and temporary file of DCP's making that ``.metadata`` does not reference. A per-rank save
     removes ``.metadata`` (an earlier collective save's commit, which would otherwise load as
@@ -136,8 +154,9 @@ def remove_stale(path: str, *, keep_commit: str, rank_prefix: str | None, sync: 
         doomed = [METADATA_NAME] if METADATA_NAME in names else []
     for n in doomed:
         _unlink(os.path.join(path, n))
-    keep = committed_files(path, [keep_commit] + ([] if rank_prefix is None else [
-        p for p in commit_files(path) if p != keep_commit]))
+    keep = set(keep_files)
+    if rank_prefix is not None:  # the other ranks' commits still name their files
+        keep |= committed_files(path, [p for p in commit_files(path) if p != keep_commit])
     own = () if rank_prefix is None else (rank_prefix, f"{rank_prefix[:-1]}{METADATA_NAME}.tmp-")
     mine = (lambda n: True) if rank_prefix is None else (lambda n: n.lstrip(".").startswith(own))
     for n in names:

@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..errors import CheckpointWriteError
 from ..format import layout as fmt
 from ..io.d2h import stage_to_host
-from ..io.files import pwrite_all, unlink_quietly
+from ..io.files import fsync_dir, pwrite_all, unlink_quietly
 from ..io.odirect import DirectWriter, open_direct
 
-__all__ = ["WriterOptions", "write_shard", "chunk_nbytes"]
+__all__ = ["WriterOptions", "write_files", "write_shard", "chunk_nbytes"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,38 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 1 and t.stride(0) != 1:  # one element counts as contiguous whatever its stride
         t = t.clone(memory_format=torch.contiguous_format)
     return memoryview(t.view(torch.uint8).numpy())
+
+
+def write_files(directory: str, files: list[tuple[str, list[WriteItem]]], planner: SavePlanner, save_id: str,
+                options: WriterOptions, write_paths: dict[str, str]) -> list[WriteResult]:
+    """Write one rank's shard files (``thread_count`` at a time), then fsync the directory.
+
+    ``write_paths`` receives each finished file's write path. If any file fails, the files
+    this call finished are removed again (no commit will name them) and the error is raised.
+    """
+    try:
+        if options.thread_count > 1 and len(files) > 1:
+            with ThreadPoolExecutor(options.thread_count, thread_name_prefix="mmapckpt-write") as pool:
+                per_file = list(pool.map(lambda f: _write_one(directory, f, planner, save_id, options, write_paths),
+                                         files))
+        else:
+            per_file = [_write_one(directory, f, planner, save_id, options, write_paths) for f in files]
+        if options.sync_files and files:
+            try:
+                fsync_dir(directory)
+            except OSError as e:
+                raise CheckpointWriteError(f"syncing the checkpoint directory failed: {e}", path=directory) from e
+    except BaseException:
+        for name in write_paths:  # every file of this save (the pool has joined its threads)
+            unlink_quietly(os.path.join(directory, name))
+        raise
+    return [r for rs in per_file for r in rs]
+
+
+def _write_one(directory: str, f: tuple[str, list[WriteItem]], planner: SavePlanner, save_id: str,
+               options: WriterOptions, write_paths: dict[str, str]) -> list[WriteResult]:
+    results, write_paths[f[0]] = write_shard(directory, f[0], f[1], planner, save_id, options)
+    return results
 
 
 def write_shard(directory: str, name: str, items: list[WriteItem], planner: SavePlanner, save_id: str | None,

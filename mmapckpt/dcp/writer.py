@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +19,20 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointExistsError, CheckpointWriteError
+from ..format.entries import paused_gc
 from ..format.metadata import encode_metadata
-from ..io.files import fsync_dir
 from .compat import writer_compat
-from .commit import SaveLock, commit, writable_local_path, commit_files, committed_files, metadata_path, remove_stale, shard_name
-from .shard_writer import WriterOptions, chunk_nbytes, write_shard
+from .commit import (
+    SaveLock,
+    commit,
+    commit_files,
+    existing_shards,
+    metadata_path,
+    remove_stale,
+    shard_name,
+    writable_local_path,
+)
+from .shard_writer import WriterOptions, chunk_nbytes, write_files
 
 __all__ = ["MmapWriter", "WriterOptions"]
 
@@ -35,7 +43,7 @@ DCP_VERSION = "1.0.0"
 class _Prefix:
     prefix: str
     save_id: str  # the coordinator's save id, written into every shard header
-    avoid: frozenset[str] = frozenset()  # names with this prefix that a commit in the directory references
+    avoid: frozenset[str] = frozenset()  # shard files with this prefix in the directory: taken names
 
 
 def _with_prefixes(plans: list[SavePlan], save_id: str, used: set[str]) -> list[SavePlan]:
@@ -140,35 +148,29 @@ class MmapWriter(StorageWriter):
                                         path=self.path)
         if per_rank:
             prefix = f"__{self.rank}_"
-            avoid = frozenset(n for n in committed_files(self.path, commits) if n.startswith(prefix))
+            avoid = frozenset(n for n in existing_shards(self.path) if n.startswith(prefix))
             plan = dataclasses.replace(plan, storage_data=_Prefix(prefix, self.save_id, avoid))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator before any rank writes a shard. The old commit stays in
-        # place; new shards take names that no commit here references (commit.shard_name).
+        # place; new shards take names no file here has (commit.shard_name).
         if all(p.storage_data is not None for p in plans):
             return plans
-        return _with_prefixes(plans, self.save_id, committed_files(self.path))
+        return _with_prefixes(plans, self.save_id, existing_shards(self.path))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         sd = plan.storage_data
-        prefix, save_id = sd.prefix, sd.save_id
         buckets = (_split_into_files(self.options.thread_count, plan.items) if self.single_file_per_rank
                    else [[it] for it in plan.items])  # the stock writer's single_file_per_rank=False
-        files = [(shard_name(prefix, i, save_id, sd.avoid), bucket) for i, bucket in enumerate(buckets)]
-        if self.options.thread_count > 1 and len(files) > 1:
-            with ThreadPoolExecutor(self.options.thread_count, thread_name_prefix="mmapckpt-write") as pool:
-                per_file = list(pool.map(lambda f: self._write_file(f[0], f[1], planner, save_id), files))
-        else:
-            per_file = [self._write_file(name, bucket, planner, save_id) for name, bucket in files]
-        if self.options.sync_files and files:
-            try:
-                fsync_dir(self.path)
-            except OSError as e:
-                raise CheckpointWriteError(f"syncing the checkpoint directory failed: {e}", path=self.path) from e
+        files = [(shard_name(sd.prefix, i, sd.save_id, sd.avoid), bucket) for i, bucket in enumerate(buckets)]
+        try:
+            results = write_files(self.path, files, planner, sd.save_id, self.options, self.write_paths)
+        except BaseException:
+            self._release()  # this save will not commit: a retry must not find the directory locked
+            raise
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result([r for rs in per_file for r in rs])
+        fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -179,12 +181,14 @@ class MmapWriter(StorageWriter):
         target = metadata_path(self.path, self.rank if per_rank else None)
         try:
             try:
-                data = encode_metadata(metadata)
+                with paused_gc():  # one object per entry to encode: the collector's passes would dominate
+                    data = encode_metadata(metadata)
             except (TypeError, ValueError) as e:
                 raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}", path=target) from e
             commit(target, data, sync=self.options.sync_files)
-            remove_stale(self.path, keep_commit=target, rank_prefix=f"__{self.rank}_" if per_rank else None,
-                         sync=self.options.sync_files)
+            files = {info.relative_path for info in metadata.storage_data.values()}
+            remove_stale(self.path, keep_commit=target, keep_files=files,
+                         rank_prefix=f"__{self.rank}_" if per_rank else None, sync=self.options.sync_files)
         finally:
             self._release()
 
@@ -203,11 +207,6 @@ class MmapWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return writable_local_path(os.fspath(checkpoint_id))
-
-    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner,
-                    save_id: str | None) -> list[WriteResult]:
-        results, self.write_paths[name] = write_shard(self.path, name, items, planner, save_id, self.options)
-        return results
 
     @property
     def write_path(self) -> str | None:

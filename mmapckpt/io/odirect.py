@@ -92,7 +92,8 @@ class DirectWriter:
                 if self._error is None:
                     pwrite_all(self.fd, memoryview(buf)[:n], off)
             except BaseException as e:  # handed to the caller at its next put or finish
-                self._error = e
+                # without its traceback: the frames hold views of the buffer, which close() must free
+                self._error = e.with_traceback(None)
             self._free.put(buf)
 
     def _check(self) -> None:
@@ -155,4 +156,7 @@ class DirectWriter:
             self._jobs.put(None)
             self._thread.join()
         for b in (*self._pool, self.head):
-            b.close()
+            try:
+                b.close()
+            except BufferError:  # a view still exported (an error's frames): freed with the last view
+                pass
