@@ -103,12 +103,12 @@ class TensorSlice:
 class LazyCheckpoint:
     """An open checkpoint; see :func:`open`."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
         self.path = os.fspath(path)
         meta = find_metadata(self.path)
         self.kind, self._entries, save_id = read_index_file(meta)
         rels = {c.file for e in self._entries.values() for c in e.chunks}
-        self._files: ChunkFiles | None = ChunkFiles(self.path, rels, save_id)
+        self._files: ChunkFiles | None = ChunkFiles(self.path, rels, save_id, verify=verify)
         self._covered: set[str] = set()
 
     # ------------------------------------------------------------------ safe_open-like surface
@@ -223,11 +223,14 @@ class LazyCheckpoint:
         return out
 
 
-def open(path: str | os.PathLike[str]) -> LazyCheckpoint:  # noqa: A001 - mirrors safetensors.safe_open
+def open(path: str | os.PathLike[str], *, verify: bool = False) -> LazyCheckpoint:  # noqa: A001 - safe_open
     """Open a checkpoint directory (mmapckpt or stock DCP) for lazy reading.
 
     Args:
         path: the checkpoint directory (holding ``.metadata``).
+        verify: check each mmapckpt entry's CRC-32 the first time it is read (reads all of
+            its bytes; ChecksumError on a mismatch). Without it a flipped bit in the file is
+            returned as it is. Stock DCP items carry no checksum.
 
     Returns:
         A :class:`LazyCheckpoint`, usable as a context manager.
@@ -240,7 +243,7 @@ def open(path: str | os.PathLike[str]) -> LazyCheckpoint:  # noqa: A001 - mirror
         ...     w = f.get_tensor("layer.weight")          # a view: nothing read yet
         ...     rows = f.get_slice("embed.weight")[100:200]
     """
-    return LazyCheckpoint(path)
+    return LazyCheckpoint(path, verify=verify)
 
 
 def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], bool]:
@@ -259,7 +262,7 @@ def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], 
 
 
 def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-         keys: KeySelector = None, allow_unpickle: bool = False, prefetch: bool = False,
+         keys: KeySelector = None, allow_unpickle: bool = False, prefetch: bool = False, verify: bool = False,
          staging_bytes: int | None = None, staging_buffers: int | None = None,
          buffer_bytes: int | None = None, num_buffers: int | None = None) -> dict[str, Any]:
     """Load a checkpoint's full (unsharded) state dict as a flat ``{fqn: tensor}`` dict.
@@ -269,8 +272,7 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
     memory is only used (as shared page cache) when the bytes are touched. On an
     accelerator the bytes are read from the files straight into ``staging_buffers`` pinned
     buffers of ``staging_bytes`` each, one filled while the last is copied; the result is
-    synchronised. A flipped bit in the file is returned as it is (no CRC-32 check on this
-    path; ``mmapckpt verify`` or ``MmapReader(verify=True)`` checks them).
+    synchronised. A flipped bit in the file is returned as it is unless ``verify=True``.
 
     Args:
         path: the checkpoint directory.
@@ -281,6 +283,8 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
             Without it they are left out, and naming one in ``keys`` raises CheckpointError.
         prefetch: ask the kernel to start reading the selected tensors' pages now
             (MADV_WILLNEED); see docs/lazy.md for when that pays.
+        verify: check the CRC-32 of every mmapckpt entry loaded (reads every byte, so a CPU
+            load is no longer free of I/O; ChecksumError on a mismatch).
         staging_bytes, staging_buffers: the pinned staging ring for accelerator devices
             (default 3 buffers of 32 MiB, allocated for this call).
         buffer_bytes, num_buffers: deprecated names of ``staging_bytes`` and ``staging_buffers``.
@@ -297,7 +301,7 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
     device = torch.device(device)
     check_device(device)
     nbytes, count = staging_options(staging_bytes, staging_buffers, buffer_bytes, num_buffers, "mmapckpt.load")
-    with LazyCheckpoint(path) as ckpt:
+    with LazyCheckpoint(path, verify=verify) as ckpt:
         names, explicit = _select(ckpt.keys(), keys, ckpt.path)
         objects = [n for n in names if ckpt.metadata(n).kind == "object"]
         if objects and explicit and not allow_unpickle:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
-from ..io.files import fsync_dir
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError
+from ..io.files import fsync_dir, refuse_url
 from ..io.progress import Progress
 from ..io.replace import recover, remove_stale_temps, replace_path, temp_sibling
 from .common import FORMATS, SAFETENSORS_SINGLE, Source
@@ -76,6 +76,8 @@ def parse_size(size: int | str) -> int:
 
 
 def _check_paths(src: str, dst: str, overwrite: bool) -> None:
+    refuse_url(src, CheckpointNotFoundError)
+    refuse_url(dst, CheckpointWriteError)
     rs, rd = os.path.realpath(src), os.path.realpath(dst)
     if rs == rd or rs.startswith(rd + os.sep):
         raise CheckpointError("the destination would replace the source; choose another destination", path=dst)

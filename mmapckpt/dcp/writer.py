@@ -21,6 +21,7 @@ from torch.futures import Future
 from ..errors import CheckpointExistsError, CheckpointWriteError
 from ..format.entries import paused_gc
 from ..format.metadata import encode_metadata
+from ..io.files import refuse_url
 from .compat import writer_compat
 from .commit import (
     SaveLock,
@@ -110,6 +111,7 @@ class MmapWriter(StorageWriter):
                       serialization_format)
         self.single_file_per_rank = single_file_per_rank
         self.path = os.fspath(path)
+        refuse_url(self.path, CheckpointWriteError)
         self.options = WriterOptions(thread_count, sync_files, alignment, overwrite, direct_io)
         #: shard file name -> "direct" (O_DIRECT) or "buffered", for the last save
         self.write_paths: dict[str, str] = {}
@@ -124,6 +126,7 @@ class MmapWriter(StorageWriter):
         self._release()  # a save of this writer that failed before its commit
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
+            refuse_url(self.path, CheckpointWriteError)
         self.save_id = str(uuid.uuid4())
         self.write_paths = {}
 

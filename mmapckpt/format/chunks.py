@@ -45,8 +45,11 @@ def check_coverage(info: EntryInfo, path: str) -> None:
 class ChunkFiles:
     """The checkpoint's shard files: mmapckpt shards mapped, stock files read per item."""
 
-    def __init__(self, root: str, rels: set[str], save_id: str | None) -> None:
+    def __init__(self, root: str, rels: set[str], save_id: str | None, *, verify: bool = False) -> None:
         self.root = root
+        #: check each mmapckpt chunk's CRC-32 the first time it is read (stock items have none)
+        self.verify = verify
+        self._verified: set[tuple[str, tuple[int, ...] | None]] = set()
         self.shards: dict[str, Shard] = {}
         self.stock: dict[str, str] = {}
         for rel in sorted(rels):
@@ -68,8 +71,11 @@ class ChunkFiles:
         """The chunk as a CPU tensor: a view over the mapping, or a stock item loaded whole."""
         shard = self.shards.get(c.file)
         if shard is not None:
-            return shard.view((info.name, c.offsets), c.file_offset, c.length, info.dtype,  # type: ignore[arg-type]
+            view = shard.view((info.name, c.offsets), c.file_offset, c.length, info.dtype,  # type: ignore[arg-type]
                               c.sizes)
+            if self.verify:
+                self._verify(shard, info.name, c.offsets)
+            return view
         label = f"{info.name}@{list(c.offsets)}"
         t = load_tensor(self._read_stock(c, label), path=self.stock[c.file], entry=label).contiguous()
         if t.dtype != info.dtype or tuple(t.shape) != c.sizes:
@@ -82,7 +88,16 @@ class ChunkFiles:
         shard = self.shards.get(c.file)
         if shard is None:
             return self._read_stock(c, info.name)
-        return shard.object_bytes(info.name, c.file_offset, c.length)
+        data = shard.object_bytes(info.name, c.file_offset, c.length)
+        if self.verify:
+            self._verify(shard, info.name, None)
+        return data
+
+    def _verify(self, shard: Shard, name: str, offsets: tuple[int, ...] | None) -> None:
+        key = (name, offsets)
+        if key not in self._verified:
+            shard.verify(shard.entry(name, offsets))  # the header's entry agrees with the metadata (view checked it)
+            self._verified.add(key)
 
     def _read_stock(self, c: ChunkInfo, label: str) -> bytes:
         path = self.stock[c.file]

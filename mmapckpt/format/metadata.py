@@ -33,6 +33,7 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedVersionError,
 )
+from ..io.files import refuse_url
 from . import layout as fmt
 from .entries import EntryInfo, paused_gc
 from .metaindex import InvalidMetadata, MetaIndex, index_doc, to_dcp
@@ -212,6 +213,7 @@ def read_index_file(path: str | os.PathLike[str]) -> tuple[str, dict[str, EntryI
 
 def find_metadata(path: str, rank: int | None = None) -> str:
     """The metadata file of the checkpoint at ``path``; raise if there is none committed."""
+    refuse_url(path, CheckpointNotFoundError)
     name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
     meta = os.path.join(path, name)
     if os.path.isfile(meta):

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import CheckpointError, TruncatedFileError, UnsafePathError
 
 __all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "safe_relative_path", "open_inside",
-           "is_cached", "unlink_quietly"]
+           "is_cached", "unlink_quietly", "refuse_url"]
 
 
 def fsync_dir(path: str) -> None:
@@ -72,6 +72,14 @@ def pread_into(fd: int, buf: Any, offset: int, *, path: str, entry: str | None =
         if n <= 0:
             raise TruncatedFileError(f"file ended at offset {offset} while reading", path=path, entry=entry)
         mv, offset = mv[n:], offset + n
+
+
+def refuse_url(path: str, error: type[CheckpointError]) -> None:
+    """Raise ``error`` for a URL (``s3://bucket/ckpt``), which would otherwise become a local directory ``s3:``."""
+    if "://" in path:
+        raise error(f"{path!r} is a URL: mmapckpt reads and writes a local or mounted file system. Copy the "
+                    "checkpoint to a local disk, or mount the storage (s3fs, gcsfuse, NFS) and pass that path",
+                    path=path)
 
 
 def safe_relative_path(rel: str, where: str) -> str:

@@ -51,3 +51,38 @@ def test_load_into_keeps_casts_that_keep_the_kind_of_value(ckpt, name, dtype):
     target = torch.zeros(sd[name].shape, dtype=dtype)
     mmapckpt.load_into({name: target}, path)
     helpers.assert_bitwise_equal(target, torch.zeros_like(target).copy_(sd[name]))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: mmapckpt.save({"w": torch.ones(1)}, "s3://bucket/ckpt"),
+    lambda: mmapckpt.MmapWriter("s3://bucket/ckpt"),
+    lambda: mmapckpt.open("s3://bucket/ckpt"),
+    lambda: mmapckpt.load("gs://bucket/ckpt"),
+    lambda: mmapckpt.load_into({"w": torch.ones(1)}, "s3://bucket/ckpt"),
+    lambda: mmapckpt.MmapReader("s3://bucket/ckpt").read_metadata(),
+    lambda: mmapckpt.convert("s3://bucket/ckpt", "out", to="safetensors"),
+])
+def test_a_url_is_refused_with_what_to_do(tmp_path, monkeypatch, call):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(mmapckpt.CheckpointError, match="is a URL: mmapckpt reads and writes a local or mounted"):
+        call()
+    assert not (tmp_path / "s3:").exists() and not (tmp_path / "gs:").exists()
+
+
+def test_open_and_load_verify_checksums_when_asked(tmp_path):
+    path = tmp_path / "c"
+    w = torch.arange(1000, dtype=torch.float32)
+    mmapckpt.save({"w": w, "b": torch.ones(3)}, path)
+    shard = next(p for p in path.iterdir() if p.name.endswith(".distcp"))
+    with mmapckpt.open(path) as f:
+        off = f.metadata("w").chunks[0].file_offset
+    raw = bytearray(shard.read_bytes())
+    raw[off + 17] ^= 0x04  # one flipped bit inside w
+    shard.write_bytes(bytes(raw))
+    assert not torch.equal(mmapckpt.load(path)["w"], w)  # by design: returned as it is
+    with pytest.raises(mmapckpt.ChecksumError, match="'w@\\[0\\]'"):
+        mmapckpt.load(path, verify=True)
+    with mmapckpt.open(path, verify=True) as f:
+        helpers.assert_bitwise_equal(f.get_tensor("b"), torch.ones(3))  # an intact entry still loads
+        with pytest.raises(mmapckpt.ChecksumError):
+            f.get_tensor("w")
