@@ -8,6 +8,7 @@ from .conversion.driver import ConversionWarning, ConvertResult, convert
 from .dcp.fast_planner import FastLoadPlanner, FastSavePlanner
 from .dcp.planner import SafeLoadPlanner, ZeroCopyLoadPlanner
 from .dcp.reader import MmapReader
+from .dcp.unwrap import checkpoint_error
 from .dcp.writer import MmapWriter
 from .errors import (
     BadMagicError,
@@ -73,5 +74,6 @@ __all__ = [
     "ChecksumError",
     "SizeMismatchError",
     "CheckpointWriteError",
+    "checkpoint_error",
     "__version__",
 ]

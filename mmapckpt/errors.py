@@ -148,3 +148,4 @@ class SizeMismatchError(CheckpointError, ValueError):
 
 class CheckpointWriteError(CheckpointError, OSError):
     """Writing a checkpoint failed; no committed checkpoint was left behind."""
+

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import FormatError
+from ..errors import CheckpointError, FormatError
 from ..format.entries import paused_gc
 from ..format.metadata import METADATA_NAME, find_metadata, read_metadata_file
 from ..io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool
@@ -68,6 +68,8 @@ class MmapReader(StorageReader):
                              f"{staging_buffers}")
         self.staging_bytes, self.staging_buffers = staging_bytes, staging_buffers
         self._pools: dict[torch.device, StagingPool] = {}
+        #: the typed error of the last failed read_metadata (see mmapckpt.checkpoint_error)
+        self.metadata_error: CheckpointError | None = None
         self.path = os.fspath(path)
         self.thread_count = thread_count
         self.verify = verify
@@ -86,7 +88,15 @@ class MmapReader(StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        kind, md = read_metadata_file(find_metadata(self.path, kwargs.get("rank")))
+        try:
+            kind, md = read_metadata_file(find_metadata(self.path, kwargs.get("rank")))
+        except CheckpointError as e:
+            # dcp.load turns this into an AssertionError holding only the message (then tries the
+            # rank-local metadata): keep the typed error of the first attempt for checkpoint_error().
+            if self.metadata_error is None or kwargs.get("rank") is None:
+                self.metadata_error = e
+            raise
+        self.metadata_error = None
         # Shards of an mmapckpt checkpoint must be mmapckpt shards: a damaged magic is a
         # BadMagicError, never a reason to hand the bytes to torch.load as a stock shard.
         self._metadata_kind = kind
