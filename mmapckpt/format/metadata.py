@@ -220,6 +220,9 @@ def find_metadata(path: str, rank: int | None = None) -> str:
         return meta
     if not os.path.isdir(path):
         raise CheckpointNotFoundError("no checkpoint directory here", path=path)
+    if rank is not None and os.path.isfile(os.path.join(path, METADATA_NAME)):  # a finished collective save
+        raise CheckpointNotFoundError(f"no {name} here: this checkpoint's commit is {METADATA_NAME} (saved with "
+                                      "use_collectives=True)", path=path)
     if any(n.endswith(".distcp") or ".distcp.tmp-" in n for n in os.listdir(path)):
         raise IncompleteCheckpointError(
             f"incomplete checkpoint: shard files but no committed {name} (the save did not finish)", path=path)

@@ -43,6 +43,12 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
         for c in (m.Metadata, m.MetadataIndex, m.TensorStorageMetadata, m.ChunkStorageMetadata,
                   m.TensorProperties, m.BytesStorageMetadata, m.StorageMeta, m._MEM_FORMAT_ENCODING)
     }
+    # Written by older torch versions, which used the sharded-tensor module's TensorProperties;
+    # torch still loads them (and its own compatibility tests cover them).
+    import torch.distributed._shard.sharded_tensor.metadata as legacy
+
+    for c in (legacy.TensorProperties, legacy.MEM_FORMAT_ENCODING):
+        allowed[(legacy.__name__, c.__name__)] = c
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
@@ -157,12 +163,19 @@ def _is_dims(v: Any) -> bool:
     return isinstance(v, torch.Size) and len(v) <= fmt.MAX_NDIM and all(0 <= x <= fmt.MAX_INT for x in v)
 
 
+def _tensor_properties() -> tuple[type, ...]:
+    """TensorProperties classes of DCP metadata: today's, and the sharded-tensor one older torch wrote."""
+    import torch.distributed._shard.sharded_tensor.metadata as legacy
+
+    return TensorProperties, legacy.TensorProperties
+
+
 def _stock_item_ok(item: Any) -> bool:
     if isinstance(item, BytesStorageMetadata):
         return True
     props = getattr(item, "properties", None)
     chunks = getattr(item, "chunks", None)
-    if not (isinstance(item, TensorStorageMetadata) and isinstance(props, TensorProperties)
+    if not (isinstance(item, TensorStorageMetadata) and isinstance(props, _tensor_properties())
             and isinstance(getattr(props, "dtype", None), torch.dtype) and _is_dims(getattr(item, "size", None))
             and isinstance(chunks, list)):
         return False

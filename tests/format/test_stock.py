@@ -65,3 +65,41 @@ def test_reader_on_a_stock_item_replaced_by_a_non_tensor(tmp_path):
     assert isinstance(err, mmapckpt.FormatError), repr(err)
     assert "holds list, not a tensor" in str(err)
     assert shard in str(err) and "'w" in str(err)
+
+
+def test_stock_metadata_of_older_torch_with_the_legacy_tensor_properties_loads(tmp_path):
+    """Older torch pickled torch.distributed._shard.sharded_tensor.metadata.TensorProperties into
+    .metadata; the stock reader loads such checkpoints, so MmapReader and mmapckpt.load must too."""
+    import pickle
+
+    import torch.distributed._shard.sharded_tensor.metadata as legacy
+    import torch.distributed.checkpoint as dcp
+
+    import mmapckpt
+    from helpers import assert_tree_equal
+
+    sd = {"w": torch.randn(4, 5).to(torch.bfloat16), "i": torch.arange(6), "step": 7}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    with open(tmp_path / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    for item in md.state_dict_metadata.values():
+        if hasattr(item, "properties"):
+            p = item.properties
+            item.properties = legacy.TensorProperties(dtype=p.dtype, requires_grad=p.requires_grad)
+    with open(tmp_path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    assert b"sharded_tensor.metadata" in (tmp_path / ".metadata").read_bytes()
+    targets = {"w": torch.zeros(4, 5, dtype=torch.bfloat16), "i": torch.zeros(6, dtype=torch.int64), "step": 0}
+    dcp.load(targets, storage_reader=mmapckpt.MmapReader(tmp_path), no_dist=True)
+    assert_tree_equal(targets, sd)
+    loaded = mmapckpt.load(tmp_path)
+    assert_tree_equal(loaded, {"w": sd["w"], "i": sd["i"]})
+
+
+def test_a_rank_local_lookup_of_a_collective_checkpoint_is_not_called_incomplete(tmp_path):
+    import mmapckpt
+    from mmapckpt.format.metadata import find_metadata
+
+    mmapckpt.save({"w": torch.ones(2)}, tmp_path)
+    with pytest.raises(mmapckpt.CheckpointNotFoundError, match="commit is .metadata"):
+        find_metadata(str(tmp_path), rank=0)
