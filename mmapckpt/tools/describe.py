@@ -112,4 +112,12 @@ def format_table(info: CheckpointInfo) -> str:
     others = len(info.entries) - info.tensors
     lines += ["", f"total: {len(info.entries)} entries ({info.tensors} tensors, {others} non-tensor), "
                   f"{human_bytes(info.total_bytes)} ({info.total_bytes} bytes)"]
+    if info.format == "mmapckpt":
+        lines.append(STOCK_READER_NOTE)
     return "\n".join(lines)
+
+
+#: What a user of the stock reader needs to know (its error on this format is "invalid load key, '\xff'").
+STOCK_READER_NOTE = ("note: the stock DCP reader (dcp.load without storage_reader, or FileSystemReader) cannot read "
+                     "this format: load it with storage_reader=mmapckpt.MmapReader(path), or make a stock copy "
+                     "with `mmapckpt convert SRC DST --to dcp`")

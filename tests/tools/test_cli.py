@@ -73,6 +73,16 @@ def test_inspect_table_and_json(capsys, ck) -> None:
     assert doc["totals"]["bytes"] == sum(e["nbytes"] for e in doc["entries"])
 
 
+def test_inspect_says_what_stock_readers_need(capsys, ck, tmp_path) -> None:
+    code, out, _ = run(capsys, "inspect", ck)
+    assert code == 0 and "cannot read this format" in out and "--to dcp" in out
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(tmp_path / "stock"), no_dist=True)
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "stock"))
+    assert code == 0 and "cannot read this format" not in out  # a stock checkpoint needs no note
+
+
 def test_inspect_every_format(capsys, ck, tmp_path) -> None:
     for to, name in (("dcp", "d"), ("safetensors", "s.safetensors"), ("torch", "t.pt")):
         assert run(capsys, "convert", ck, str(tmp_path / name), "--to", to, "-q")[0] == 0
