@@ -11,7 +11,10 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from ..conversion.common import label
 from ..conversion.detect import open_source
+from ..errors import IncompleteCheckpointError, TruncatedFileError
+from ..io.files import open_inside
 from ..format import layout as fmt
 from ..io.progress import human_bytes
 
@@ -96,7 +99,30 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
                                          len(item.chunks), n))
             else:
                 entries.append(EntrySummary(name, "bytes", None, None, 1, src.bytes_length(MetadataIndex(name))))
+        _check_files(src)
         return CheckpointInfo(os.fspath(path), src.kind, src.version, src.files, tuple(entries))
+
+
+def _check_files(src: Any) -> None:
+    """A DCP checkpoint's files must exist and reach the end of every record they hold (sizes only).
+
+    ``inspect`` reads no data, but reporting a checkpoint with a missing or cut shard as whole
+    would mislead; ``verify`` checks everything.
+    """
+    storage = getattr(src.metadata, "storage_data", None)
+    if not storage or src.kind not in ("mmapckpt", "dcp"):
+        return
+    for rel, indices in src.layout:
+        full = open_inside(src.path, rel)
+        end = max((storage[i].offset + storage[i].length for i in indices), default=0)
+        try:
+            size = os.stat(full).st_size
+        except FileNotFoundError:
+            raise IncompleteCheckpointError("shard file named in the metadata is missing; run `mmapckpt verify` "
+                                            "for every problem", path=full, entry=label(indices[0])) from None
+        if size < end:
+            raise TruncatedFileError(f"file is {size} bytes but its records reach byte {end}; run `mmapckpt verify` "
+                                     "for every problem", path=full)
 
 
 def format_table(info: CheckpointInfo) -> str:

@@ -205,3 +205,21 @@ def test_as_subprocesses(ck, tmp_path) -> None:
     p = subprocess.run(_script() + ["verify", str(tmp_path / "nope")], capture_output=True, text=True, env=env,
                        timeout=120)
     assert p.returncode == 1 and p.stderr.startswith("mmapckpt: error:") and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_inspect_exits_non_zero_on_a_missing_or_truncated_shard(capsys, tmp_path, damage) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    for kind, writer in (("mm", MmapWriter), ("stock", dcp.FileSystemWriter)):
+        path = tmp_path / kind
+        dcp.save({"w": torch.arange(4096.0), "b": torch.ones(3)}, storage_writer=writer(path), no_dist=True)
+        shard = next(p for p in path.iterdir() if p.name.endswith(".distcp"))
+        if damage == "missing":
+            shard.unlink()
+        else:
+            os.truncate(shard, 2000)
+        code, _, err = run(capsys, "inspect", str(path))
+        assert code == 1 and shard.name in err, (kind, err)
+        want = "missing" if damage == "missing" else "past the end" if kind == "mm" else "its records reach byte"
+        assert want in err, err
