@@ -19,7 +19,7 @@ from ..dcp.reader import MmapReader
 from ..dcp.writer import MmapWriter
 from .system import fsync_path
 
-__all__ = ["Method", "METHODS", "EXTRA_METHODS", "method_by_key", "lazy_note"]
+__all__ = ["Method", "METHODS", "EXTRA_METHODS", "method_by_key", "lazy_note", "ScanOps", "SCAN_METHODS", "scan_ops"]
 
 StateDict = dict[str, torch.Tensor]
 
@@ -148,6 +148,25 @@ def _st_lazy(path: str) -> StateDict:
     return load_file(_st_file(path))
 
 
+def _st_load_file_into(targets: StateDict, path: str) -> None:
+    for k, v in _st_lazy(path).items():
+        targets[k].copy_(v)
+
+
+def _st_open_all(path: str) -> int:
+    from safetensors import safe_open
+
+    with safe_open(_st_file(path), framework="pt") as f:
+        return sum(1 for k in f.keys() if f.get_tensor(k) is not None)
+
+
+def _api_open_all(path: str) -> int:
+    from ..lazy import open as open_ckpt
+
+    with open_ckpt(path) as f:
+        return sum(1 for k in f.keys() if f.get_tensor(k) is not None)
+
+
 # ---------------------------------------------------------------- torch.save
 def _pt_file(path: str) -> str:
     return os.path.join(path, "model.pt")
@@ -193,3 +212,42 @@ def method_by_key(key: str) -> Method:
         if m.key == key:
             return m
     raise KeyError(f"unknown benchmark method {key!r}; known: {[m.key for m in METHODS]}")
+
+
+@dataclass(frozen=True)
+class ScanOps:
+    """What the tensor-count scan times for one method: phase -> (label, callable).
+
+    Phases: ``save`` (durable), ``warm`` (a warm load into existing targets), ``lazy``
+    (the whole state dict as new tensors) and ``open`` (open, then every ``get_tensor``).
+    ``nested``: the method takes the nested state dict (DCP); otherwise a flat
+    ``{name: tensor}`` dict of its tensors only (safetensors and mmapckpt.save hold no other values).
+    """
+
+    key: str
+    nested: bool
+    ops: dict[str, tuple[str, Callable]]
+
+
+_SCAN_OPS: tuple[ScanOps, ...] = (
+    ScanOps("safetensors", False, {"save": ("save_file", _st_save), "warm": ("load_file + copy_", _st_load_file_into),
+                                   "lazy": ("load_file", _st_lazy), "open": ("safe_open + get_tensor", _st_open_all)}),
+    ScanOps("mmapckpt-api", False, {"save": ("mmapckpt.save", _api_save), "warm": ("mmapckpt.load_into", _api_load),
+                                    "lazy": ("mmapckpt.load", _mmap_lazy),
+                                    "open": ("mmapckpt.open + get_tensor", _api_open_all)}),
+    ScanOps("mmapckpt-fast", True, {"save": ("dcp.save, MmapWriter, FastSavePlanner", _fast_save),
+                                    "warm": ("dcp.load, MmapReader, FastLoadPlanner", _fast_load)}),
+    ScanOps("mmapckpt", True, {"save": ("dcp.save, MmapWriter", _mmap_save),
+                               "warm": ("dcp.load, MmapReader", _mmap_load)}),
+    ScanOps("dcp", True, {"save": ("dcp.save, FileSystemWriter", _dcp_save),
+                          "warm": ("dcp.load, FileSystemReader", _dcp_load)}),
+)
+#: The methods of ``mmapckpt bench --scan tensors``, in the order it reports them.
+SCAN_METHODS = tuple(o.key for o in _SCAN_OPS)
+
+
+def scan_ops(key: str) -> ScanOps:
+    for o in _SCAN_OPS:
+        if o.key == key:
+            return o
+    raise KeyError(f"method {key!r} is not scanned; scanned: {list(SCAN_METHODS)}")

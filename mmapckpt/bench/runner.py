@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from . import report
-from .methods import EXTRA_METHODS, METHODS, Method, lazy_note
+from .methods import EXTRA_METHODS, METHODS, SCAN_METHODS, Method, lazy_note
 from .synthetic import parse_size, transformer_state_dict
 from .system import cold_read_limit, copy_limit, evict, files_under, machine_info, warm_up, write_limit
 
@@ -51,18 +51,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=None,
                         help="where to write the checkpoints (default: a temporary directory under the "
                              "current one, so on its disk rather than a tmpfs /tmp)")
-    parser.add_argument("--methods", default=",".join(m.key for m in METHODS),
+    parser.add_argument("--methods", default=None,
                         help="comma-separated subset of: " + ", ".join(m.key for m in METHODS + EXTRA_METHODS)
-                             + " (mmapckpt-base: mmapckpt with O_DIRECT writes and direct reads off)")
+                             + " (mmapckpt-base: mmapckpt with O_DIRECT writes and direct reads off; default: "
+                             + ",".join(m.key for m in METHODS) + "; for --scan tensors: "
+                             + ",".join(SCAN_METHODS) + ")")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's own choice); on a busy machine 1 "
                              "avoids copy_ stalling at OpenMP barriers")
     parser.add_argument("--scan", choices=("sizes", "tensors"), default=None,
                         help="instead of the comparison, scan time against total size (at --tensors) or "
-                             "against tensor count (at --size) for mmapckpt, safetensors and the stock DCP")
+                             "against tensor count (at --size, default 16MB for this scan; plus an Adam "
+                             "optimizer state dict) for mmapckpt, safetensors and the stock DCP")
     parser.add_argument("--points", default=None,
                         help="scan points, comma-separated: sizes (default 256MB,512MB,1GB,2GB,4GB) or "
-                             "tensor counts (default 10,100,1000,10000,100000)")
+                             "tensor counts (default 10,100,1000,10000; up to 100000 and more)")
+    parser.add_argument("--adam-layers", type=int, default=100,
+                        help="--scan tensors: the Adam state dict's model layers, 48 tensors each "
+                             "(default 100: 4,800 tensors; 0: no Adam case)")
+    parser.add_argument("--dcp-max-entries", type=int, default=None,
+                        help="--scan tensors: skip the stock DCP above this many entries (default 20000; "
+                             "0: never skip)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-load memory measurement")
     parser.add_argument("--quick", action="store_true", help="a tiny run (8MB, 1 repetition) to try it out")
 
@@ -72,7 +81,9 @@ def _resolve(args: argparse.Namespace) -> dict[str, object]:
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {args.dtype!r}")
-    methods = [m for m in METHODS + EXTRA_METHODS if m.key in {s.strip() for s in args.methods.split(",")}]
+    default = ",".join(SCAN_METHODS if args.scan == "tensors" else [m.key for m in METHODS])
+    chosen = [s.strip() for s in (args.methods or default).split(",")]
+    methods = sorted((m for m in METHODS + EXTRA_METHODS if m.key in chosen), key=lambda m: chosen.index(m.key))
     if not methods:
         raise ValueError(f"no known method in {args.methods!r}")
     repeats = args.repeats if args.repeats is not None else base["repeats"]
@@ -259,7 +270,8 @@ def _run_configured(args: argparse.Namespace, cfg: dict) -> int:
     return 0 if all(doc["run"]["correct"].values()) else 1
 
 
-_SCAN_POINTS = {"sizes": "256MB,512MB,1GB,2GB,4GB", "tensors": "10,100,1000,10000,100000"}
+_SCAN_POINTS = {"sizes": "256MB,512MB,1GB,2GB,4GB", "tensors": "10,100,1000,10000"}
+_SCAN_TENSORS_SIZE = "16MB"
 
 
 def _run_scan(args: argparse.Namespace, cfg: dict, bench_dir: str) -> int:
@@ -267,17 +279,28 @@ def _run_scan(args: argparse.Namespace, cfg: dict, bench_dir: str) -> int:
 
     raw = (args.points or _SCAN_POINTS[args.scan]).split(",")
     points = [parse_size(p) if args.scan == "sizes" else int(p) for p in raw]
-    fixed = args.tensors or _DEFAULTS["tensors"] if args.scan == "sizes" else cfg["size"]
-    methods = [m.key for m in cfg["methods"] if m.key in ("mmapckpt", "mmapckpt-fast", "mmapckpt-api", "safetensors", "dcp")] or ["mmapckpt"]
+    if args.scan == "sizes":
+        fixed = args.tensors or _DEFAULTS["tensors"]
+    else:
+        fixed = parse_size(args.size or _SCAN_TENSORS_SIZE)
+    scanned = ("mmapckpt", "mmapckpt-fast", "mmapckpt-api", "safetensors", "dcp")
+    methods = [m.key for m in cfg["methods"] if m.key in scanned] or ["mmapckpt"]
+    cap = _bench_scan.DCP_MAX_ENTRIES if args.dcp_max_entries is None else (args.dcp_max_entries or None)
     doc = _bench_scan.scan(args.scan, points, fixed=fixed, dtype=cfg["dtype"], repeats=cfg["repeats"],
-                           methods=methods, bench_dir=bench_dir, log=lambda s: print(s, file=sys.stderr, flush=True))
+                           methods=methods, bench_dir=bench_dir, log=lambda s: print(s, file=sys.stderr, flush=True),
+                           adam_layers=max(0, args.adam_layers), dcp_max_entries=cap)
     print(_bench_scan.render(doc))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"scan-{args.scan}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
     print(f"\nJSON: {path}")
-    return 0
+    if args.scan == "tensors":
+        from . import entries
+
+        png = entries.plot(doc, os.path.join(args.out, "scan-tensors.png"))
+        print(f"chart: {png}" if png else "chart: skipped (install the 'plot' extra: matplotlib)")
+    return 0 if all(r.get("correct", True) for r in doc["rows"]) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

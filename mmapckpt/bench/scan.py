@@ -1,12 +1,14 @@
-"""Scaling scans for ``mmapckpt bench --scan``: time against size, and against tensor count.
+"""Scaling scans for ``mmapckpt bench --scan``: time against size, and against entry count.
 
 - ``sizes``: the same tensor count at several total sizes; time should grow linearly,
   so seconds per GB should stay level.
-- ``tensors``: the same total bytes split into more and more tensors; the slope of
-  a least-squares line through (count, seconds) is the per-tensor overhead, which is
-  compared with safetensors' (the target: within 2x).
+- ``tensors``: the same total bytes split into more and more tensors, and an Adam
+  optimizer state dict (entries.py): every method's operations (methods.py ``scan_ops``)
+  in microseconds per entry at each point, with their ratios to safetensors' counterparts
+  and the issue's targets; also the slope of a least-squares line through (count, seconds).
 
-Each point is the median of ``repeats`` runs; saves fsync, loads are warm.
+Each point is the median of ``repeats`` runs; saves fsync, loads are warm. Every warm
+load into targets is checked bitwise once, after its timings.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ from typing import Any, Callable
 
 import torch
 
-from .methods import Method, method_by_key
+from . import entries
+from .methods import method_by_key, scan_ops
 from .synthetic import transformer_state_dict
 from .system import files_under, warm_up
 
-__all__ = ["scan"]
+__all__ = ["scan", "render", "DCP_MAX_ENTRIES"]
 
-_PHASES = ("save", "warm", "lazy")
+_PHASES = ("save", "warm", "lazy", "open")
+#: Above this many entries the stock DCP is skipped in the tensor scan by default (about 0.5 ms an entry).
+DCP_MAX_ENTRIES = 20_000
+Ops = dict[str, tuple[str, Callable]]
 
 
 def _median_time(fn: Callable[[], object], repeats: int, before: Callable[[], None] = lambda: None) -> float:
@@ -39,16 +45,41 @@ def _median_time(fn: Callable[[], object], repeats: int, before: Callable[[], No
     return statistics.median(xs)
 
 
-def _point(m: Method, sd: dict[str, torch.Tensor], path: str, repeats: int) -> dict[str, float]:
-    targets = {k: torch.empty_like(v).zero_() for k, v in sd.items()}
-    out = {"save": _median_time(lambda: m.save(sd, path), repeats,
-                                lambda: shutil.rmtree(path, ignore_errors=True))}
-    out["warm"] = _median_time(lambda: m.load_into(targets, path), repeats, lambda: warm_up(files_under(path)))
-    if m.lazy is not None:
-        out["lazy"] = _median_time(lambda: m.lazy(path), repeats)  # type: ignore[misc]
+def _clear(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
-    return out
+    os.sync()  # the removed checkpoint's journal commit (and discards) is not the next save's
 
+
+def _point(ops: Ops, sd: Any, path: str, repeats: int) -> tuple[dict[str, float], bool]:
+    """Median seconds of each operation in ``ops`` on ``sd``; and whether the warm load was bitwise right."""
+    targets = entries.targets_like(sd)
+    out = {"save": _median_time(lambda: ops["save"][1](sd, path), repeats, lambda: _clear(path))}
+    out["warm"] = _median_time(lambda: ops["warm"][1](targets, path), repeats, lambda: warm_up(files_under(path)))
+    correct = entries.same_values(sd, targets)
+    for ph in ("lazy", "open"):
+        if ops.get(ph) is not None:
+            out[ph] = _median_time(lambda: ops[ph][1](path), repeats)  # noqa: B023 - called at once
+    _clear(path)
+    return out, correct
+
+
+def _method_ops(kind: str, key: str) -> tuple[Ops, bool]:
+    if kind == "tensors":
+        so = scan_ops(key)
+        return so.ops, so.nested
+    m = method_by_key(key)
+    ops: Ops = {"save": ("save", m.save), "warm": ("load into targets", m.load_into)}
+    if m.lazy is not None:
+        ops["lazy"] = (m.lazy_label or "lazy", m.lazy)
+    return ops, True
+
+
+def _cases(kind: str, points: list[int], fixed: int, dtype: torch.dtype, adam_layers: int):  # type: ignore[no-untyped-def]
+    for p in points:
+        size, layers = (p, max(1, round((fixed - 3) / 10))) if kind == "sizes" else (fixed, max(1, round((p - 3) / 10)))
+        yield "transformer", transformer_state_dict(size, dtype=dtype, layers=layers)
+    if kind == "tensors" and adam_layers > 0:
+        yield "adam", entries.adam_state_dict(adam_layers)
 
 def _slope(xs: list[float], ys: list[float]) -> float:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -57,25 +88,48 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 def scan(kind: str, points: list[int], *, fixed: int, dtype: torch.dtype, repeats: int, methods: list[str],
-         bench_dir: str, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run a scan; ``points`` are sizes in bytes (kind "sizes") or tensor counts ("tensors")."""
+         bench_dir: str, log: Callable[[str], None] = print, adam_layers: int = 0,
+         dcp_max_entries: int | None = DCP_MAX_ENTRIES) -> dict[str, Any]:
+    """Run a scan; ``points`` are sizes in bytes (kind "sizes") or tensor counts ("tensors").
+
+    For "tensors", ``adam_layers`` > 0 adds the Adam state dict of a model of that many layers,
+    and the stock DCP ("dcp") is skipped where a state dict has more than ``dcp_max_entries``
+    entries (None: never).
+    """
     if kind not in ("sizes", "tensors"):
         raise ValueError(f"unknown scan {kind!r}: use sizes or tensors")
     root = tempfile.mkdtemp(prefix=".mmapckpt-scan-", dir=bench_dir)
     rows: list[dict[str, Any]] = []
+    notes: list[str] = []
     try:
-        for p in points:
-            size, layers = (p, max(1, round((fixed - 3) / 10))) if kind == "sizes" else (fixed, max(1, round((p - 3) / 10)))
-            sd = transformer_state_dict(size, dtype=dtype, layers=layers)
-            nbytes = sum(t.nbytes for t in sd.values())
-            log(f"scan {kind}: {len(sd)} tensors, {nbytes / 1e9:.3f} GB")
+        for case, sd in _cases(kind, points, fixed, dtype, adam_layers):
+            flat, leaves, dropped = entries.flatten_tensors(sd)
+            nbytes = sum(t.nbytes for t in flat.values())
+            log(f"scan {kind}: {case}, {len(flat)} tensors ({leaves} entries), {nbytes / 1e9:.3f} GB")
+            if dropped:
+                notes.append(f"{case}: {len(flat)} tensors and {dropped} non-tensor entries; safetensors and "
+                             "mmapckpt-api (save_file, mmapckpt.save) get the flattened tensors only, the DCP "
+                             "methods the nested state dict")
             for key in methods:
-                times = _point(method_by_key(key), sd, os.path.join(root, key), repeats)
-                rows.append({"method": key, "tensors": len(sd), "bytes": nbytes, **{f"{k}_s": v for k, v in times.items()}})
-            del sd
+                if key == "dcp" and kind == "tensors" and dcp_max_entries is not None and leaves > dcp_max_entries:
+                    notes.append(f"{case}: dcp (stock DCP) skipped at {leaves} entries: over the cap of "
+                                 f"{dcp_max_entries} (--dcp-max-entries)")
+                    continue
+                ops, nested = _method_ops(kind, key)
+                times, correct = _point(ops, sd if nested else flat, os.path.join(root, key), repeats)
+                row = {"case": case, "method": key, "tensors": len(flat), "entries": leaves if nested else len(flat),
+                       "bytes": nbytes, "correct": correct, "ops": {ph: ops[ph][0] for ph in times},
+                       **{f"{k}_s": v for k, v in times.items()}}
+                if kind == "tensors":
+                    row.update({f"{k}_us_per_entry": 1e6 * v / len(flat) for k, v in times.items()})
+                rows.append(row)
+            del sd, flat
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"kind": kind, "rows": rows, "summary": _summary(kind, rows, methods)}
+    summary = _summary(kind, [r for r in rows if r["case"] == "transformer"], methods)
+    if kind == "tensors":
+        summary.update(entries.summarize(rows))
+    return {"kind": kind, "rows": rows, "summary": summary, "notes": notes}
 
 
 def _summary(kind: str, rows: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
@@ -101,14 +155,24 @@ def _summary(kind: str, rows: list[dict[str, Any]], methods: list[str]) -> dict[
 
 
 def render(doc: dict[str, Any]) -> str:
-    """The scan as a text table, with its summary."""
+    """The scan as a text table, with its summary (and, for "tensors", the per-entry table and targets)."""
     phases = [p for p in _PHASES if any(f"{p}_s" in r for r in doc["rows"])]
-    head = f"{'method':<13}{'tensors':>9}{'GB':>8}" + "".join(f"{p + ' s':>10}" for p in phases)
-    lines = [f"scan: {doc['kind']}", head, "-" * len(head)]
+    head = f"{'case':<13}{'method':<15}{'tensors':>9}{'GB':>8}" + "".join(f"{p + ' s':>10}" for p in phases)
+    lines = [f"scan: {doc['kind']} (median seconds)", head, "-" * len(head)]
     for r in doc["rows"]:
-        lines.append(f"{r['method']:<13}{r['tensors']:>9}{r['bytes'] / 1e9:>8.3f}"
+        lines.append(f"{r.get('case', ''):<13}{r['method']:<15}{r['tensors']:>9}{r['bytes'] / 1e9:>8.3f}"
                      + "".join(f"{r[p + '_s']:>10.4f}" if p + "_s" in r else f"{'-':>10}" for p in phases))
+    if doc["kind"] == "tensors":
+        lines.append("least-squares slope of seconds against tensor count (transformer points), us per tensor:")
     for k, v in doc["summary"].items():
+        if k in ("ratios", "targets"):
+            continue
         val = ", ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else f"{v:.2f}"
         lines.append(f"  {k}: {val}")
+    if doc["kind"] == "tensors":
+        lines += entries.render(doc)
+    bad = [f"{r['method']} ({r.get('case')}, {r['tensors']} t)" for r in doc["rows"] if not r.get("correct", True)]
+    lines.append("")
+    lines.append("bitwise check of every warm load: " + ("ok" if not bad else "FAILED: " + ", ".join(bad)))
+    lines += [f"note: {n}" for n in dict.fromkeys(doc.get("notes", []))]
     return "\n".join(lines)

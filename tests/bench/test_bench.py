@@ -131,3 +131,78 @@ def test_cuda_benchmark_smoke_runs_every_row_on_the_cpu(tmp_path) -> None:
     for label in ("dcp.load + MmapReader", "mmapckpt.load_into", "safetensors load_file", "against the targets"):
         assert label in proc.stdout
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".mmapckpt-cuda-bench-")]  # cleaned up
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_tensor_scan_reports_every_operation_per_entry_with_ratios_and_targets(tmp_path, capsys) -> None:
+    """`--scan tensors` at tiny sizes: every method's every operation at every point and on the Adam
+    state dict, in us per entry, each with its ratio to safetensors, and every target (no timing asserted)."""
+    from mmapckpt.bench.entries import PHASE_LABELS
+    from mmapckpt.bench.entries import TARGETS as ENTRY_TARGETS
+    from mmapckpt.bench.methods import SCAN_METHODS, scan_ops
+
+    assert bench.run(_args(tmp_path, "--scan", "tensors", "--points", "10,50", "--adam-layers", "2",
+                           "--size", "1MB")) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "out" / "scan-tensors.json").read_text())
+    points = [("transformer", 13), ("transformer", 53), ("adam", 96)]  # 2 layers x 48 tensors
+    assert {(r["case"], r["tensors"], r["method"]) for r in doc["rows"]} == {
+        (c, n, m) for c, n in points for m in SCAN_METHODS}
+    for r in doc["rows"]:
+        phases = set(scan_ops(r["method"]).ops)
+        assert set(r["ops"]) == phases and r["correct"] is True, r
+        assert all(_finite(r[f"{p}_s"]) and _finite(r[f"{p}_us_per_entry"]) for p in phases), r
+        nested = scan_ops(r["method"]).nested
+        assert r["entries"] == (108 if nested and r["case"] == "adam" else r["tensors"])  # + 12 param-group values
+
+    ratios = doc["summary"]["ratios"]
+    assert {(q["case"], q["tensors"], q["method"], q["phase"]) for q in ratios} == {
+        (c, n, m, p) for c, n in points for m in SCAN_METHODS for p in scan_ops(m).ops}
+    for q in ratios:
+        assert _finite(q["us_per_entry"]) and _finite(q["ratio_to_safetensors"]) and q["safetensors_op"], q
+        if q["method"] == "safetensors":
+            assert q["ratio_to_safetensors"] == 1.0
+    targets = doc["summary"]["targets"]
+    assert {(t["case"], t["tensors"], t["target"]) for t in targets} == {
+        (c, n, text) for c, n in points for *_, text in ENTRY_TARGETS}
+    assert all(_finite(t["ratio"]) and t["met"] == (t["ratio"] <= t["at_most"]) for t in targets)
+
+    for m in SCAN_METHODS:
+        for label, _ in scan_ops(m).ops.values():
+            assert label in out
+    assert all(PHASE_LABELS[p] in out for p in PHASE_LABELS)
+    assert "targets (per-entry ratios)" in out and "bitwise check of every warm load: ok" in out
+    assert "12 non-tensor entries" in out  # the Adam case says what safetensors does not get
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "chart: skipped" in out
+    else:
+        assert (tmp_path / "out" / "scan-tensors.png").stat().st_size > 0
+    assert not [n for n in os.listdir(tmp_path / "work") if n.startswith(".mmapckpt-scan-")]
+
+
+def test_tensor_scan_caps_the_stock_dcp_and_says_so(tmp_path) -> None:
+    import torch
+
+    from mmapckpt.bench import scan
+
+    doc = scan.scan("tensors", [10], fixed=200_000, dtype=torch.float32, repeats=1, methods=["safetensors", "dcp"],
+                    bench_dir=str(tmp_path), log=lambda s: None, adam_layers=1, dcp_max_entries=20)
+    assert {(r["case"], r["method"]) for r in doc["rows"]} == {
+        ("transformer", "safetensors"), ("transformer", "dcp"), ("adam", "safetensors")}
+    assert any("dcp (stock DCP) skipped at 60 entries" in n for n in doc["notes"])
+    assert "skipped at 60 entries" in scan.render(doc)
+
+
+def test_adam_state_dict_has_two_moments_and_a_step_per_parameter() -> None:
+    from mmapckpt.bench.entries import adam_state_dict, flatten_tensors
+
+    sd = adam_state_dict(3)
+    flat, leaves, dropped = flatten_tensors(sd)
+    assert len(sd["model"]) == 36 and len(flat) == 4 * 36 and dropped == leaves - len(flat) > 0
+    for state in sd["optim"]["state"].values():
+        assert set(state) == {"exp_avg", "exp_avg_sq", "step"} and state["step"].dim() == 0
