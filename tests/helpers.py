@@ -115,3 +115,20 @@ def metadata_with_doc(data: bytes, doc: Any) -> bytes:
     """An mmapckpt .metadata file's bytes with its body replaced by ``doc`` (checksum and length made to match)."""
     body = json.dumps(doc).encode()
     return data[:12] + struct.pack("<IQ", zlib.crc32(body), len(body)) + body
+
+
+# --------------------------------------------------------------------------- staging pipeline tests
+def checksum_at_commit_planner() -> Any:
+    """A DefaultLoadPlanner that records each target's bytes when commit_tensor is called (``.seen``)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class ChecksumAtCommit(DefaultLoadPlanner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: dict[str, bytes] = {}
+
+        def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+            self.seen[read_item.dest_index.fqn] = tensor_bytes(tensor)
+            super().commit_tensor(read_item, tensor)
+
+    return ChecksumAtCommit()

@@ -91,14 +91,14 @@ def commit_files(path: str) -> list[str]:
     return ([main] if os.path.isfile(main) else []) + sorted(found)
 
 
-def committed_files(path: str, commits: list[str] | None = None) -> set[str]:
-    """The file names the commits in the directory reference.
+def committed_files(path: str, commits: list[str]) -> set[str]:
+    """The file names the commit files ``commits`` (in directory ``path``) reference.
 
     A commit that cannot be read counts as referencing every shard file there: nothing it
     might name is ever reused or removed because of it.
     """
     names: set[str] = set()
-    for meta in commit_files(path) if commits is None else commits:
+    for meta in commits:
         try:
             _, entries, _ = read_index_file(meta)
         except (CheckpointError, OSError):

@@ -72,11 +72,11 @@ class FileReads:
         devices = []
         ranges = [(self.storage_data[r.storage_index].offset, self.storage_data[r.storage_index].length)
                   for r in reqs if r.type != LoadItemType.BYTE_IO and r.storage_index in self.storage_data]
-        # Reads straight into the targets (CPU) or into the staging buffers (accelerators) instead
-        # of copying out of the mapping; CPU reads are gathered and run at the end of the file,
-        # which only planners whose commit_tensor does nothing allow.
-        direct = DirectReads(shard.file, enabled=self.direct_reads, ranges=ranges)
+        # Reads straight into the targets (CPU; gathered and run at the end of the file) or into
+        # the staging buffers (accelerators) instead of copying out of the mapping. Only for
+        # planners whose commit_tensor does nothing: a planner of its own keeps the mapped path.
         defer = _defers_safely(planner)
+        direct = DirectReads(shard.file, enabled=self.direct_reads and defer, ranges=ranges)
         accept_view = getattr(planner, "accept_view", None)
         try:
             for req in reqs:

@@ -205,7 +205,6 @@ class StagingPool:
                     for cb in callbacks:
                         cb()
 
-    synchronize = flush
 
     def close(self) -> None:
         """Wait for the copies in flight and free the buffers (the pool cannot be used afterwards)."""

@@ -15,7 +15,6 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import helpers
 import mmapckpt
@@ -29,18 +28,6 @@ def _staged_reader(path, **kw) -> mmapckpt.MmapReader:
     return r
 
 
-class _ChecksumAtCommit(DefaultLoadPlanner):
-    """Records each target's bytes when commit_tensor is called."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: dict[str, bytes] = {}
-
-    def commit_tensor(self, read_item, tensor) -> None:
-        self.seen[read_item.dest_index.fqn] = helpers.tensor_bytes(tensor)
-        super().commit_tensor(read_item, tensor)
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(sd=strategies.tensor_state_dicts(), cap=st.sampled_from([64, 256, 4096]), buffers=st.integers(1, 3))
@@ -48,7 +35,7 @@ def test_dcp_load_through_the_pipeline_is_bitwise_and_commits_complete_targets(t
     path = str(tmp_path_factory.mktemp("c"))
     helpers.dcp_save(sd, mmapckpt.MmapWriter(path, sync_files=False))
     reader = _staged_reader(path, staging_bytes=cap, staging_buffers=buffers)
-    planner = _ChecksumAtCommit()
+    planner = helpers.checksum_at_commit_planner()
 
     got = strategies.fresh_like(sd, 0xA5)
     dcp.load(got, storage_reader=reader, planner=planner, no_dist=True)

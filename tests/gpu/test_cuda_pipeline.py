@@ -19,7 +19,6 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import helpers
 import lazy_dist
@@ -64,18 +63,6 @@ def _to_cuda(tree):
 def _raw(dtype_name: str, shape, seed: int) -> torch.Tensor:
     """Seeded random bytes as the dtype: NaN payloads, -0.0, infinities and subnormals included."""
     return lazy_dist.full_tensor(dtype_name, shape, seed)
-
-
-class _ChecksumAtCommit(DefaultLoadPlanner):
-    """Records each target's bytes (``tensor.cpu()``) when commit_tensor is called."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: dict[str, bytes] = {}
-
-    def commit_tensor(self, read_item, tensor) -> None:
-        self.seen[read_item.dest_index.fqn] = helpers.tensor_bytes(tensor)
-        super().commit_tensor(read_item, tensor)
 
 
 def _only_pool(reader: MmapReader) -> StagingPool:
@@ -139,7 +126,7 @@ def test_dcp_load_into_cuda_matches_the_stock_reader(tmp_path_factory, sd, cap, 
     path, stock_path = str(tmp_path_factory.mktemp("m")), str(tmp_path_factory.mktemp("s"))
     helpers.dcp_save(sd, mmapckpt.MmapWriter(path, sync_files=False))
     helpers.dcp_save(sd, FileSystemWriter(stock_path))
-    reader, planner = MmapReader(path, staging_bytes=cap, staging_buffers=buffers), _ChecksumAtCommit()
+    reader, planner = MmapReader(path, staging_bytes=cap, staging_buffers=buffers), helpers.checksum_at_commit_planner()
 
     got = _to_cuda(strategies.fresh_like(sd, 0xA5))
     dcp.load(got, storage_reader=reader, planner=planner, no_dist=True)
@@ -178,7 +165,7 @@ def test_commit_tensor_never_sees_an_incomplete_target(tmp_path):
     helpers.dcp_save(sd, mmapckpt.MmapWriter(tmp_path, sync_files=False))
     reader = MmapReader(tmp_path, staging_bytes=MIB, staging_buffers=2)
     for fill in (0xA5, 0x5A):  # the second load reuses the reader's ring
-        planner = _ChecksumAtCommit()
+        planner = helpers.checksum_at_commit_planner()
         got = {k: _filled(v.shape, v.dtype, fill) for k, v in sd.items()}
         dcp.load(got, storage_reader=reader, planner=planner, no_dist=True)
         for k, v in sd.items():
