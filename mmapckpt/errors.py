@@ -52,6 +52,11 @@ __all__ = [
 class CheckpointError(Exception):
     """Root of all mmapckpt errors about a checkpoint.
 
+    Args:
+        message: what is wrong and what to do about it.
+        path: the file or directory concerned, if known.
+        entry: the entry concerned, if any.
+
     Attributes:
         path: the file or directory concerned, if known.
         entry: the entry (fully-qualified name, with chunk offsets) concerned, if any.

@@ -3,9 +3,10 @@
 The same bytes ``dcp.load`` would put into the same targets, without DCP's planning
 (which costs tens of microseconds a tensor): for inference servers and single-process
 jobs with preallocated (or pinned, or model-owned) tensors. Tensors stored whole in an
-mmapckpt shard are read with ``preadv`` straight into contiguous CPU targets
-(:class:`mmapckpt.io.direct_reads.DirectReads`); everything else is copied from the mapped
-views, or assembled from its chunks (resharded checkpoints, stock DCP items).
+mmapckpt shard (or aligned in a safetensors file) are read with ``preadv`` straight into
+contiguous CPU targets (:class:`mmapckpt.io.direct_reads.DirectReads`); everything else is
+copied from the mapped views, or assembled from its chunks (resharded checkpoints, stock
+DCP items, torch.save tensors).
 """
 
 from __future__ import annotations
@@ -16,11 +17,17 @@ from typing import Any, Mapping
 import torch
 
 from .errors import SizeMismatchError
-from .format.entries import EntryInfo, paused_gc
-from .io.direct_reads import DirectReads
 from .format.chunks import check_coverage
-from .io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool, needs_staging
-from .lazy import LazyCheckpoint, chunk_stager
+from .format.entries import EntryInfo, paused_gc
+from .format.stager import chunk_stager
+from .io.direct_reads import DirectReads
+from .io.staging import (
+    DEFAULT_STAGING_BUFFERS,
+    DEFAULT_STAGING_BYTES,
+    StagingPool,
+    needs_staging,
+)
+from .lazy import LazyCheckpoint
 
 __all__ = ["load_into"]
 
@@ -37,13 +44,15 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
 
     Args:
         state_dict: ``{fqn: tensor}`` (a ``model.state_dict()`` works), CPU or accelerator tensors.
-        path: the checkpoint directory (mmapckpt or stock DCP).
+        path: a checkpoint directory or file in any format :func:`mmapckpt.open` takes (mmapckpt,
+            stock DCP, safetensors file or Hugging Face directory, torch.save file).
         strict: raise KeyError if a tensor of ``state_dict`` is not in the checkpoint;
             with False, such tensors are left unchanged and their names returned.
         allow_cast: also copy into targets of a dtype that loses the stored values' kind
             (floating point into integers or bool, complex into real); refused by default.
-        staging_bytes, staging_buffers: the pinned staging ring for accelerator targets
-            (default 3 buffers of 32 MiB, allocated for this call only when a target is on one).
+        staging_bytes: the size of each buffer of the pinned staging ring for accelerator
+            targets (allocated for this call only when a target is on one).
+        staging_buffers: the number of buffers in that ring.
 
     Returns:
         The names of ``state_dict``'s tensors that the checkpoint does not hold (empty when strict).
@@ -86,16 +95,19 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
 
 def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]]) -> None:
     files = ckpt._open_files()
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for _, _, info in plan:
+    ranges: dict[str, tuple[Any, list[tuple[int, int]]]] = {}
+    direct: set[str] = set()  # names whose one chunk is a view over a mapped file: read with preadv
+    for name, _, info in plan:
         c = info.whole
-        if c is not None and c.file in files.shards:
-            ranges.setdefault(c.file, []).append((c.file_offset, c.length))
-    readers = {rel: DirectReads(files.shards[rel], ranges=sorted(r)) for rel, r in ranges.items()}
+        mapped = files.mapped(info, c) if c is not None else None
+        if mapped is not None:
+            ranges.setdefault(c.file, (mapped, []))[1].append((c.file_offset, c.length))  # type: ignore[union-attr]
+            direct.add(name)
+    readers = {rel: DirectReads(m, ranges=sorted(r)) for rel, (m, r) in ranges.items()}
     try:
         for name, t, info in plan:
             c = info.whole
-            reader = readers.get(c.file) if c is not None else None
+            reader = readers.get(c.file) if c is not None and name in direct else None
             if reader is None:
                 t.copy_(ckpt._tensor(info))  # assembled from its chunks, or a stock item
                 continue
@@ -119,7 +131,7 @@ def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, Entr
     for device, items in by_device.items():
         pool = StagingPool(device, staging_bytes=staging_bytes, staging_buffers=staging_buffers)
         try:
-            with pool, chunk_stager(ckpt, [info for _, _, info in items]) as stage_chunk:
+            with pool, chunk_stager(ckpt._open_files(), [info for _, _, info in items]) as stage_chunk:
                 for name, t, info in items:
                     if info.whole is None:
                         check_coverage(info, ckpt.path)

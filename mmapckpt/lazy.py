@@ -1,81 +1,52 @@
 """Lazy access to a checkpoint: ``mmapckpt.open`` (shaped like ``safetensors.safe_open``) and ``mmapckpt.load``.
 
-Works on mmapckpt checkpoints and on stock DCP (``FileSystemWriter``) checkpoints.
-In an mmapckpt checkpoint a tensor stored as one chunk is returned as a
-copy-on-write view over the MAP_PRIVATE mapping of its shard file: nothing is
-read until the bytes are used, the view keeps its mapping alive after the handle
-is closed, and writing to it copies the touched pages and never changes the
-file. Tensors stored as several chunks (saved from several ranks) are assembled
-into one new tensor; slices read only the chunks and pages they need. Stock
-items are read with ``torch.load(weights_only=True)``, one whole item at a time.
+Works on every checkpoint ``format/locate.py`` finds: mmapckpt and stock DCP
+(``FileSystemWriter``) directories, safetensors files and Hugging Face directories
+(sharded with an index, or one ``model.safetensors``), and ``torch.save`` files.
+A tensor stored as one chunk in an mmapckpt shard or a safetensors file is returned
+as a copy-on-write view over the MAP_PRIVATE mapping of its file: nothing is read
+until the bytes are used, the view keeps its mapping alive after the handle is
+closed, and writing to it copies the touched pages and never changes the file.
+Tensors stored as several chunks (saved from several ranks) are assembled into one
+new tensor; slices read only the chunks and pages they need. Stock DCP items are
+read with ``torch.load(weights_only=True)``, one whole item at a time.
 
+The formats differ only in their chunk backend (``format/chunks.py`` ``ChunkFiles``,
+``format/safetensors.py`` ``SafetensorsFiles``, ``format/torchfile.py`` ``TorchFiles``).
 Inside this package ``open`` names the checkpoint opener, so no module may
-``from .lazy import *``; file access lives in _chunks.py.
+``from .lazy import *``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import mmap
-import operator
 import os
-from typing import Any, Callable, Collection, Iterator, Union
+from typing import Any, Callable, Collection, Iterator, Union, overload
 
 import torch
 
 from .errors import CheckpointError, FormatError
-from .format.chunks import ChunkFiles, ChunkInfo, EntryInfo, check_coverage
+from .format.aliases import shared_names
+from .format.chunks import ChunkInfo, EntryInfo, check_coverage
 from .format.entries import paused_gc
-from .format.metadata import find_metadata, read_index_file
-from .io.direct_reads import DirectReads
-from .io.staging import StagingPool, check_device, stage, staging_options
+from .format.locate import open_backend
+from .format.regions import copy_selection, normalize_index
+from .format.stager import chunk_stager
+from .io.staging import StagingPool, check_device, staging_options
 
 __all__ = ["open", "load", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
 
 KeySelector = Union[Collection[str], Callable[[str], bool], None]
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -((-a) // b)
-
-
-def _normalize_index(index: Any, shape: tuple[int, ...]) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """Basic indexing -> per-dimension (start, step, count) and the shape of the result."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    if sum(i is Ellipsis for i in items) > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
-        items[at:at + 1] = [slice(None)] * (len(shape) - (len(items) - 1))
-    if len(items) > len(shape):
-        raise IndexError(f"too many indices for tensor of dimension {len(shape)}")
-    items += [slice(None)] * (len(shape) - len(items))
-    sel, out_shape = [], []
-    for dim, (it, size) in enumerate(zip(items, shape)):
-        if isinstance(it, slice):
-            start, stop, step = it.indices(size) if (it.step is None or it.step > 0) else (0, 0, 0)
-            if step <= 0:
-                raise ValueError("step must be greater than zero")
-            n = max(0, _ceil_div(stop - start, step))
-            sel.append((start, step, n))
-            out_shape.append(n)
-            continue
-        if isinstance(it, bool) or it is None:
-            raise TypeError(f"unsupported index {it!r}: use ints, slices and Ellipsis")
-        try:
-            i = operator.index(it)
-        except TypeError:
-            raise TypeError(f"unsupported index {it!r}: use ints, slices and Ellipsis") from None
-        if not -size <= i < size:
-            raise IndexError(f"index {i} is out of bounds for dimension {dim} with size {size}")
-        sel.append((i % size, 1, 1))
-    return sel, out_shape
-
-
-
 class TensorSlice:
-    """``handle.get_slice(name)``: index it to read part of a tensor (``[...]`` with ints, slices, Ellipsis)."""
+    """``handle.get_slice(name)``: index it to read part of a tensor (``[...]`` with ints, slices, Ellipsis).
+
+    Args:
+        ckpt: the open checkpoint the slice reads from (made by ``get_slice``, not by hand).
+        info: the entry it reads.
+    """
 
     def __init__(self, ckpt: LazyCheckpoint, info: EntryInfo) -> None:
         self._ckpt, self._info = ckpt, info
@@ -96,19 +67,39 @@ class TensorSlice:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         """A new tensor holding ``full_tensor[index]``, read from only the chunks and pages it needs."""
-        sel, out_shape = _normalize_index(index, self.shape)
-        return self._ckpt._assemble(self._info, sel).view(out_shape)
+        sel, out_shape = normalize_index(index, self.shape)
+        t = self._ckpt._assemble(self._info, sel).view(out_shape)
+        return t if self._ckpt._to is None else t.to(self._ckpt._to)
+
+
+_FRAMEWORKS = ("pt", "torch")
 
 
 class LazyCheckpoint:
-    """An open checkpoint; see :func:`open`."""
+    """An open checkpoint; see :func:`open`, which takes the same arguments.
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
+    Args:
+        path: the checkpoint directory or file (kept as the attribute ``path``).
+        framework: ``"pt"`` (or ``"torch"``).
+        device: where ``get_tensor`` and slices return tensors (kept as the attribute ``device``).
+        verify: check each mmapckpt entry's CRC-32 the first time it is read.
+
+    Attributes:
+        kind: its format: ``"mmapckpt"``, ``"dcp"``, ``"safetensors"`` or ``"torch"``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], framework: str = "pt", device: str | torch.device = "cpu", *,
+                 verify: bool = False) -> None:
+        if framework not in _FRAMEWORKS:
+            raise ValueError(f"framework {framework!r} is not supported: mmapckpt returns torch tensors, so pass "
+                             "framework='pt' (or 'torch')")
+        self.device = torch.device(device)
+        check_device(self.device)
+        self._to = None if self.device.type == "cpu" else self.device  # one test per get_tensor on the CPU
         self.path = os.fspath(path)
-        meta = find_metadata(self.path)
-        self.kind, self._entries, save_id = read_index_file(meta)
-        rels = {c.file for e in self._entries.values() for c in e.chunks}
-        self._files: ChunkFiles | None = ChunkFiles(self.path, rels, save_id, verify=verify)
+        opened = open_backend(self.path, verify=verify)
+        self.kind, self._entries, self._user_metadata = opened.kind, opened.entries, opened.user_metadata
+        self._files: Any = opened.files
         self._covered: set[str] = set()
 
     # ------------------------------------------------------------------ safe_open-like surface
@@ -135,24 +126,42 @@ class LazyCheckpoint:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def metadata(self, name: str) -> EntryInfo:
-        """dtype, global shape and chunks of ``name``."""
+    @overload
+    def metadata(self) -> dict[str, str] | None: ...
+
+    @overload
+    def metadata(self, name: str) -> EntryInfo: ...
+
+    def metadata(self, name: str | None = None) -> dict[str, str] | EntryInfo | None:
+        """The user metadata ``{str: str}`` (None where there is none), as ``safe_open(...).metadata()``:
+        a safetensors ``__metadata__`` (the first file's winning over a Hugging Face index) or what
+        ``mmapckpt.save(..., metadata=...)`` kept; None for stock DCP and torch.save files.
+        ``metadata(name)`` is the old spelling of :meth:`info`."""
+        if name is None:
+            return self._user_metadata()
+        return self.info(name)
+
+    def info(self, name: str) -> EntryInfo:
+        """dtype, global shape and chunks of ``name`` (where each chunk lies in which file)."""
         try:
             return self._entries[name]
         except KeyError:
             raise KeyError(f"{name!r} is not in the checkpoint at {self.path}") from None
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        """The full (unsharded) tensor ``name``, on the CPU.
+        """The full (unsharded) tensor ``name``, on the handle's device.
 
-        A tensor stored as one chunk of an mmapckpt checkpoint is a copy-on-write view
-        over the file mapping (no byte read until used); otherwise a new tensor.
+        On the CPU, a tensor stored as one chunk of an mmapckpt checkpoint, or at an offset
+        that is a multiple of its element size in a safetensors file, is a copy-on-write view
+        over the file mapping (no byte read until used); otherwise a new tensor. A torch.save
+        file's tensors are returned as ``torch.load(mmap=True)`` built them.
 
         Raises:
             KeyError: no such name.
             CheckpointError: ``name`` is not a tensor, or its stored bytes are inconsistent.
         """
-        return self._tensor(self._tensor_info(name))
+        t = self._tensor(self._tensor_info(name))
+        return t if self._to is None else t.to(self._to)
 
     def get_slice(self, name: str) -> TensorSlice:
         """A sliceable proxy for ``name``: ``get_slice(name)[2:, ::3]`` reads only what it needs."""
@@ -161,15 +170,19 @@ class LazyCheckpoint:
     def get_object(self, name: str, *, allow_unpickle: bool = False) -> Any:
         """The non-tensor value stored under ``name``.
 
-        Such values are pickles: unpickling an untrusted file can run code, so this
-        needs ``allow_unpickle=True`` (it then uses ``torch.load(weights_only=False)``, as DCP does).
+        In a DCP checkpoint such values are pickles: unpickling an untrusted file can run
+        code, so this needs ``allow_unpickle=True`` (it then uses
+        ``torch.load(weights_only=False)``, as DCP does). A torch.save file's values were
+        already loaded with ``weights_only=True`` and need no ``allow_unpickle``.
 
         Raises:
             CheckpointError: ``allow_unpickle`` is not set, or ``name`` is a tensor.
         """
-        info = self.metadata(name)
+        info = self.info(name)
         if info.kind != "object":
             raise CheckpointError("entry is a tensor; use get_tensor()", path=self.path, entry=name)
+        if not self._open_files().pickled_objects:
+            return self._files.object_value(info)
         if not allow_unpickle:
             raise CheckpointError("entry is a pickled non-tensor value; loading it can run code from the file. "
                                   "Pass allow_unpickle=True if you trust this checkpoint", path=self.path, entry=name)
@@ -181,13 +194,13 @@ class LazyCheckpoint:
                               entry=name) from None
 
     # ------------------------------------------------------------------ internals
-    def _open_files(self) -> ChunkFiles:
+    def _open_files(self) -> Any:
         if self._files is None:
             raise ValueError(f"I/O operation on a closed checkpoint handle ({self.path})")
         return self._files
 
     def _tensor_info(self, name: str) -> EntryInfo:
-        info = self.metadata(name)
+        info = self.info(name)
         if info.kind != "tensor":
             raise CheckpointError("entry is a pickled non-tensor value, not a tensor; use "
                                   "get_object(name, allow_unpickle=True) if you trust this checkpoint",
@@ -206,44 +219,45 @@ class LazyCheckpoint:
         if info.name not in self._covered:
             check_coverage(info, self.path)
             self._covered.add(info.name)
-        out = torch.empty([n for _, _, n in sel], dtype=info.dtype)
-        if out.numel() == 0:
-            return out
-        for c in info.chunks:
-            src, dst = [], []
-            for (start, step, n), off, size in zip(sel, c.offsets, c.sizes):
-                k0, k1 = max(0, _ceil_div(off - start, step)), min(n, _ceil_div(off + size - start, step))
-                if k0 >= k1:
-                    break
-                src.append(slice(start + k0 * step - off, start + (k1 - 1) * step - off + 1, step))
-                dst.append(slice(k0, k1))
-            else:
-                out[tuple(dst)].copy_(files.chunk(info, c)[tuple(src)])
+        out = copy_selection(files, info, sel)
         files.check_unchanged(info.chunks)
         return out
 
 
-def open(path: str | os.PathLike[str], *, verify: bool = False) -> LazyCheckpoint:  # noqa: A001 - safe_open
-    """Open a checkpoint directory (mmapckpt or stock DCP) for lazy reading.
+def open(path: str | os.PathLike[str], framework: str = "pt", device: str | torch.device = "cpu", *,
+         verify: bool = False) -> LazyCheckpoint:
+    """Open a checkpoint for lazy reading, as ``safetensors.safe_open(path, framework, device)`` does.
 
     Args:
-        path: the checkpoint directory (holding ``.metadata``).
+        path: an mmapckpt or stock DCP checkpoint directory (holding ``.metadata``); a
+            ``.safetensors`` file; a Hugging Face directory (``model.safetensors.index.json``
+            and its shards, or one ``model.safetensors``); or a ``torch.save`` file (read with
+            ``torch.load(weights_only=True, mmap=True)``).
+        framework: ``"pt"`` (or ``"torch"``): mmapckpt returns torch tensors; anything else
+            raises ValueError.
+        device: where ``get_tensor`` and ``get_slice(...)[...]`` return tensors. On the CPU
+            they are views where the format allows; on an accelerator each is copied there
+            (use :func:`load` with ``device=`` for a whole state dict: it streams through
+            pinned buffers). An unavailable device raises RuntimeError at once.
         verify: check each mmapckpt entry's CRC-32 the first time it is read (reads all of
             its bytes; ChecksumError on a mismatch). Without it a flipped bit in the file is
-            returned as it is. Stock DCP items carry no checksum.
+            returned as it is. Only mmapckpt checkpoints have checksums: for stock DCP,
+            safetensors and torch.save files ``verify`` checks nothing more (their structure,
+            headers and bounds are checked on open either way).
 
     Returns:
-        A :class:`LazyCheckpoint`, usable as a context manager.
+        A :class:`LazyCheckpoint`, usable as a context manager; ``metadata()`` gives the user
+        metadata (``{str: str}`` or None) and ``info(name)`` an entry's dtype, shape and chunks.
 
     Raises:
-        CheckpointError: no committed checkpoint at ``path``, or a damaged or foreign-endian file.
+        CheckpointError: no checkpoint at ``path``, or a damaged, hostile or foreign-endian file.
 
     Example:
         >>> with mmapckpt.open("/tmp/ckpt") as f:
         ...     w = f.get_tensor("layer.weight")          # a view: nothing read yet
         ...     rows = f.get_slice("embed.weight")[100:200]
     """
-    return LazyCheckpoint(path, verify=verify)
+    return LazyCheckpoint(path, framework, device, verify=verify)
 
 
 def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], bool]:
@@ -267,27 +281,33 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
          buffer_bytes: int | None = None, num_buffers: int | None = None) -> dict[str, Any]:
     """Load a checkpoint's full (unsharded) state dict as a flat ``{fqn: tensor}`` dict.
 
-    On the CPU, tensors stored as one chunk of an mmapckpt checkpoint are copy-on-write
-    views over the file mappings: the call costs time per tensor, not per byte, and
-    memory is only used (as shared page cache) when the bytes are touched. On an
-    accelerator the bytes are read from the files straight into ``staging_buffers`` pinned
-    buffers of ``staging_bytes`` each, one filled while the last is copied; the result is
-    synchronised. A flipped bit in the file is returned as it is unless ``verify=True``.
+    Every format :func:`open` takes is accepted, with the same result for the same tensors.
+    On the CPU, tensors stored as one chunk of an mmapckpt checkpoint (or aligned in a
+    safetensors file) are copy-on-write views over the file mappings: the call costs time
+    per tensor, not per byte, and memory is only used (as shared page cache) when the
+    bytes are touched. On an accelerator the bytes are read from the files straight into
+    ``staging_buffers`` pinned buffers of ``staging_bytes`` each, one filled while the last
+    is copied; the result is synchronised. A flipped bit in the file is returned as it is
+    unless ``verify=True`` (mmapckpt checkpoints only: the other formats have no checksums).
 
     Args:
-        path: the checkpoint directory.
+        path: a checkpoint directory or file (see :func:`open`).
         device: where the tensors go.
         dtype: cast floating-point tensors to this dtype (others are kept as stored).
         keys: names to load, or a predicate on names; None loads every tensor.
         allow_unpickle: also load non-tensor entries (pickles; only for trusted files).
-            Without it they are left out, and naming one in ``keys`` raises CheckpointError.
+            Without it they are left out, and naming one in ``keys`` raises CheckpointError
+            (a torch.save file's values too, so that every format gives the same dict).
         prefetch: ask the kernel to start reading the selected tensors' pages now
             (MADV_WILLNEED); see docs/lazy.md for when that pays.
         verify: check the CRC-32 of every mmapckpt entry loaded (reads every byte, so a CPU
-            load is no longer free of I/O; ChecksumError on a mismatch).
-        staging_bytes, staging_buffers: the pinned staging ring for accelerator devices
-            (default 3 buffers of 32 MiB, allocated for this call).
-        buffer_bytes, num_buffers: deprecated names of ``staging_bytes`` and ``staging_buffers``.
+            load is no longer free of I/O; ChecksumError on a mismatch). Stock DCP, safetensors
+            and torch.save files have no checksums: for them it checks nothing more.
+        staging_bytes: the size of each buffer of the pinned staging ring for accelerator
+            devices (allocated for this call).
+        staging_buffers: the number of buffers in that ring.
+        buffer_bytes: deprecated name of ``staging_bytes``.
+        num_buffers: deprecated name of ``staging_buffers``.
 
     Returns:
         ``{fqn: tensor}`` (plus objects with ``allow_unpickle``), ready for
@@ -303,15 +323,18 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
     nbytes, count = staging_options(staging_bytes, staging_buffers, buffer_bytes, num_buffers, "mmapckpt.load")
     with LazyCheckpoint(path, verify=verify) as ckpt:
         names, explicit = _select(ckpt.keys(), keys, ckpt.path)
-        objects = [n for n in names if ckpt.metadata(n).kind == "object"]
+        objects = [n for n in names if ckpt.info(n).kind == "object"]
         if objects and explicit and not allow_unpickle:
-            ckpt.get_object(objects[0])  # raises the explanatory CheckpointError
+            if ckpt._open_files().pickled_objects:
+                ckpt.get_object(objects[0])  # raises the explanatory CheckpointError
+            raise CheckpointError("entry is a non-tensor value: pass allow_unpickle=True to include such values",
+                                  path=ckpt.path, entry=objects[0])
         out: dict[str, Any] = {}
-        tensors = [n for n in names if ckpt.metadata(n).kind == "tensor"]
+        tensors = [n for n in names if ckpt.info(n).kind == "tensor"]
         if prefetch:
             files = ckpt._open_files()
             for n in tensors:
-                for c in ckpt.metadata(n).chunks:
+                for c in ckpt.info(n).chunks:
                     files.advise(c, mmap.MADV_WILLNEED)
         if device.type == "cpu":
             with paused_gc():
@@ -325,6 +348,8 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
             for n in tensors:
                 if out[n].is_floating_point() and out[n].dtype != dtype:
                     out[n] = out[n].to(dtype)
+        for alias, first in shared_names(ckpt._entries, tensors).items():  # tied weights: one tensor again
+            out[alias] = out[first]
         if allow_unpickle:
             for n in objects:
                 out[n] = ckpt.get_object(n, allow_unpickle=True)
@@ -332,11 +357,11 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
 
 
 def _load_to_device(ckpt: LazyCheckpoint, names: list[str], pool: StagingPool) -> dict[str, torch.Tensor]:
-    """Every chunk through the staging pool into one device tensor per name (read from the files)."""
+    """Every chunk through the staging pool into one device tensor per name (read from the files, format/stager.py)."""
     out: dict[str, torch.Tensor] = {}
-    with chunk_stager(ckpt, [ckpt.metadata(n) for n in names]) as stage_chunk:
+    with chunk_stager(ckpt._open_files(), [ckpt.info(n) for n in names]) as stage_chunk:
         for n in names:
-            info = ckpt.metadata(n)
+            info = ckpt.info(n)
             if info.whole is None:
                 check_coverage(info, ckpt.path)
             t = torch.empty(info.shape or (), dtype=info.dtype, device=pool.device)
@@ -345,34 +370,3 @@ def _load_to_device(ckpt: LazyCheckpoint, names: list[str], pool: StagingPool) -
                 stage_chunk(pool, info, c, t[region])
             out[n] = t
     return out
-
-
-@contextlib.contextmanager
-def chunk_stager(ckpt: LazyCheckpoint, infos: list[EntryInfo]) -> Iterator[Callable[..., None]]:
-    """``stage_chunk(pool, info, chunk, dst, done=None)``: one stored chunk into accelerator tensor ``dst``.
-
-    Chunks of mmapckpt shards are read from the file straight into the staging buffers
-    (``preadv`` through :class:`DirectReads`, which also starts the kernel's readahead on a
-    cold file); stock items are loaded and then staged. Used by ``load(device=...)`` and
-    ``load_into`` with accelerator targets.
-    """
-    files = ckpt._open_files()
-    chunks = [c for info in infos for c in info.chunks]
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for c in chunks:
-        if c.file in files.shards and c.length:
-            ranges.setdefault(c.file, []).append((c.file_offset, c.length))
-    readers = {rel: DirectReads(files.shards[rel].file, ranges=sorted(r)) for rel, r in ranges.items()}
-
-    def stage_chunk(pool: StagingPool, info: EntryInfo, c: ChunkInfo, dst: torch.Tensor,
-                    done: Callable[[], None] = lambda: None) -> None:
-        src = files.chunk(info, c)
-        reader = readers.get(c.file)
-        stage(pool, src, dst, done, reader.reader_for(src, info.name) if reader is not None else None)
-
-    try:
-        yield stage_chunk
-    finally:
-        for r in readers.values():
-            r.close()
-    files.check_unchanged(chunks)

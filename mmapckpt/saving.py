@@ -10,7 +10,8 @@ DCP's planning costs tens of microseconds a tensor; this costs a few.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
 from .dcp.writer import MmapWriter
+from .format.aliases import exact_aliases
 from .format.entries import paused_gc
 
 __all__ = ["save"]
@@ -31,8 +33,9 @@ __all__ = ["save"]
 class _Tensors(SavePlanner):
     """The writer asks the planner for each item's data: here, the tensor itself."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], aliases: dict[MetadataIndex, MetadataIndex]) -> None:
         self.tensors = tensors
+        self.mmapckpt_aliases = aliases  # format/aliases.py ALIASES_ATTR: tied weights, stored once
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         return self.tensors[write_item.index.fqn].detach()
@@ -45,20 +48,27 @@ class _Tensors(SavePlanner):
 
 
 def save(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *, overwrite: bool = True,
-         **writer_options: Any) -> MmapWriter:
+         metadata: Mapping[str, str] | None = None, **writer_options: Any) -> MmapWriter:
     """Save a flat ``{name: tensor}`` dict as a one-shard mmapckpt checkpoint (durable, atomic).
+
+    Tied weights (names that are exactly one tensor: same storage, offset, shape, strides and
+    dtype, as ``lm_head.weight is embed.weight``) are stored once, under both names, and
+    ``mmapckpt.load`` gives them back as one tensor. Views that only overlap (a transpose, a
+    slice) are each stored as their own values, and come back as separate tensors.
 
     Args:
         state_dict: names to tensors (any device; DTensors need ``dcp.save``).
         path: the checkpoint directory (created if missing).
         overwrite: allow replacing a checkpoint in ``path`` (as ``MmapWriter``).
+        metadata: user metadata ``{str: str}``, as safetensors' ``save_file(metadata=)``; stored
+            in ``.metadata`` and kept by ``convert`` to mmapckpt and safetensors.
         writer_options: further ``MmapWriter`` options (``sync_files``, ``alignment``, ``direct_io``).
 
     Returns:
         The writer, whose ``write_path`` says whether the shard was written with O_DIRECT.
 
     Raises:
-        TypeError: a value is not a tensor, or is a DTensor.
+        TypeError: a value is not a tensor, or is a DTensor; ``metadata`` is not ``{str: str}``.
         CheckpointWriteError, CheckpointExistsError: as ``MmapWriter``.
 
     Example:
@@ -67,7 +77,7 @@ def save(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *
     """
     tensors = dict(state_dict)
     _check_plain(tensors)
-    writer = MmapWriter(path, overwrite=overwrite, **writer_options)
+    writer = MmapWriter(path, overwrite=overwrite, metadata=metadata, **writer_options)
     with paused_gc():
         items, sdm = [], {}
         for fqn, t in tensors.items():
@@ -76,10 +86,12 @@ def save(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *
             items.append(WriteItem(index=MetadataIndex(fqn, chunk.offsets, 0), type=WriteItemType.TENSOR,
                                    tensor_data=TensorWriteData(chunk=chunk, properties=props, size=t.size())))
             sdm[fqn] = TensorStorageMetadata(properties=props, size=t.size(), chunks=[chunk])
+        zeros = {fqn: MetadataIndex(fqn, sdm[fqn].chunks[0].offsets) for fqn in tensors}
+        aliases = {zeros[a]: zeros[c] for a, c in exact_aliases(tensors).items()}
         writer.set_up_storage_writer(True, rank=0, use_collectives=True)
         try:
             plan = writer.prepare_global_plan([writer.prepare_local_plan(SavePlan(items))])[0]
-            results = writer.write_data(plan, _Tensors(tensors)).wait()
+            results = writer.write_data(plan, _Tensors(tensors, aliases)).wait()
             metadata = Metadata(state_dict_metadata=sdm, planner_data={fqn: (fqn,) for fqn in tensors})
             writer.finish(metadata, [results])
         finally:

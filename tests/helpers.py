@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -111,6 +112,17 @@ def shard_with_header(data: bytes, doc: Any) -> bytes:
     return bytes(out)
 
 
+def as_metadata_v1(directory: Any) -> None:
+    """Rewrite a checkpoint's ``.metadata`` in the version-1 form (one JSON object per item and record)."""
+    from mmapckpt.format.metadata import encode_metadata, read_metadata_file, read_user_metadata
+
+    path = os.path.join(os.fspath(directory), ".metadata")
+    _, md = read_metadata_file(path)
+    data = encode_metadata(md, read_user_metadata(path), major=1)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 def metadata_with_doc(data: bytes, doc: Any) -> bytes:
     """An mmapckpt .metadata file's bytes with its body replaced by ``doc`` (checksum and length made to match)."""
     body = json.dumps(doc).encode()
@@ -132,3 +144,80 @@ def checksum_at_commit_planner() -> Any:
             super().commit_tensor(read_item, tensor)
 
     return ChecksumAtCommit()
+
+
+# --------------------------------------------------------------------------- a DCP stream transform of one's own
+from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+
+class _Wrap(io.RawIOBase):
+    """A stream that maps every byte through ``table`` on its way to/from ``inner``; ``extra`` bytes are
+    appended on write and dropped on read (so the stored length differs from the value's)."""
+
+    def __init__(self, inner, table: bytes, extra: bytes = b"", reading: bool = False):
+        super().__init__()
+        self.inner, self.table, self.extra, self.reading = inner, table, extra, reading
+        self._buf = b""
+
+    def writable(self):
+        return not self.reading
+
+    def readable(self):
+        return self.reading
+
+    def write(self, b):
+        data = bytes(b)
+        self.inner.write(data.translate(self.table))
+        return len(data)
+
+    def close(self):
+        if not self.reading and not self.closed:
+            self.inner.write(self.extra)
+            self.inner.flush()
+            self.inner.close()
+        super().close()
+
+    def readinto(self, b):
+        if not self._buf:
+            self._buf = self.inner.read(1 << 16)
+            if self.extra and len(self._buf) < (1 << 16):  # the last piece: drop the trailer
+                rest = self.inner.read()
+                self._buf += rest
+                self._buf = self._buf.removesuffix(self.extra)
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n].translate(self.table)
+        self._buf = self._buf[n:]
+        return n
+
+
+class Invert(StreamTransformExtension):
+    """Flips every bit and appends a 7-byte trailer: a transform of one's own, not length-preserving."""
+
+    TABLE = bytes(255 - i for i in range(256))
+    TRAILER = b"INVERT!"
+
+    @staticmethod
+    def registry_name():
+        return "test.invert"
+
+    @staticmethod
+    def from_descriptor(version):
+        return Invert()
+
+    def get_descriptor(self):
+        return "test.invert/1"
+
+    def transform_to(self, output):
+        return _Wrap(output, self.TABLE, self.TRAILER)
+
+    def transform_from(self, input):
+        return _Wrap(input, self.TABLE, self.TRAILER, reading=True)
+
+
+def invert_registry() -> Any:
+    """DCP's default registry with :class:`Invert` registered."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    reg = ExtensionRegistry()
+    reg.register(Invert)
+    return reg

@@ -11,7 +11,8 @@ measures on the same bytes:
 
 and once per method, in a fresh process, the memory a load adds. It prints a table
 (median seconds with min and max, GB/s, fraction of the limit, ratio to the stock
-DCP), writes a JSON file and, with matplotlib (the ``plot`` extra), a PNG chart.
+DCP) and, with ``--out DIR`` only, writes a JSON file there and, with matplotlib (the
+``plot`` extra), a PNG chart.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .methods import EXTRA_METHODS, METHODS, SCAN_METHODS, Method, lazy_note
 from .synthetic import parse_size, transformer_state_dict
 from .system import cold_read_limit, copy_limit, evict, files_under, machine_info, warm_up, write_limit
 
-__all__ = ["add_arguments", "run", "run_benchmark"]
+__all__ = ["add_arguments", "run", "run_benchmark", "write_json"]
 
 _QUICK = {"size": "8MB", "tensors": 23, "repeats": 1}
 _DEFAULTS = {"size": "1GB", "tensors": 320, "repeats": 5}
@@ -47,7 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensors", type=int, default=None,
                         help="about how many tensors (10 per layer plus 3; default 320)")
     parser.add_argument("--repeats", type=int, default=None, help="repetitions; medians shown (default 5)")
-    parser.add_argument("--out", default=".", help="directory for bench.json and bench.png (default: .)")
+    parser.add_argument("--out", default=None,
+                        help="directory to write the results to (bench.json and, with matplotlib, bench.png; "
+                             "scan-*.json for --scan); default: none, the table is printed only")
+    parser.add_argument("--targets", action="store_true",
+                        help="list every target with its measured fraction (default: one line counts them)")
     parser.add_argument("--dir", default=None,
                         help="where to write the checkpoints (default: a temporary directory under the "
                              "current one, so on its disk rather than a tmpfs /tmp)")
@@ -72,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dcp-max-entries", type=int, default=None,
                         help="--scan tensors: skip the stock DCP above this many entries (default 20000; "
                              "0: never skip)")
+    parser.add_argument("--replicas", type=int, default=None, metavar="N",
+                        help="instead: a replicated load on N gloo ranks, with and without read-once")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-load memory measurement")
     parser.add_argument("--quick", action="store_true", help="a tiny run (8MB, 1 repetition) to try it out")
 
@@ -256,18 +263,29 @@ def _run_configured(args: argparse.Namespace, cfg: dict) -> int:
     os.makedirs(bench_dir, exist_ok=True)
     if args.scan:
         return _run_scan(args, cfg, bench_dir)
+    if args.replicas:
+        from . import replicas
+        return replicas.run(args, cfg, bench_dir)
     doc = run_benchmark(size=cfg["size"], dtype=cfg["dtype"], layers=cfg["layers"], repeats=cfg["repeats"],
                         methods=cfg["methods"], bench_dir=bench_dir, memory=not args.no_memory,
                         log=lambda s: print(s, file=sys.stderr, flush=True))
-    print(report.render_table(doc))
-    os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, "bench.json")
-    with open(json_path, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"\nJSON: {json_path}")
-    png = report.plot(doc, os.path.join(args.out, "bench.png"))
-    print(f"chart: {png}" if png else "chart: skipped (install the 'plot' extra: matplotlib)")
+    print(report.render_table(doc, targets=args.targets))
+    if write_json(args.out, "bench.json", doc):
+        png = report.plot(doc, os.path.join(args.out, "bench.png"))
+        print(f"chart: {png}" if png else "chart: skipped (install the 'plot' extra: matplotlib)")
     return 0 if all(doc["run"]["correct"].values()) else 1
+
+
+def write_json(out: str | None, name: str, doc: object) -> str | None:
+    """Write ``doc`` to ``out/name`` and say so; nothing (None) without ``--out``."""
+    if out is None:
+        return None
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"\nJSON: {path}")
+    return path
 
 
 _SCAN_POINTS = {"sizes": "256MB,512MB,1GB,2GB,4GB", "tensors": "10,100,1000,10000"}
@@ -290,12 +308,7 @@ def _run_scan(args: argparse.Namespace, cfg: dict, bench_dir: str) -> int:
                            methods=methods, bench_dir=bench_dir, log=lambda s: print(s, file=sys.stderr, flush=True),
                            adam_layers=max(0, args.adam_layers), dcp_max_entries=cap)
     print(_bench_scan.render(doc))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"scan-{args.scan}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"\nJSON: {path}")
-    if args.scan == "tensors":
+    if write_json(args.out, f"scan-{args.scan}.json", doc) and args.scan == "tensors":
         from . import entries
 
         png = entries.plot(doc, os.path.join(args.out, "scan-tensors.png"))

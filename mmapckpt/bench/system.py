@@ -7,6 +7,7 @@ and the disk of this machine allow at that moment.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -19,6 +20,7 @@ __all__ = [
     "CHUNK",
     "files_under",
     "evict",
+    "cached_fraction",
     "warm_up",
     "fsync_path",
     "copy_limit",
@@ -51,6 +53,40 @@ def evict(paths: Iterable[str]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def cached_fraction(paths: Iterable[str]) -> float | None:
+    """The fraction of the files' pages in the page cache (``mincore``), or None where it cannot be told.
+
+    ``evict`` cannot report failure (``posix_fadvise`` is advice): a tmpfs keeps every page,
+    since the page cache is its storage. Asking afterwards tells a cold read from a warm one.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mincore = libc.mincore
+    except (OSError, AttributeError):
+        return None
+    page = mmap.PAGESIZE
+    cached = total = 0
+    for p in paths:
+        size = os.path.getsize(p)
+        if size == 0:
+            continue
+        pages = (size + page - 1) // page
+        with open(p, "rb") as f:
+            mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # private: writable for ctypes, never written
+        try:
+            anchor = ctypes.c_char.from_buffer(mm)
+            vec = (ctypes.c_ubyte * pages)()
+            rc = mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
+            del anchor
+            if rc != 0:
+                return None
+        finally:
+            mm.close()
+        cached += sum(b & 1 for b in bytes(vec))
+        total += pages
+    return cached / total if total else None
 
 
 def warm_up(paths: Iterable[str]) -> None:

@@ -10,27 +10,24 @@ Items are read one at a time, so a conversion never holds more than one of them.
 
 from __future__ import annotations
 
+import fnmatch
 import io
+from collections.abc import Sequence
 from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from ..errors import CheckpointError
+from ..format.locate import FORMATS, SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from ..format.safetensors import SAFETENSORS_DTYPES
+
 __all__ = ["FORMATS", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "SAFETENSORS_SINGLE", "SINGLE_FILE", "Source", "label",
-           "tensor_chunk_sizes"]
+           "tensor_chunk_sizes", "SelectedSource", "select_names"]
 
-FORMATS = ("mmapckpt", "dcp", "safetensors", "torch")
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"  # the one file of an unsharded Hugging Face model directory
 SINGLE_FILE = "__0_0.distcp"
-
-#: safetensors dtype codes <-> torch dtypes, written out by hand (the safetensors spec's names).
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
-}
+# FORMATS, the Hugging Face file names and the safetensors dtype table (codes <-> torch dtypes) are
+# defined once, in the format wing, beside the one safetensors header parser.
 
 
 def label(idx: MetadataIndex) -> str:
@@ -81,6 +78,11 @@ class Source:
     def items(self) -> Iterator[tuple[str, Any]]:
         return iter(self.metadata.state_dict_metadata.items())
 
+    def user_metadata(self) -> dict[str, str] | None:
+        """The checkpoint's user metadata ({str: str}: safetensors' ``__metadata__``, mmapckpt's
+        ``user_metadata``), or None where the format has none."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -89,3 +91,101 @@ class Source:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------- convert(keys=, strip_prefix=)
+def select_names(names: Sequence[str], keys: Sequence[str] | None, strip_prefix: str | None,
+                 path: str) -> dict[str, str]:
+    """``{new name: stored name}``: the stored names matching any glob of ``keys`` (all without
+    ``keys``), then ``strip_prefix`` removed from those that start with it, in the source's order.
+
+    Raises:
+        TypeError, ValueError: ``keys`` is a single string or empty; ``strip_prefix`` is empty.
+        CheckpointError: no name matches ``keys``; no selected name starts with ``strip_prefix``;
+            stripping makes two names one (or one empty).
+    """
+    chosen = list(names)
+    if keys is not None:
+        if isinstance(keys, str):
+            raise TypeError(f"keys must be a list of glob patterns, not a single string: keys=[{keys!r}]")
+        pats = list(keys)
+        if not pats or not all(isinstance(p, str) and p for p in pats):
+            raise ValueError(f"keys must be non-empty glob patterns, got {pats!r}")
+        chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in pats)]
+        if not chosen:
+            shown = ", ".join(repr(n) for n in list(names)[:5]) + (", ..." if len(names) > 5 else "")
+            raise CheckpointError(f"no entry matches --keys {' '.join(pats)} (patterns are globs on the stored "
+                                  f"names, case-sensitive; the names are {shown})", path=path)
+    if strip_prefix is None:
+        return {n: n for n in chosen}
+    if not isinstance(strip_prefix, str) or not strip_prefix:
+        raise ValueError(f"strip_prefix must be a non-empty string, got {strip_prefix!r}")
+    if not any(n.startswith(strip_prefix) for n in chosen):
+        raise CheckpointError(f"no selected entry starts with --strip-prefix {strip_prefix!r} (e.g. "
+                              f"{chosen[0]!r}); did you mean a prefix ending in '.'?", path=path)
+    out: dict[str, str] = {}
+    for old in chosen:
+        new = old.removeprefix(strip_prefix)
+        if not new:
+            raise CheckpointError(f"stripping {strip_prefix!r} leaves an empty name", path=path, entry=old)
+        if new.startswith(".") and not old.startswith("."):  # "model" for "model.": an easy slip
+            raise CheckpointError(f"stripping {strip_prefix!r} leaves {new!r}; did you mean --strip-prefix "
+                                  f"{strip_prefix + '.'!r}?", path=path, entry=old)
+        if new in out:
+            raise CheckpointError(f"stripping {strip_prefix!r} gives {out[new]!r} and {old!r} the same name "
+                                  f"{new!r}; select only one of them with --keys", path=path, entry=old)
+        out[new] = old
+    return out
+
+
+def _stripped_path(path: tuple[Any, ...], new: str, prefix: str) -> tuple[Any, ...]:
+    """A planner_data path (nested keys) without the leading keys that spell ``prefix``."""
+    k, spelled = 0, ""
+    while k < len(path) and len(spelled) < len(prefix):
+        spelled += f"{path[k]}."
+        k += 1
+    return tuple(path[k:]) if spelled == prefix and k < len(path) else (new,)
+
+
+class SelectedSource(Source):
+    """``inner`` seen through :func:`select_names`: only the selected entries, under their new names."""
+
+    def __init__(self, inner: Source, names: dict[str, str], strip_prefix: str | None) -> None:
+        self._inner, self._old = inner, names
+        self.kind, self.path, self.version, self.files = inner.kind, inner.path, inner.version, inner.files
+        md = inner.metadata
+        new_of = {old: new for new, old in names.items()}
+        pd = md.planner_data
+        if pd is not None:
+            pd = {new_of[k]: (v if new_of[k] == k else _stripped_path(tuple(v), new_of[k], strip_prefix or ""))
+                  for k, v in pd.items() if k in new_of}
+        storage = None if md.storage_data is None else {
+            MetadataIndex(new_of[i.fqn], i.offset, i.index): info for i, info in md.storage_data.items()
+            if i.fqn in new_of}
+        self.metadata = Metadata(state_dict_metadata={new_of[k]: v for k, v in md.state_dict_metadata.items()
+                                                      if k in new_of},
+                                 planner_data=pd, storage_data=storage, storage_meta=md.storage_meta,
+                                 version=md.version)
+        self.layout = [(rel, kept) for rel, idxs in inner.layout
+                       if (kept := [MetadataIndex(new_of[i.fqn], i.offset, i.index) for i in idxs if i.fqn in new_of])]
+
+    def _back(self, idx: MetadataIndex) -> MetadataIndex:
+        return MetadataIndex(self._old[idx.fqn], idx.offset, idx.index)
+
+    def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
+        return self._inner.read_tensor(self._back(idx))
+
+    def read_bytes(self, idx: MetadataIndex) -> bytes:
+        return self._inner.read_bytes(self._back(idx))
+
+    def bytes_length(self, idx: MetadataIndex) -> int:
+        return self._inner.bytes_length(self._back(idx))
+
+    def read_object(self, idx: MetadataIndex) -> Any:
+        return self._inner.read_object(self._back(idx))
+
+    def user_metadata(self) -> dict[str, str] | None:
+        return self._inner.user_metadata()
+
+    def close(self) -> None:
+        self._inner.close()

@@ -16,6 +16,7 @@ import re
 import shutil
 import warnings
 from dataclasses import dataclass
+from collections.abc import Sequence
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -23,7 +24,7 @@ from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundE
 from ..io.files import fsync_dir, refuse_url
 from ..io.progress import Progress
 from ..io.replace import recover, remove_stale_temps, replace_path, temp_sibling
-from .common import FORMATS, SAFETENSORS_SINGLE, Source
+from .common import FORMATS, SAFETENSORS_SINGLE, SelectedSource, Source, select_names
 from .detect import open_source
 from .sinks import write_dcp, write_mmapckpt, write_safetensors, write_torch
 
@@ -39,7 +40,8 @@ class ConvertResult:
     """What a conversion did.
 
     Attributes:
-        source_format, target_format: formats, from FORMATS.
+        source_format: the format read, from FORMATS.
+        target_format: the format written, from FORMATS.
         path: the written checkpoint (``dst``).
         tensors: tensors written.
         tensor_bytes: bytes of tensor data written.
@@ -175,14 +177,18 @@ def _commit(tmp: str, dst: str, overwrite: bool) -> None:
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, overwrite: bool = False,
-            max_shard_size: int | str | None = None, progress: bool = False) -> ConvertResult:
+            max_shard_size: int | str | None = None, progress: bool = False, keys: Sequence[str] | None = None,
+            strip_prefix: str | None = None) -> ConvertResult:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
     The source format is detected. DCP <-> mmapckpt keeps the chunk layout, the
     metadata and the non-tensor entries. To safetensors/torch, chunks are assembled
     into full tensors named by their DCP fully-qualified names; safetensors drops
     non-tensor entries (with a ConversionWarning naming them). Memory stays at about
-    the largest tensor plus a buffer.
+    the largest tensor plus a buffer. User metadata ({str: str}: safetensors'
+    ``__metadata__``, ``mmapckpt.save(metadata=)``) is kept where the target can hold it
+    (mmapckpt, safetensors); stock DCP and torch.save cannot, and a ConversionWarning says
+    it was dropped.
 
     Args:
         src: a checkpoint directory (mmapckpt or stock DCP), a ``.safetensors`` file, a
@@ -197,16 +203,23 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         max_shard_size: for safetensors only: write HF-style shards of at most this size
             (bytes, or a string such as ``"5GB"``) plus ``model.safetensors.index.json``.
         progress: draw a progress bar on stderr when it is a terminal.
+        keys: convert only the entries whose stored name matches one of these globs
+            (``fnmatch``, case-sensitive; ``*`` also matches dots), e.g. ``["model.*"]``.
+        strip_prefix: then remove this prefix from the selected names that start with it
+            (others keep their names), e.g. ``"model."``. Filtering is on the stored name,
+            stripping after it; no match, or two names made one by stripping, raises.
 
     Returns:
         A ConvertResult.
 
     Raises:
-        CheckpointError: the source is missing or damaged, the destination exists, or a
-            tensor cannot be stored in the target format (all name the file and entry).
+        CheckpointError: the source is missing or damaged, the destination exists, a
+            tensor cannot be stored in the target format, or ``keys``/``strip_prefix`` select
+            nothing or make two names one (all name the file and entry).
 
     Example:
         >>> convert("ckpt/step100", "model.safetensors", to="safetensors")  # doctest: +SKIP
+        >>> convert("ckpt/step100", "hf", to="safetensors", keys=["model.*"], strip_prefix="model.")  # doctest: +SKIP
     """
     if to not in FORMATS:
         raise ValueError(f"unknown target format {to!r}; choose one of {', '.join(FORMATS)}")
@@ -221,14 +234,16 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     _check_paths(src_s, dst_s, overwrite)
     _check_replaceable(dst_s, to, limit)
     tmp = temp_sibling(dst_s)
-    with open_source(src_s) as source:
+    with open_source(src_s) as opened:
+        source = _selected(opened, keys, strip_prefix)
+        user = source.user_metadata()
         tensors = [md for _, md in source.items() if isinstance(md, TensorStorageMetadata)]
         total = sum(md.properties.dtype.itemsize * _numel(md.size) for md in tensors)
         bar = Progress(total, f"{source.kind} -> {to}", enabled=progress)
         as_dir = _writes_directory(dst_s, to, limit)
         try:
             with bar:
-                dropped = _write(source, tmp, to, limit, os.path.abspath(dst_s), bar, as_dir)
+                dropped = _write(source, tmp, to, limit, os.path.abspath(dst_s), bar, as_dir, user)
             _commit(tmp, dst_s, overwrite)
         except OSError as e:
             _abandon(tmp, dst_s)
@@ -243,7 +258,19 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
             "they cannot be unpickled safely (weights_only=True)"
         warnings.warn(f"{len(dropped)} non-tensor entries were not converted ({why}): {', '.join(dropped)}",
                       ConversionWarning, stacklevel=2)
+    lost = sorted(k for k, v in (user or {}).items() if (k, v) != ("format", "pt"))  # that marker carries nothing
+    if lost and to in ("dcp", "torch"):
+        warnings.warn(f"the user metadata ({', '.join(lost)}) was dropped: a {to} checkpoint cannot hold it "
+                      "(convert to mmapckpt or safetensors to keep it)", ConversionWarning, stacklevel=2)
     return ConvertResult(source.kind, to, dst_s, len(tensors), total, tuple(dropped))
+
+
+def _selected(source: Source, keys: Sequence[str] | None, strip_prefix: str | None) -> Source:
+    """``source``, or the view of it that ``keys`` and ``strip_prefix`` select."""
+    if keys is None and strip_prefix is None:
+        return source
+    names = select_names([n for n, _ in source.items()], keys, strip_prefix, source.path)
+    return SelectedSource(source, names, strip_prefix)
 
 
 def _numel(size: tuple[int, ...]) -> int:
@@ -254,18 +281,19 @@ def _numel(size: tuple[int, ...]) -> int:
 
 
 def _write(source: Source, tmp: str, to: str, limit: int | None, final: str, bar: Progress,
-           as_dir: bool) -> list[str]:
+           as_dir: bool, user: dict[str, str] | None) -> list[str]:
     if to == "mmapckpt":
-        write_mmapckpt(source, tmp, checkpoint_id=final, progress=bar)
+        write_mmapckpt(source, tmp, checkpoint_id=final, progress=bar, user_metadata=user)
         return []
     if to == "dcp":
         write_dcp(source, tmp, checkpoint_id=final, progress=bar)
         return []
     if to == "safetensors" and as_dir and limit is None:  # into a directory, as Hugging Face names one file
         os.makedirs(tmp)
-        dropped = write_safetensors(source, os.path.join(tmp, SAFETENSORS_SINGLE), max_shard_size=None, progress=bar)
+        dropped = write_safetensors(source, os.path.join(tmp, SAFETENSORS_SINGLE), max_shard_size=None, progress=bar,
+                                    user_metadata=user)
         fsync_dir(tmp)
         return dropped
     if to == "safetensors":
-        return write_safetensors(source, tmp, max_shard_size=limit, progress=bar)
+        return write_safetensors(source, tmp, max_shard_size=limit, progress=bar, user_metadata=user)
     return write_torch(source, tmp, progress=bar)

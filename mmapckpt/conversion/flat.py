@@ -1,6 +1,8 @@
 """Sources for flat files: a safetensors file (or HF-sharded directory) and a torch.save state dict.
 
-They present the metadata ``dcp.save`` would write for the same state dict on one
+The bytes are read by the format wing (``format/safetensors.py`` parses and checks the
+header, ``format/torchfile.py`` loads with ``weights_only=True``), the same readers
+``mmapckpt.open`` uses. They present the metadata ``dcp.save`` would write for the same state dict on one
 rank (one chunk per tensor, one file ``__0_0.distcp``), so every writer treats them
 like a DCP checkpoint.
 """
@@ -10,7 +12,6 @@ from __future__ import annotations
 import io
 import os
 import uuid
-import warnings
 import zipfile
 from typing import Any
 
@@ -25,8 +26,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import FormatError
-from .common import SAFETENSORS_DTYPES, SINGLE_FILE, Source
+from ..format.locate import SAFETENSORS_SINGLE
+from ..format.safetensors import SafetensorsFile, entry_infos
+from ..format.torchfile import flat_torch_file
+from .common import SINGLE_FILE, Source
 
 __all__ = ["SafetensorsSource", "TorchSource"]
 
@@ -52,48 +55,45 @@ def _flat_metadata(specs: dict[str, tuple[torch.dtype, tuple[int, ...]] | None],
 
 
 class SafetensorsSource(Source):
-    def __init__(self, path: str, files: dict[str, list[str]]) -> None:
-        from safetensors import safe_open
-
+    def __init__(self, path: str, files: dict[str, list[str] | None]) -> None:
+        """``files``: each file's full path and the names the index puts there (None or empty: all)."""
         self.path, self.kind = path, "safetensors"
-        self._handles, self._where = {}, {}
+        self._handles: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, Any] = {}
         specs: dict[str, Any] = {}
         for full, names in files.items():
-            try:
-                h = safe_open(full, framework="pt", device="cpu")
-            except Exception as e:
-                raise FormatError(f"not a readable safetensors file: {e}", path=full) from None
-            self._handles[full] = h
-            for name in names if names else list(h.keys()):
-                sl = h.get_slice(name)
-                code = sl.get_dtype()
-                if code not in SAFETENSORS_DTYPES:
-                    raise FormatError(f"safetensors dtype {code!r} is not supported", path=full, entry=name)
-                specs[name] = (SAFETENSORS_DTYPES[code], tuple(sl.get_shape()))
-                self._where[name] = full
+            h = self._handles[full] = SafetensorsFile(full)  # the header checked: FormatError naming file and entry
+            for name, info in entry_infos(h.header, full, names or None).items():
+                specs[name] = (info.dtype, info.shape)
+                self._where[name] = (h, info)
         self.metadata, order = _flat_metadata(specs, {k: (k,) for k in specs})
         self.layout = [(SINGLE_FILE, order)]
         self.files = len(files)
-        one = list(files) == [os.path.join(path, "model.safetensors")]  # a directory without an index
+        one = list(files) == [os.path.join(path, SAFETENSORS_SINGLE)]  # a directory without an index
         self.version = "single file" if not os.path.isdir(path) else \
             "model.safetensors in a directory" if one else f"{len(files)} shards with index"
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
-        return self._handles[self._where[idx.fqn]].get_tensor(idx.fqn)
+        h, info = self._where[idx.fqn]
+        c = info.chunks[0]
+        return h.view(c.file_offset, c.length, info.dtype, c.sizes)
+
+    def user_metadata(self) -> dict[str, str] | None:
+        """The files' ``__metadata__``, merged: an index's shards carry the same one (the first file wins)."""
+        merged: dict[str, str] = {}
+        for h in reversed(list(self._handles.values())):
+            merged.update(h.header.metadata or {})
+        return merged or None
 
     def close(self) -> None:
         self._handles.clear()
+        self._where.clear()
 
 
 class TorchSource(Source):
     def __init__(self, path: str) -> None:
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
         self.path, self.kind, self.files = path, "torch", 1
-        obj = _torch_load(path)
-        if not isinstance(obj, dict):
-            raise FormatError(f"torch.save file holds a {type(obj).__name__}, not a state dict", path=path)
-        flat, mapping = flatten_state_dict(obj)
+        flat, mapping = flat_torch_file(path)
         self._values = flat
         specs = {k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
         self.metadata, order = _flat_metadata(specs, mapping)
@@ -114,17 +114,3 @@ class TorchSource(Source):
     def close(self) -> None:
         self._values = {}
 
-
-def _torch_load(path: str) -> Any:
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            warnings.warn(f"{path}: legacy torch.save format cannot be memory-mapped; loading it whole",
-                          stacklevel=3)
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise FormatError(f"not loadable with torch.load(weights_only=True): {type(e).__name__}: {e}",
-                          path=path) from None

@@ -11,6 +11,7 @@ one tensor plus one chunk, whatever the checkpoint's size.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -66,8 +67,13 @@ def _out_metadata(src: Source, storage: dict[MetadataIndex, _StorageInfo], check
 
 
 # --------------------------------------------------------------------------- DCP: mmapckpt
-def write_mmapckpt(src: Source, out_dir: str, *, checkpoint_id: str, progress: Progress) -> list[str]:
-    """Write ``src`` as an mmapckpt checkpoint in ``out_dir``, one shard per source file."""
+def write_mmapckpt(src: Source, out_dir: str, *, checkpoint_id: str, progress: Progress,
+                   user_metadata: dict[str, str] | None = None) -> list[str]:
+    """Write ``src`` as an mmapckpt checkpoint in ``out_dir``, one shard per source file.
+
+    Chunks the source stores at one place (tied weights of an mmapckpt checkpoint) are
+    written once, under each name (format/aliases.py).
+    """
     os.makedirs(out_dir)
     sizes = tensor_chunk_sizes(src.metadata)
     save_id = str(uuid.uuid4())  # a new checkpoint: its shards and metadata name the same new save
@@ -78,7 +84,7 @@ def write_mmapckpt(src: Source, out_dir: str, *, checkpoint_id: str, progress: P
             storage[idx] = info
     md = _out_metadata(src, storage, checkpoint_id, save_id)
     try:
-        data = encode_metadata(md)
+        data = encode_metadata(md, user_metadata)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"the source metadata cannot be stored as mmapckpt metadata: {e}", path=src.path) from e
     atomic_write(os.path.join(out_dir, METADATA_NAME), data)
@@ -104,12 +110,17 @@ def _write_mmapckpt_shard(src: Source, path: str, rel: str, items: list[Metadata
             n *= s
         specs.append(fmt.EntrySpec(idx.fqn, tuple(idx.offset), fmt.KIND_TENSOR, fmt.dtype_name(item.properties.dtype),
                                    shape, n * item.properties.dtype.itemsize))
-    entries, file_size = fmt.layout_entries(specs, _ALIGN, save_id)
-    done = []
+    aliases = _stored_aliases(src, items, specs)
+    entries, file_size = fmt.layout_entries(specs, _ALIGN, save_id, aliases)
+    done: list[fmt.Entry] = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.ftruncate(fd, file_size)
-        for e, idx in zip(entries, items):
+        for i, (e, idx) in enumerate(zip(entries, items)):
+            if i in aliases:  # the same bytes as an entry already written
+                done.append(dataclasses.replace(e, crc32=done[aliases[i]].crc32))
+                progress.advance(e.length)
+                continue
             buf = payloads[idx] if idx in payloads else raw_bytes(src.read_tensor(idx))
             if len(buf) != e.length:
                 raise FormatError(f"read {len(buf)} bytes, expected {e.length}", path=src.path, entry=label(idx))
@@ -125,6 +136,25 @@ def _write_mmapckpt_shard(src: Source, path: str, rel: str, items: list[Metadata
     finally:
         os.close(fd)
     return [(idx, _StorageInfo(rel, e.offset, e.length)) for e, idx in zip(done, items)]
+
+
+def _stored_aliases(src: Source, items: list[MetadataIndex], specs: list[fmt.EntrySpec]) -> dict[int, int]:
+    """{position: earlier position} of tensor chunks the source stores at the same (file, offset, length)
+    with the same dtype and shape: tied weights, which the output stores once too."""
+    if src.metadata.storage_data is None:
+        return {}
+    first: dict[tuple[Any, ...], int] = {}
+    out: dict[int, int] = {}
+    for i, (idx, spec) in enumerate(zip(items, specs)):
+        info = src.metadata.storage_data.get(idx)
+        if idx.offset is None or info is None or not spec.length:
+            continue
+        key = (info.relative_path, info.offset, info.length, spec.dtype, spec.shape)
+        if key in first:
+            out[i] = first[key]
+        else:
+            first[key] = i
+    return out
 
 
 # --------------------------------------------------------------------------- DCP: stock torch.save items
@@ -223,10 +253,11 @@ def _shard_groups(tensors: list[tuple[str, TensorStorageMetadata]], limit: int |
 
 
 def _write_safetensors_file(path: str, tensors: list[tuple[str, TensorStorageMetadata]], src: Source,
-                            progress: Progress) -> None:
+                            progress: Progress, user_metadata: dict[str, str] | None = None) -> None:
     # Widest dtypes first keeps every tensor's data aligned to its itemsize, as safetensors itself does.
     tensors = sorted(tensors, key=lambda t: -t[1].properties.dtype.itemsize)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    # "format": "pt" as save_pretrained writes it (transformers refuses other values), then the user's
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(user_metadata or {})}}
     pos = 0
     for fqn, md in tensors:
         n = _nbytes(md)
@@ -246,9 +277,12 @@ def _write_safetensors_file(path: str, tensors: list[tuple[str, TensorStorageMet
         os.close(fd)
 
 
-def write_safetensors(src: Source, out: str, *, max_shard_size: int | None, progress: Progress) -> list[str]:
+def write_safetensors(src: Source, out: str, *, max_shard_size: int | None, progress: Progress,
+                      user_metadata: dict[str, str] | None = None) -> list[str]:
     """Write the tensors of ``src`` as one safetensors file, or as HF-style shards with an index.
 
+    ``user_metadata`` goes into every file's ``__metadata__`` (after ``"format": "pt"``); the
+    index's ``metadata`` holds only ``total_size``, as Hugging Face writes it.
     Returns the names of the non-tensor entries, which safetensors cannot hold.
     """
     tensors, dropped = _split_entries(src)
@@ -256,14 +290,14 @@ def write_safetensors(src: Source, out: str, *, max_shard_size: int | None, prog
         if md.properties.dtype not in _ST_CODES:
             raise CheckpointError(f"safetensors cannot store dtype {md.properties.dtype}", path=src.path, entry=fqn)
     if max_shard_size is None:
-        _write_safetensors_file(out, tensors, src, progress)
+        _write_safetensors_file(out, tensors, src, progress, user_metadata)
         return dropped
     os.makedirs(out)
     groups = _shard_groups(tensors, max_shard_size)
     weight_map = {}
     for i, group in enumerate(groups, 1):
         name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        _write_safetensors_file(os.path.join(out, name), group, src, progress)
+        _write_safetensors_file(os.path.join(out, name), group, src, progress, user_metadata)
         weight_map.update({fqn: name for fqn, _ in group})
     index = {"metadata": {"total_size": sum(_nbytes(md) for _, md in tensors)},
              "weight_map": dict(sorted(weight_map.items()))}

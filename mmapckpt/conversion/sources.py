@@ -11,9 +11,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from ..errors import FormatError, IncompleteCheckpointError, TruncatedFileError
 from ..format import layout as fmt
-from ..format.metadata import KIND_MMAPCKPT
-from ..format.shard import Shard
+from ..format.metadata import KIND_MMAPCKPT, METADATA_NAME, read_user_metadata
+from ..format.shard import Shard, decode_entry
 from ..format.stock import load_tensor
+from ..format.transforms import StreamTransforms
 from ..io.files import open_inside, pread_into
 from .common import Source, label, tensor_chunk_sizes
 
@@ -59,6 +60,7 @@ class MmapckptSource(_DcpSource):
     def __init__(self, path: str, md: Metadata) -> None:
         super().__init__(path, KIND_MMAPCKPT, md)
         self._shards: dict[str, Shard] = {}
+        self._transforms = StreamTransforms()  # DCP's registry: undoes ZStandard
         if self.layout:
             first = self._shard(self.layout[0][0])
             self.version = f"shard format {fmt.FORMAT_MAJOR}.{first.header.minor}, {self.version}"
@@ -86,13 +88,20 @@ class MmapckptSource(_DcpSource):
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         shard, e = self._entry(idx, tuple(idx.offset or ()))
+        if e.kind == fmt.KIND_ENCODED and e.chunk_offsets is not None:  # MmapWriter(_extensions=...)
+            return self._check(decode_entry(shard, e, self._transforms), idx, shard.path)  # type: ignore[arg-type]
         if e.kind != fmt.KIND_TENSOR:
             raise FormatError("metadata says tensor but the shard holds bytes", path=shard.path, entry=e.label)
         return self._check(shard.tensor(e), idx, shard.path)
 
     def read_bytes(self, idx: MetadataIndex) -> bytes:
         shard, e = self._entry(idx, None)
+        if e.kind == fmt.KIND_ENCODED:
+            return decode_entry(shard, e, self._transforms)  # type: ignore[return-value]
         return shard.read_bytes(e)
+
+    def user_metadata(self) -> dict[str, str] | None:
+        return read_user_metadata(os.path.join(self.path, METADATA_NAME))
 
     def close(self) -> None:
         self._shards.clear()
@@ -133,12 +142,11 @@ class StockSource(_DcpSource):
     def __init__(self, path: str, md: Metadata) -> None:
         super().__init__(path, "dcp", md)
         self.version += ", torch.save items"
+        self._transforms = StreamTransforms()  # DCP's registry: undoes ZStandard
         self._fds: dict[str, tuple[int, int, str]] = {}
 
     def _slice(self, idx: MetadataIndex) -> _FileSlice:
         info = self._info(idx)
-        if getattr(info, "transform_descriptors", None):
-            raise FormatError("stream transforms are not supported", path=self.path, entry=label(idx))
         if info.relative_path not in self._fds:
             full = open_inside(self.path, info.relative_path)
             try:
@@ -153,12 +161,26 @@ class StockSource(_DcpSource):
                                      f"{size}-byte file", path=full, entry=label(idx))
         return _FileSlice(fd, info.offset, info.length, full)
 
+    def _decoded(self, idx: MetadataIndex, sl: _FileSlice) -> bytes | None:
+        """The item's bytes with its stream transforms undone (FileSystemWriter(_extensions=...)), else None."""
+        descriptors = getattr(self._info(idx), "transform_descriptors", None)
+        if not descriptors:
+            return None
+        buf = bytearray(sl._len)
+        sl.readinto(buf)
+        return self._transforms.decode(memoryview(buf), descriptors, path=sl._path, entry=label(idx))
+
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         sl = self._slice(idx)
-        return self._check(load_tensor(sl, path=sl._path, entry=label(idx)), idx, sl._path)
+        data = self._decoded(idx, sl)
+        src: Any = sl if data is None else io.BytesIO(data)
+        return self._check(load_tensor(src, path=sl._path, entry=label(idx)), idx, sl._path)
 
     def read_bytes(self, idx: MetadataIndex) -> bytes:
         sl = self._slice(idx)
+        data = self._decoded(idx, sl)
+        if data is not None:
+            return data
         buf = bytearray(sl._len)
         sl.readinto(buf)
         return bytes(buf)

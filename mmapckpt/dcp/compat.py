@@ -8,12 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..format.transforms import StreamTransforms, check_extensions
+
 __all__ = ["writer_compat", "reader_compat"]
 
 
 def writer_compat(single_file_per_rank: bool, per_thread_copy_ahead: int, cache_staged_state_dict: bool,
-                  extensions: Any, serialization_format: Any) -> None:
-    """Check the stock FileSystemWriter arguments (``single_file_per_rank`` is honoured by the writer)."""
+                  extensions: Any, serialization_format: Any) -> StreamTransforms | None:
+    """Check the stock FileSystemWriter arguments (``single_file_per_rank`` is honoured by the writer).
+
+    Returns the stream transforms of ``_extensions`` (None without any).
+    """
     if not isinstance(single_file_per_rank, bool):
         raise TypeError(f"single_file_per_rank must be a bool, got {single_file_per_rank!r}")
     if not isinstance(per_thread_copy_ahead, int) or per_thread_copy_ahead < 0:
@@ -24,18 +29,18 @@ def writer_compat(single_file_per_rank: bool, per_thread_copy_ahead: int, cache_
         raise ValueError("MmapWriter does not stage for dcp.async_save itself, so it has no staged state dict to "
                          "cache: pass async_stager=torch.distributed.checkpoint.staging.DefaultStager(...) to "
                          "dcp.async_save instead, or cache_staged_state_dict=False")
-    if extensions:
-        raise ValueError("MmapWriter stores raw tensor bytes that loads map in place, so it takes no stream "
-                         "transforms (_extensions); use FileSystemWriter(_extensions=...) for compressed or "
-                         "encrypted checkpoints")
     fmt = getattr(serialization_format, "value", serialization_format)
     if fmt not in (None, "torch_save"):
         raise ValueError(f"serialization_format={fmt!r}: MmapWriter writes the mmapckpt format; write it and then "
                          "`mmapckpt convert CKPT OUT --to safetensors` for safetensors files")
+    items = check_extensions(extensions)
+    return StreamTransforms(items) if items else None
 
 
-def reader_compat(extension_registry: Any) -> None:
-    """Check the stock FileSystemReader arguments."""
-    if extension_registry is not None:
-        raise ValueError("MmapReader reads no stream-transformed items (_extension_registry); load checkpoints "
-                         "written with _extensions through FileSystemReader(_extension_registry=...)")
+def reader_compat(extension_registry: Any) -> StreamTransforms:
+    """Check the stock FileSystemReader arguments; return the transforms reads undo (DCP's default registry
+    without ``_extension_registry``)."""
+    if extension_registry is not None and not hasattr(extension_registry, "from_descriptor_list"):
+        raise TypeError("_extension_registry must be a torch.distributed.checkpoint._extension.ExtensionRegistry, "
+                        f"got {type(extension_registry).__name__}")
+    return StreamTransforms(registry=extension_registry)

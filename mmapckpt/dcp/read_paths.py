@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -17,18 +18,31 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 
-from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, SizeMismatchError
+from ..errors import (
+    CheckpointError,
+    FormatError,
+    IncompleteCheckpointError,
+    SizeMismatchError,
+)
 from ..format import layout as fmt
 from ..format.metadata import KIND_MMAPCKPT, missing_shard_error
 from ..format.shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from ..format.stock import load_tensor, read_item
+from ..format.transforms import StreamTransforms
 from ..io.direct_reads import DirectReads
 from ..io.files import open_inside
 from ..io.staging import StagingPool, needs_staging, stage
+from .bytes_read import BytesRead
+from .encoded_reads import read_encoded, stock_decode_limit
 
-__all__ = ["FileReads", "label"]
+__all__ = ["FileReads", "label", "read_plan"]
 
 
 def label(idx: MetadataIndex) -> str:
@@ -41,8 +55,12 @@ class FileReads:
 
     def __init__(self, root: str, storage_data: dict[MetadataIndex, _StorageInfo], state_dict_metadata: dict[str, Any],
                  save_id: str | None, metadata_kind: str | None, *, verify: bool, direct_reads: bool,
-                 pool_for: Callable[[torch.device], StagingPool], stage_cpu: bool = False) -> None:
+                 pool_for: Callable[[torch.device], StagingPool], stage_cpu: bool = False,
+                 transforms: StreamTransforms | None = None, counter: BytesRead | None = None) -> None:
+        self.counter = counter if counter is not None else BytesRead()  # the reader's bytes_read
         self.root, self.storage_data, self.state_dict_metadata = root, storage_data, state_dict_metadata
+        #: undoes the stream transforms of encoded items (the reader's ``_extension_registry``)
+        self.transforms = transforms or StreamTransforms()
         self.save_id, self.metadata_kind, self.verify, self.direct_reads = save_id, metadata_kind, verify, direct_reads
         #: the reader's staging pool for an accelerator (one per device, kept across loads)
         self.pool_for, self.stage_cpu = pool_for, stage_cpu
@@ -71,7 +89,8 @@ class FileReads:
                 f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=path)
         devices = []
         ranges = [(self.storage_data[r.storage_index].offset, self.storage_data[r.storage_index].length)
-                  for r in reqs if r.type != LoadItemType.BYTE_IO and r.storage_index in self.storage_data]
+                  for r in reqs if r.type != LoadItemType.BYTE_IO and r.storage_index in self.storage_data
+                  and not getattr(self.storage_data[r.storage_index], "transform_descriptors", None)]
         # Reads straight into the targets (CPU; gathered and run at the end of the file) or into
         # the staging buffers (accelerators) instead of copying out of the mapping. Only for
         # planners whose commit_tensor does nothing: a planner of its own keeps the mapped path.
@@ -83,15 +102,24 @@ class FileReads:
                 idx, info = req.storage_index, self.storage_data[req.storage_index]
                 if self.verify:
                     shard.verify(self._entry(shard, req, info))
+                    self.counter.take(path, info.offset, info.length)
+                if getattr(info, "transform_descriptors", None):
+                    self.counter.take(path, info.offset, info.length)
+                    dev = read_encoded(self, shard, req, info, planner, _load_bytes)
+                    if dev is not None:
+                        devices.append(dev)
+                    continue
                 if req.type == LoadItemType.BYTE_IO:
                     _load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), path)
+                    self.counter.take(path, info.offset, info.length)
                     continue
                 dtype, sizes = self._chunk(idx, path)
                 view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes)
                 # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
                 # may keep the mapped view of the whole stored chunk instead of having it copied.
                 if accept_view is not None and accept_view(req, view):
-                    continue
+                    continue  # not read here: the planner keeps the mapped view
+                self.counter.take(path, info.offset, info.length, _region_bytes(req, dtype))
                 dev = self._copy(view, req, planner, path, direct=direct, defer=defer)
                 if dev is not None:
                     devices.append(dev)
@@ -121,7 +149,8 @@ class FileReads:
         return e
 
     def _copy(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str,
-              direct: DirectReads | None = None, defer: bool = False) -> torch.device | None:
+              direct: DirectReads | None = None, defer: bool = False,
+              target: torch.Tensor | None = None) -> torch.device | None:
         if any(req.storage_offsets) or req.lengths != src.size():
             try:
                 src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
@@ -129,7 +158,8 @@ class FileReads:
                 raise SizeMismatchError(f"requested region {list(req.storage_offsets)}+{list(req.lengths)} is "
                                         f"outside the stored chunk {list(src.shape)}: {e}", path=path,
                                         entry=label(req.storage_index)) from None
-        target = planner.resolve_tensor(req).detach()
+        if target is None:
+            target = planner.resolve_tensor(req).detach()
         if target.size() != src.size():
             raise SizeMismatchError(f"stored region has shape {list(src.size())} but the target has "
                                     f"{list(target.size())}", path=path, entry=label(req.storage_index))
@@ -151,9 +181,11 @@ class FileReads:
             for req in reqs:
                 info = self.storage_data[req.storage_index]
                 name = label(req.storage_index)
-                if getattr(info, "transform_descriptors", None):
-                    raise FormatError("stream transforms are not supported", path=path, entry=name)
                 buf = read_item(fd, info.offset, info.length, path=path, entry=name)
+                self.counter.take(path, info.offset, info.length)
+                if getattr(info, "transform_descriptors", None):  # FileSystemWriter(_extensions=...)
+                    buf = self.transforms.decode(buf, info.transform_descriptors, path=path, entry=name,
+                                                 limit=stock_decode_limit(self, req))  # type: ignore[assignment]
                 if req.type == LoadItemType.BYTE_IO:
                     _load_bytes(planner, req, buf, path)
                     continue
@@ -163,6 +195,29 @@ class FileReads:
         finally:
             os.close(fd)
         return devices
+
+
+def read_plan(reads: FileReads, plan: LoadPlan, planner: LoadPlanner, thread_count: int) -> None:
+    """Read every item of ``plan``, file by file in offset order (``thread_count`` files at a time)."""
+    per_file: dict[str, list[ReadItem]] = {}
+    for req in plan.items:
+        per_file.setdefault(reads.info(req.storage_index).relative_path, []).append(req)
+    jobs = [(rel, sorted(reqs, key=lambda r: reads.storage_data[r.storage_index].offset))
+            for rel, reqs in per_file.items()]
+    if thread_count > 1 and len(jobs) > 1:
+        with ThreadPoolExecutor(thread_count, thread_name_prefix="mmapckpt-read") as threads:
+            list(threads.map(lambda j: reads.read_file(j[0], j[1], planner), jobs))
+    else:
+        for rel, reqs in jobs:
+            reads.read_file(rel, reqs, planner)
+
+
+def _region_bytes(req: ReadItem, dtype: torch.dtype) -> int:
+    """The bytes of the hypercube ``req`` takes out of its stored chunk."""
+    n = dtype.itemsize
+    for s in req.lengths:
+        n *= s
+    return n
 
 
 def _load_bytes(planner: LoadPlanner, req: ReadItem, data: bytes, path: str) -> None:

@@ -8,15 +8,15 @@ detected per shard file, so one reader serves both.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
@@ -24,7 +24,10 @@ from ..errors import CheckpointError, FormatError
 from ..format.entries import paused_gc
 from ..format.metadata import METADATA_NAME, find_metadata, read_metadata_file
 from ..io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool
+from .bytes_read import BytesRead
 from .compat import reader_compat
+from .deliver import load_plan
+from .read_once import DEFAULT_MIN_SHARE, DEFAULT_PIECE_BYTES, ReadOnceOptions, local_info, plan_read_once
 from .read_paths import FileReads
 
 __all__ = ["MmapReader"]
@@ -37,15 +40,18 @@ class MmapReader(StorageReader):
         path: the checkpoint directory.
         thread_count: shard files read in parallel.
         verify: check each entry's CRC-32 before using it (reads every byte of the entries used).
-        direct_reads: read contiguous regions bound for contiguous CPU targets with ``preadv``
-            straight into the target (one stream on a cold file, threads on a cached one)
-            instead of copying them out of the mapping, and read regions bound for accelerator
-            targets straight into the pinned staging buffers; False always copies from the mapping.
-        staging_bytes, staging_buffers: the pinned staging ring for accelerator targets
-            (default 3 buffers of 32 MiB; see docs/lazy.md). Allocated on the first load
-            into an accelerator, reused by every later load of this reader, freed by
-            :meth:`close` or when the reader is dropped.
-        _extension_registry: FileSystemReader's argument; only None (no stream transforms).
+        direct_reads: read regions bound for contiguous CPU targets with ``preadv`` straight into
+            them, and those bound for accelerators into the staging buffers; False copies from the mapping.
+        staging_bytes: the size of each buffer of the pinned staging ring for accelerator targets
+            (docs/lazy.md): allocated on the first load into one, reused, freed by :meth:`close`.
+        staging_buffers: the number of buffers in that ring.
+        _extension_registry: the ``ExtensionRegistry`` that undoes stream transforms (default:
+            DCP's, which knows ``ZStandard``), as FileSystemReader; such items are decoded, not mapped.
+        read_once: read each stored record several ranks need on one of them and send it to the others
+            in pieces (docs/lazy.md "Read-once").
+        read_once_group: the process group it sends over: ``dcp.load``'s (None: the world).
+        read_once_piece_bytes: the size of each piece sent.
+        read_once_min_share: read once only if at least this fraction of the bytes asked for is shared.
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -58,14 +64,18 @@ class MmapReader(StorageReader):
 
     def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1, verify: bool = False,
                  direct_reads: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 staging_buffers: int = DEFAULT_STAGING_BUFFERS, _extension_registry: Any = None) -> None:
+                 staging_buffers: int = DEFAULT_STAGING_BUFFERS, _extension_registry: Any = None,
+                 read_once: bool = False, read_once_group: Any = None, read_once_piece_bytes: int = DEFAULT_PIECE_BYTES,
+                 read_once_min_share: float = DEFAULT_MIN_SHARE) -> None:
         super().__init__()
-        reader_compat(_extension_registry)
+        self.transforms = reader_compat(_extension_registry)
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         if staging_bytes < 1 or staging_buffers < 1:
             raise ValueError(f"need staging_bytes >= 1 and staging_buffers >= 1, got {staging_bytes}, "
                              f"{staging_buffers}")
+        self.read_once = ReadOnceOptions(read_once, read_once_group, read_once_piece_bytes, read_once_min_share)
+        self._bytes = BytesRead()
         self.staging_bytes, self.staging_buffers = staging_bytes, staging_buffers
         self._pools: dict[torch.device, StagingPool] = {}
         #: the typed error of the last failed read_metadata (see mmapckpt.checkpoint_error)
@@ -113,10 +123,15 @@ class MmapReader(StorageReader):
         self.save_id = getattr(metadata.storage_meta, "save_id", None)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return dataclasses.replace(plan, storage_data=local_info()) if self.read_once.enabled else plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        return plan_read_once(plans, self.storage_data, self.read_once.min_share) if self.read_once.enabled else plans
+
+    @property
+    def bytes_read(self) -> int:
+        """The bytes the last load took from checkpoint files on this rank (each stored byte once)."""
+        return self._bytes.total
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan``; returns once every copy is complete and committed."""
@@ -125,7 +140,7 @@ class MmapReader(StorageReader):
             pool.begin()
         try:
             with paused_gc():  # thousands of small objects per load; see format/entries.paused_gc
-                self._read_plan(plan, planner)
+                load_plan(plan, planner, self._new_load(), self.read_once, self.thread_count)
             ok = True
         finally:
             for pool in self._pools.values():  # accelerator copies: wait, then commit_tensor for each
@@ -134,22 +149,12 @@ class MmapReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        reads = FileReads(self.path, self.storage_data, self.state_dict_metadata, self.save_id,
-                          self._metadata_kind, verify=self.verify, direct_reads=self.direct_reads,
-                          pool_for=self._pool_for, stage_cpu=self._stage_cpu_targets)
-        per_file: dict[str, list[ReadItem]] = {}
-        for req in plan.items:
-            info = reads.info(req.storage_index)
-            per_file.setdefault(info.relative_path, []).append(req)
-        jobs = [(rel, sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset))
-                for rel, reqs in per_file.items()]
-        if self.thread_count > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="mmapckpt-read") as threads:
-                list(threads.map(lambda j: reads.read_file(j[0], j[1], planner), jobs))
-        else:
-            for rel, reqs in jobs:
-                reads.read_file(rel, reqs, planner)
+    def _new_load(self) -> FileReads:
+        self._bytes = BytesRead()
+        return FileReads(self.path, self.storage_data, self.state_dict_metadata, self.save_id,
+                         self._metadata_kind, verify=self.verify, direct_reads=self.direct_reads,
+                         pool_for=self._pool_for, stage_cpu=self._stage_cpu_targets, transforms=self.transforms,
+                         counter=self._bytes)
 
     def _pool_for(self, device: torch.device) -> StagingPool:
         """This reader's staging ring for ``device``, made on first use and ordered after the caller's stream."""

@@ -8,6 +8,7 @@ where the filesystem takes them and positional writes where it does not.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 import uuid
@@ -23,9 +24,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import CheckpointWriteError
 from ..format import layout as fmt
+from ..format.aliases import item_aliases
 from ..io.d2h import stage_to_host
 from ..io.files import fsync_dir, pwrite_all, unlink_quietly
+from ..format.transforms import StreamTransforms
 from ..io.odirect import DirectWriter, open_direct
+from .encoded_shard import write_encoded_entries
 
 __all__ = ["WriterOptions", "write_files", "write_shard", "chunk_nbytes"]
 
@@ -37,6 +41,8 @@ class WriterOptions:
     alignment: int = 4096
     overwrite: bool = True
     direct_io: bool = True
+    #: DCP stream transforms every item is written through (``_extensions``); none: raw, mappable entries
+    transforms: StreamTransforms | None = None
 
     def __post_init__(self) -> None:
         if self.thread_count < 1:
@@ -117,17 +123,25 @@ def write_shard(directory: str, name: str, items: list[WriteItem], planner: Save
                 specs.append(fmt.EntrySpec(it.index.fqn, tuple(td.chunk.offsets), fmt.KIND_TENSOR,
                                            fmt.dtype_name(td.properties.dtype), tuple(td.chunk.sizes),
                                            chunk_nbytes(it)))
-        entries, file_size = fmt.layout_entries(specs, options.alignment, save_id)
+        if options.transforms is not None:
+            done = _write_encoded(tmp, items, byte_payloads, planner, options, save_id)
+            os.replace(tmp, final)
+            return _results(name, done, items), "encoded"
+        alias_of = item_aliases([it.index for it in items], planner)  # tied weights: their bytes once
+        entries, file_size = fmt.layout_entries(specs, options.alignment, save_id, alias_of)
+        own = [i for i in range(len(items)) if i not in alias_of]
+        with_aliases = functools.partial(_with_aliases, own=own, entries=entries, alias_of=alias_of)
         fd = open_direct(tmp) if options.direct_io else None
         write_path = "buffered" if fd is None else "direct"
         if fd is None:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, file_size)
+            mine = [entries[i] for i in own], [items[i] for i in own]
             if write_path == "direct":
-                done = _write_entries_direct(fd, entries, items, byte_payloads, planner, save_id, file_size)
+                done = _write_entries_direct(fd, *mine, byte_payloads, planner, save_id, file_size, with_aliases)
             else:
-                done = _write_entries(fd, entries, items, byte_payloads, planner)
+                done = with_aliases(_write_entries(fd, *mine, byte_payloads, planner))
                 pwrite_all(fd, fmt.encode_header(done, save_id), 0)
             if options.sync_files:
                 os.fsync(fd)
@@ -140,8 +154,45 @@ def write_shard(directory: str, name: str, items: list[WriteItem], planner: Save
     except BaseException:
         unlink_quietly(tmp)
         raise
-    return [WriteResult(index=it.index, size_in_bytes=e.length, storage_data=_StorageInfo(name, e.offset, e.length))
-            for e, it in zip(done, items)], write_path
+    return _results(name, done, items), write_path
+
+
+def _with_aliases(done: list[fmt.Entry], own: list[int], entries: list[fmt.Entry],
+                  alias_of: dict[int, int]) -> list[fmt.Entry]:
+    """Every entry, in item order: the written ones, and each alias with its canonical entry's CRC-32."""
+    if not alias_of:
+        return done
+    full = dict(zip(own, done))
+    return [full[i] if i in full else dataclasses.replace(e, crc32=full[alias_of[i]].crc32)
+            for i, e in enumerate(entries)]
+
+
+def _results(name: str, done: list[fmt.Entry], items: list[WriteItem]) -> list[WriteResult]:
+    return [WriteResult(index=it.index, size_in_bytes=e.length, storage_data=_StorageInfo(
+        name, e.offset, e.length, transform_descriptors=list(e.transforms) if e.transforms else None))
+        for e, it in zip(done, items)]
+
+
+def _write_encoded(tmp: str, items: list[WriteItem], byte_payloads: dict[Any, bytes], planner: SavePlanner,
+                   options: WriterOptions, save_id: str | None) -> list[fmt.Entry]:
+    """A shard of stream-transformed entries (encoded_shard.py), buffered, synced as the others."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        assert options.transforms is not None
+        done = write_encoded_entries(fd, items, byte_payloads, planner, options.transforms, save_id,
+                                     lambda it, t: _planned_bytes(_spec_entry(it), it, t))
+        if options.sync_files:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return done
+
+
+def _spec_entry(it: WriteItem) -> fmt.Entry:
+    """The planned shape and dtype of a tensor item, as an entry (for _planned_bytes' check)."""
+    td = it.tensor_data
+    return fmt.Entry(it.index.fqn, tuple(td.chunk.offsets), fmt.KIND_TENSOR, fmt.dtype_name(td.properties.dtype),
+                     tuple(td.chunk.sizes), 0, chunk_nbytes(it), 0)
 
 def _write_entries(fd: int, entries: list[fmt.Entry], items: list[WriteItem],
                    byte_payloads: dict[Any, bytes], planner: SavePlanner) -> list[fmt.Entry]:
@@ -159,8 +210,8 @@ def _write_entries(fd: int, entries: list[fmt.Entry], items: list[WriteItem],
 
 def _write_entries_direct(fd: int, entries: list[fmt.Entry], items: list[WriteItem],
                           byte_payloads: dict[Any, bytes], planner: SavePlanner, save_id: str | None,
-                          file_size: int) -> list[fmt.Entry]:
-    """_write_entries through a DirectWriter: entries in file order, then the header."""
+                          file_size: int, with_aliases: Any = lambda done: done) -> list[fmt.Entry]:
+    """_write_entries through a DirectWriter: entries in file order, then the header (``with_aliases``' entries)."""
     sink = DirectWriter(fd, min((e.offset for e in entries), default=file_size))
     # CRC-32s on a thread of their own (zlib releases the GIL): they overlap the copies into
     # the bounce buffers, which overlap the disk writes.
@@ -181,7 +232,7 @@ def _write_entries_direct(fd: int, entries: list[fmt.Entry], items: list[WriteIt
             crcs.append(crc_pool.submit(zlib.crc32, buf) if len(buf) >= _CRC_THREAD_MIN else _Done(zlib.crc32(buf)))
             sink.put(e.offset, buf)
             done.append(e)
-        done = [dataclasses.replace(e, crc32=c.result()) for e, c in zip(done, crcs)]
+        done = with_aliases([dataclasses.replace(e, crc32=c.result()) for e, c in zip(done, crcs)])
         sink.finish(fmt.encode_header(done, save_id), file_size)
     finally:
         crc_pool.shutdown(wait=True)

@@ -17,6 +17,10 @@ def checkpoint_error(exc: BaseException, reader: object = None) -> BaseException
     lowest rank's error); with the ``MmapReader`` passed as ``reader``, the typed error of
     its failed ``read_metadata`` instead of DCP's AssertionError. Anything else comes back as it is.
 
+    Args:
+        exc: what ``dcp.save`` or ``dcp.load`` raised.
+        reader: the ``MmapReader`` passed to ``dcp.load``, if any.
+
     Example:
         >>> reader = mmapckpt.MmapReader(path)
         >>> try:

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -20,7 +20,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointExistsError, CheckpointWriteError
 from ..format.entries import paused_gc
-from ..format.metadata import encode_metadata
+from ..format.metadata import check_user_metadata, encode_metadata
 from ..io.files import refuse_url
 from .compat import writer_compat
 from .commit import (
@@ -90,11 +90,16 @@ class MmapWriter(StorageWriter):
             three times faster; the saved files are then not in the page cache). Where the
             filesystem refuses O_DIRECT (tmpfs, some network filesystems) the shard is written
             buffered instead, automatically. ``write_paths`` records which path each shard took.
-        single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict, _extensions,
-            serialization_format: FileSystemWriter's arguments, so that swapping the class is
-            the only change; ``single_file_per_rank=False`` writes one file per item, the rest
-            are accepted at their stock defaults and otherwise refused with what to use instead
-            (dcp/compat.py).
+        metadata: user metadata ``{str: str}`` (as safetensors' ``save_file(metadata=)``), kept in ``.metadata``.
+        _extensions: DCP stream transforms (``ZStandard()``, encryption, your own
+            ``StreamTransformExtension``) that every item is written through, as with
+            FileSystemWriter. Such items are stored encoded: loads decode them into memory
+            instead of mapping them, and only ``dcp.load`` with MmapReader reads them (its
+            ``_extension_registry`` must know any transform of your own).
+        single_file_per_rank: FileSystemWriter's, as the next three: False writes one file per item.
+        per_thread_copy_ahead: accepted; copies from accelerators run ahead in the writer's own staging.
+        cache_staged_state_dict: only False is accepted; True is refused with what to use instead.
+        serialization_format: only the default is accepted; others are refused with what to use instead.
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -105,15 +110,16 @@ class MmapWriter(StorageWriter):
                  alignment: int = 4096, overwrite: bool = True, direct_io: bool = True,
                  single_file_per_rank: bool = True, per_thread_copy_ahead: int = 10_000_000,
                  cache_staged_state_dict: bool = False, _extensions: Any = None,
-                 serialization_format: Any = None) -> None:
+                 serialization_format: Any = None, metadata: Mapping[str, str] | None = None) -> None:
         super().__init__()
-        writer_compat(single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict, _extensions,
-                      serialization_format)
+        transforms = writer_compat(single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
+                                   _extensions, serialization_format)
         self.single_file_per_rank = single_file_per_rank
         self.path = os.fspath(path)
         refuse_url(self.path, CheckpointWriteError)
-        self.options = WriterOptions(thread_count, sync_files, alignment, overwrite, direct_io)
-        #: shard file name -> "direct" (O_DIRECT) or "buffered", for the last save
+        self.options = WriterOptions(thread_count, sync_files, alignment, overwrite, direct_io, transforms)
+        self.user_metadata = check_user_metadata(metadata)  # TypeError before any file is touched
+        #: shard file name -> "direct" (O_DIRECT), "buffered" or "encoded" (stream transforms), for the last save
         self.write_paths: dict[str, str] = {}
         self.save_id = str(uuid.uuid4())
         self.rank: int | None = None
@@ -185,7 +191,7 @@ class MmapWriter(StorageWriter):
         try:
             try:
                 with paused_gc():  # one object per entry to encode: the collector's passes would dominate
-                    data = encode_metadata(metadata)
+                    data = encode_metadata(metadata, self.user_metadata)
             except (TypeError, ValueError) as e:
                 raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}", path=target) from e
             commit(target, data, sync=self.options.sync_files)

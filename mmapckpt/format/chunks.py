@@ -15,6 +15,7 @@ import torch
 
 from ..errors import FormatError, IncompleteCheckpointError, SizeMismatchError
 from ..io.files import open_inside
+from ..io.mapped import MappedFile
 from .entries import ChunkInfo, EntryInfo, numel
 from .metadata import missing_shard_error
 from .shard import Shard, check_size_unchanged, is_mmapckpt_shard
@@ -43,7 +44,15 @@ def check_coverage(info: EntryInfo, path: str) -> None:
 
 
 class ChunkFiles:
-    """The checkpoint's shard files: mmapckpt shards mapped, stock files read per item."""
+    """The chunk backend of ``mmapckpt.open`` for DCP directories: mmapckpt shards mapped, stock files read per item.
+
+    Every backend (this one, ``safetensors.SafetensorsFiles``, ``torchfile.TorchFiles``) has
+    ``chunk``, ``mapped``, ``advise``, ``check_unchanged`` and ``pickled_objects``: the lazy
+    loader differs between formats only through them.
+    """
+
+    #: non-tensor entries are pickles (``object_bytes``): unpickling them needs the caller's consent
+    pickled_objects = True
 
     def __init__(self, root: str, rels: set[str], save_id: str | None, *, verify: bool = False) -> None:
         self.root = root
@@ -82,6 +91,11 @@ class ChunkFiles:
             raise SizeMismatchError(f"stored chunk is {t.dtype} {list(t.shape)}, the metadata says {info.dtype} "
                                     f"{list(c.sizes)}", path=os.path.join(self.root, c.file), entry=label)
         return t
+
+    def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | None:
+        """The mapping ``chunk`` returns a view of (for direct reads), or None (a stock item, loaded whole)."""
+        shard = self.shards.get(c.file)
+        return shard.file if shard is not None else None
 
     def object_bytes(self, info: EntryInfo) -> bytes:
         c = info.chunks[0]

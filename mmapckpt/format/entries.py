@@ -18,12 +18,20 @@ __all__ = ["ChunkInfo", "EntryInfo", "numel", "paused_gc"]
 
 
 class ChunkInfo(NamedTuple):
-    """One stored chunk of a tensor: its place in the global tensor and in its file."""
+    """One stored chunk of a tensor: its place in the global tensor and in its file.
+
+    Attributes:
+        offsets: where the chunk starts in the global tensor, per dimension.
+        sizes: the chunk's shape.
+        file: the file holding it, relative to the checkpoint directory.
+        file_offset: where its bytes start in that file (negative in a torch.save file).
+        length: its length in bytes.
+    """
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     file: str  # relative to the checkpoint directory
-    file_offset: int
+    file_offset: int  # negative, and unique per tensor, in a torch.save file (torch owns its layout)
     length: int
 
 
@@ -32,6 +40,13 @@ class EntryInfo(NamedTuple):
 
     ``kind`` is ``"tensor"`` or ``"object"`` (a pickled non-tensor value); ``dtype``
     and ``shape`` are None for objects. ``chunks`` lists where the bytes are.
+
+    Attributes:
+        name: the entry's name (its DCP fully-qualified name).
+        kind: ``"tensor"`` or ``"object"``.
+        dtype: the tensor's dtype (None for an object).
+        shape: the global tensor's shape (None for an object).
+        chunks: the stored chunks, with their files and offsets.
     """
 
     name: str

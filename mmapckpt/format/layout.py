@@ -24,10 +24,8 @@ import json
 import struct
 import sys
 import zlib
-from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
-
-import torch
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import (
     BadMagicError,
@@ -35,9 +33,9 @@ from ..errors import (
     EntryBoundsError,
     FormatError,
     TruncatedFileError,
-    UnknownDtypeError,
     UnsupportedVersionError,
 )
+from .dtypes import _DTYPE_TABLE, DTYPES, dtype_from_name, dtype_name  # noqa: F401 - the format's names
 
 __all__ = [
     "MAGIC",
@@ -73,61 +71,15 @@ BYTE_ORDER_LITTLE = 1
 BYTE_ORDER_BIG = 2
 KIND_TENSOR = "tensor"
 KIND_BYTES = "bytes"
+#: A tensor chunk or a non-tensor value stored through DCP stream transforms (compression,
+#: encryption): ``length`` is the stored length, ``transforms`` the descriptors to undo them.
+KIND_ENCODED = "encoded"
 
 _PREAMBLE = struct.Struct("<8sHHB3xQI4x")
 assert _PREAMBLE.size == PREAMBLE_SIZE
 
-# The dtype table, written out by hand so that the names persisted on disk never
-# depend on how a torch version spells its dtypes: name -> (attribute of torch, itemsize).
-_DTYPE_TABLE: tuple[tuple[str, str, int], ...] = (
-    ("float64", "float64", 8),
-    ("float32", "float32", 4),
-    ("float16", "float16", 2),
-    ("bfloat16", "bfloat16", 2),
-    ("float8_e4m3fn", "float8_e4m3fn", 1),
-    ("float8_e4m3fnuz", "float8_e4m3fnuz", 1),
-    ("float8_e5m2", "float8_e5m2", 1),
-    ("float8_e5m2fnuz", "float8_e5m2fnuz", 1),
-    ("float8_e8m0fnu", "float8_e8m0fnu", 1),
-    ("complex32", "complex32", 4),
-    ("complex64", "complex64", 8),
-    ("complex128", "complex128", 16),
-    ("int8", "int8", 1),
-    ("int16", "int16", 2),
-    ("int32", "int32", 4),
-    ("int64", "int64", 8),
-    ("uint8", "uint8", 1),
-    ("uint16", "uint16", 2),
-    ("uint32", "uint32", 4),
-    ("uint64", "uint64", 8),
-    ("bool", "bool", 1),
-)
-
-#: name -> (torch.dtype, itemsize), for the dtypes the installed torch has.
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    name: (getattr(torch, attr), size)
-    for name, attr, size in _DTYPE_TABLE
-    if isinstance(getattr(torch, attr, None), torch.dtype)
-}
-_NAMES: dict[torch.dtype, str] = {dt: name for name, (dt, _) in DTYPES.items()}
-
-
 def host_byte_order() -> int:
     return BYTE_ORDER_LITTLE if sys.byteorder == "little" else BYTE_ORDER_BIG
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The on-disk name of ``dtype``; raises ValueError for dtypes the format cannot hold."""
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"mmapckpt format v1 cannot store dtype {dtype}") from None
-
-
-def dtype_from_name(name: object, *, path: str | None = None, entry: str | None = None) -> torch.dtype:
-    if not isinstance(name, str) or name not in DTYPES:
-        raise UnknownDtypeError(f"unknown dtype {name!r}", path=path, entry=entry)
-    return DTYPES[name][0]
 
 
 @dataclass(frozen=True)
@@ -154,6 +106,8 @@ class Entry:
     offset: int
     length: int
     crc32: int
+    #: for KIND_ENCODED: the stream-transform descriptors, in the order DCP's ``_StorageInfo`` keeps them
+    transforms: tuple[str, ...] = ()
 
     @property
     def key(self) -> tuple[str, tuple[int, ...] | None]:
@@ -165,10 +119,12 @@ class Entry:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"fqn": self.fqn, "kind": self.kind}
-        if self.kind == KIND_TENSOR:
+        if self.kind == KIND_TENSOR or (self.kind == KIND_ENCODED and self.chunk_offsets is not None):
             out["chunk_offsets"] = list(self.chunk_offsets or ())
             out["dtype"] = self.dtype
             out["shape"] = list(self.shape)
+        if self.kind == KIND_ENCODED:
+            out["transforms"] = list(self.transforms)
         out["offset"] = self.offset
         out["length"] = self.length
         out["crc32"] = f"{self.crc32:08x}"
@@ -199,9 +155,12 @@ def entry_alignment(length: int, alignment: int) -> int:
     return alignment if length >= alignment else MIN_ALIGNMENT
 
 
-def layout_entries(specs: Sequence[EntrySpec], alignment: int = 4096,
-                   save_id: str | None = None) -> tuple[list[Entry], int]:
+def layout_entries(specs: Sequence[EntrySpec], alignment: int = 4096, save_id: str | None = None,
+                   aliases: Mapping[int, int] | None = None) -> tuple[list[Entry], int]:
     """Give every entry an aligned data offset; return the entries and the file size.
+
+    ``aliases`` {i: j < i}: spec ``i`` is an exact alias of spec ``j`` (format/aliases.py) and
+    gets ``j``'s bytes, which are written once.
 
     The header's length depends on the offsets' digits, so the first data byte is
     found by iteration; checksums are fixed-width so they do not change the length.
@@ -211,7 +170,10 @@ def layout_entries(specs: Sequence[EntrySpec], alignment: int = 4096,
     data_start = _align_up(PREAMBLE_SIZE + 256 + 160 * len(specs), MIN_ALIGNMENT)
     while True:
         entries, pos = [], data_start
-        for s in specs:
+        for i, s in enumerate(specs):
+            if aliases and i in aliases:
+                entries.append(replace(entries[aliases[i]], fqn=s.fqn, chunk_offsets=s.chunk_offsets))
+                continue
             pos = _align_up(pos, entry_alignment(s.length, alignment))
             entries.append(Entry(s.fqn, s.chunk_offsets, s.kind, s.dtype, s.shape, pos, s.length, 0))
             pos += s.length
@@ -303,15 +265,11 @@ def _decode_entry(raw: object, path: str, i: int) -> Entry:
     length = _int(raw.get("length"), "'length'", path, label)
     if kind == KIND_BYTES:
         return Entry(fqn, None, kind, None, (), offset, length, int(crc_s, 16))
+    if kind == KIND_ENCODED:
+        return _decode_encoded(raw, fqn, offset, length, int(crc_s, 16), path)
     if kind != KIND_TENSOR:
         raise FormatError(f"unknown entry kind {kind!r}", path=path, entry=label)
-    chunk = _int_list(raw.get("chunk_offsets"), "'chunk_offsets'", path, label)
-    label = f"{fqn}@{list(chunk)}"
-    shape = _int_list(raw.get("shape"), "'shape'", path, label)
-    if len(chunk) != len(shape):
-        raise FormatError(f"chunk_offsets has {len(chunk)} dims but shape has {len(shape)}", path=path, entry=label)
-    dtype = raw.get("dtype")
-    dtype_from_name(dtype, path=path, entry=label)
+    chunk, shape, dtype, label = _chunk_fields(raw, fqn, path)
     numel = 1
     for d in shape:
         numel *= d
@@ -322,6 +280,30 @@ def _decode_entry(raw: object, path: str, i: int) -> Entry:
     if offset % MIN_ALIGNMENT:
         raise EntryBoundsError(f"data offset {offset} is not a multiple of {MIN_ALIGNMENT}", path=path, entry=label)
     return Entry(fqn, chunk, kind, dtype, shape, offset, length, int(crc_s, 16))  # type: ignore[arg-type]
+
+
+def _chunk_fields(raw: dict[str, Any], fqn: str, path: str) -> tuple[tuple[int, ...], tuple[int, ...], Any, str]:
+    """A tensor chunk entry's chunk_offsets, shape and dtype name (checked), and its label."""
+    chunk = _int_list(raw.get("chunk_offsets"), "'chunk_offsets'", path, fqn)
+    label = f"{fqn}@{list(chunk)}"
+    shape = _int_list(raw.get("shape"), "'shape'", path, label)
+    if len(chunk) != len(shape):
+        raise FormatError(f"chunk_offsets has {len(chunk)} dims but shape has {len(shape)}", path=path, entry=label)
+    dtype = raw.get("dtype")
+    dtype_from_name(dtype, path=path, entry=label)
+    return chunk, shape, dtype, label
+
+
+def _decode_encoded(raw: dict[str, Any], fqn: str, offset: int, length: int, crc: int, path: str) -> Entry:
+    """A KIND_ENCODED entry: a tensor chunk (with chunk_offsets, dtype, shape) or a value, and its transforms."""
+    ts = raw.get("transforms")
+    if not (isinstance(ts, list) and 0 < len(ts) <= MAX_NDIM and all(isinstance(t, str) and len(t) <= 256 for t in ts)):
+        raise FormatError(f"'transforms' must be a non-empty list of descriptor strings, got {ts!r}"[:300],
+                          path=path, entry=fqn)
+    if "chunk_offsets" not in raw:
+        return Entry(fqn, None, KIND_ENCODED, None, (), offset, length, crc, tuple(ts))
+    chunk, shape, dtype, _ = _chunk_fields(raw, fqn, path)
+    return Entry(fqn, chunk, KIND_ENCODED, dtype, shape, offset, length, crc, tuple(ts))  # type: ignore[arg-type]
 
 
 def decode_header_doc(body: bytes, *, header_crc: int, path: str) -> tuple[dict[str, Any], str | None]:
@@ -348,8 +330,8 @@ def decode_header(body: bytes, *, header_crc: int, byte_order: int, minor: int, 
                   doc: dict[str, Any] | None = None) -> ShardHeader:
     """Parse and validate a JSON header against the file's size.
 
-    Every entry must lie after the header and inside the file, and no two may
-    overlap or share a key, so that views built from them never touch bytes
+    Every entry must lie after the header and inside the file, and no two may share a
+    key or overlap (but as exact aliases), so that views built from them never touch bytes
     outside the file. ``doc``: the header already decoded by :func:`decode_header_doc`.
     """
     if doc is None:
@@ -363,7 +345,10 @@ def decode_header(body: bytes, *, header_crc: int, byte_order: int, minor: int, 
         if e.key in seen:
             raise EntryBoundsError("duplicate entry", path=path, entry=e.label)
         seen.add(e.key)
-        if e.offset < prev_end and e.length:
+        alias = prev is not None and e.kind == prev.kind == KIND_TENSOR and (  # rule 6: tied weights
+            e.offset, e.length, e.dtype, e.shape, e.crc32) == (prev.offset, prev.length, prev.dtype, prev.shape,
+                                                               prev.crc32)
+        if e.offset < prev_end and e.length and not alias:
             what = "the header" if prev is None else f"entry {prev.label!r}"
             raise EntryBoundsError(f"data at offset {e.offset} overlaps {what}", path=path, entry=e.label)
         if e.offset + e.length > file_size:

@@ -8,7 +8,8 @@ An mmapckpt ``.metadata`` file is::
     offset 10  minor     u16      0
     offset 12  body_crc  u32      CRC-32 (zlib) of the body
     offset 16  body_len  u64
-    offset 24  body      UTF-8 JSON encoding of torch's DCP ``Metadata`` (see docs/format.md)
+    offset 24  body      UTF-8 JSON encoding of torch's DCP ``Metadata`` (see docs/format.md), with
+                         the optional ``user_metadata`` ({str: str}, minor version 1)
 
 Decoding validates the JSON once, into the index of entries (``entries.EntryInfo``, see metaindex.py)
 that the lazy loader uses as it is; DCP's ``Metadata`` objects are built from that
@@ -22,6 +23,7 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
@@ -37,12 +39,15 @@ from ..io.files import refuse_url
 from . import layout as fmt
 from .entries import EntryInfo, paused_gc
 from .metaindex import InvalidMetadata, MetaIndex, index_doc, to_dcp
+from .metatable import encode_planner_data, encode_table, index_table, planner_paths
 from .stockmeta import decode_stock, stock_index
 
 __all__ = [
     "METADATA_NAME",
     "META_MAGIC",
     "encode_metadata",
+    "check_user_metadata",
+    "read_user_metadata",
     "MetaIndex",
     "decode_index",
     "decode_metadata",
@@ -57,8 +62,12 @@ __all__ = [
 
 METADATA_NAME = ".metadata"
 META_MAGIC = b"\xffMMAPMD\n"
-META_MAJOR = 1
+#: Version 2 stores the entries as a table (metatable.py); version 1 files are read as before.
+META_MAJOR = 2
 META_MINOR = 0
+#: The minor version of a metadata file that carries ``user_metadata`` (an optional key: 1.0 readers ignore it).
+META_MINOR_USER = 1
+USER_METADATA_KEY = "user_metadata"
 _META_PRE = struct.Struct("<8sHHIQ")
 #: A metadata file larger than this is refused before it is read.
 MAX_METADATA_SIZE = 1 << 30
@@ -104,42 +113,82 @@ def _canonical_records(md: Metadata) -> list[tuple[MetadataIndex, Any]]:
         (kv[0].fqn, None if kv[0].offset is None else tuple(kv[0].offset)), len(rank)))
 
 
-def encode_metadata(md: Metadata) -> bytes:
-    """Encode DCP ``Metadata`` whose storage_data values are ``_StorageInfo`` records."""
+def check_user_metadata(metadata: Any) -> dict[str, str] | None:
+    """``metadata`` as a plain ``{str: str}`` dict (None stays None); anything else raises TypeError.
+
+    The same rule as ``safetensors.torch.save_file(metadata=...)``: only strings, so that the
+    values round-trip through a safetensors header and never need pickle.
+    """
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict of str to str, got {type(metadata).__name__}")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"metadata must be a dict of str to str; {k!r}: {v!r} is a "
+                            f"{type(k).__name__}: {type(v).__name__} (convert values with str() or json.dumps)")
+    return dict(metadata)
+
+
+def encode_metadata(md: Metadata, user_metadata: Mapping[str, str] | None = None, *, major: int = META_MAJOR) -> bytes:
+    """Encode DCP ``Metadata`` whose storage_data values are ``_StorageInfo`` records.
+
+    ``user_metadata`` ({str: str}, as safetensors' ``__metadata__``) is stored as the body's
+    ``user_metadata`` key. ``major``: 2 (the entry table, metatable.py) or 1 (one JSON object per
+    item and record, what mmapckpt wrote before; a 1.x file with user metadata is minor 1).
+    """
+    user = check_user_metadata(user_metadata)
+    sm = md.storage_meta
+    doc: dict[str, Any] = {"version": md.version}
+    if major == 1:
+        doc["state_dict_metadata"] = {k: _enc_item(v) for k, v in md.state_dict_metadata.items()}
+        doc["planner_data"] = _enc_planner_data(md.planner_data)
+        doc["storage_data"] = _v1_records(md)
+    elif major == META_MAJOR:
+        doc["planner_data"] = encode_planner_data(md)
+        doc["table"] = encode_table(md)
+    else:
+        raise ValueError(f"cannot write metadata version {major}")
+    doc["storage_meta"] = None if sm is None else {
+        "checkpoint_id": None if sm.checkpoint_id is None else os.fspath(sm.checkpoint_id),
+        "save_id": sm.save_id,
+        "modules": list(sm.modules),
+    }
+    if user is not None:
+        doc[USER_METADATA_KEY] = user
+    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    minor = META_MINOR_USER if user is not None and major == 1 else META_MINOR
+    return _META_PRE.pack(META_MAGIC, major, minor, zlib.crc32(body), len(body)) + body
+
+
+def _v1_records(md: Metadata) -> list[dict[str, Any]]:
     storage = []
     for idx, info in _canonical_records(md):
-        if getattr(info, "transform_descriptors", None):
-            raise TypeError("mmapckpt does not support stream transforms in storage data")
-        storage.append({
+        rec = {
             "fqn": idx.fqn,
             "offset": None if idx.offset is None else list(idx.offset),
             "index": idx.index,
             "relative_path": info.relative_path,
             "file_offset": info.offset,
             "length": info.length,
-        })
-    sm = md.storage_meta
-    doc = {
-        "version": md.version,
-        "state_dict_metadata": {k: _enc_item(v) for k, v in md.state_dict_metadata.items()},
-        "planner_data": _enc_planner_data(md.planner_data),
-        "storage_data": storage,
-        "storage_meta": None if sm is None else {
-            "checkpoint_id": None if sm.checkpoint_id is None else os.fspath(sm.checkpoint_id),
-            "save_id": sm.save_id,
-            "modules": list(sm.modules),
-        },
-    }
-    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    return _META_PRE.pack(META_MAGIC, META_MAJOR, META_MINOR, zlib.crc32(body), len(body)) + body
+        }
+        if getattr(info, "transform_descriptors", None):  # stored encoded: MmapWriter(_extensions=...)
+            rec["transform_descriptors"] = [str(d) for d in info.transform_descriptors]
+        storage.append(rec)
+    return storage
+
+
+def _major(data: bytes) -> int:
+    return _META_PRE.unpack_from(data)[1]
 
 
 def _body(data: bytes, path: str) -> bytes:
     if len(data) < _META_PRE.size or data[:8] != META_MAGIC:
         raise BadMagicError("not an mmapckpt metadata file", path=path)
     _, major, _minor, crc, blen = _META_PRE.unpack_from(data)
-    if major != META_MAJOR:
-        raise UnsupportedVersionError(f"metadata version {major}; this mmapckpt reads {META_MAJOR}.x", path=path)
+    if major not in (1, META_MAJOR):
+        raise UnsupportedVersionError(f"metadata version {major}; this mmapckpt reads versions 1.x and "
+                                      f"{META_MAJOR}.x", path=path)
     body = data[_META_PRE.size:]
     if len(body) != blen:
         raise FormatError(f"metadata body is {len(body)} bytes, its preamble says {blen}", path=path)
@@ -150,10 +199,11 @@ def _body(data: bytes, path: str) -> bytes:
 
 def _decoding(data: bytes, path: str, build: Any) -> Any:
     body = _body(data, path)
+    v1 = _major(data) == 1
     try:
         with paused_gc():
             doc = json.loads(body.decode("utf-8"))
-            out = build(index_doc(doc, path))
+            out = build(index_doc(doc, path) if v1 else index_table(doc, path))
             del doc  # freed before the collector resumes, so that it never walks the document
         return out
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -171,7 +221,14 @@ def decode_index(data: bytes, path: str) -> MetaIndex:
 
 def decode_metadata(data: bytes, path: str) -> Metadata:
     """Decode an mmapckpt ``.metadata`` file's bytes into DCP ``Metadata``; every defect raises FormatError."""
-    return _decoding(data, path, to_dcp)
+    return _decoding(data, path, _to_dcp)
+
+
+def _to_dcp(ix: MetaIndex) -> Metadata:
+    """DCP ``Metadata`` of an index of either version (version 2 keeps planner_data compact)."""
+    if "table" in ix.doc:
+        return to_dcp(ix, planner_paths(ix.doc.get("planner_data"), ix.entries))
+    return to_dcp(ix)
 
 
 def metadata_kind(head: bytes) -> str | None:
@@ -209,6 +266,30 @@ def read_index_file(path: str | os.PathLike[str]) -> tuple[str, dict[str, EntryI
         return (kind, *_decoding(data, p, lambda ix: (ix.entries, ix.save_id)))
     md = decode_stock(data, p)
     return kind, stock_index(md, p), getattr(md.storage_meta, "save_id", None)
+
+
+def read_user_metadata(metadata_file_path: str | os.PathLike[str]) -> dict[str, str] | None:
+    """The user metadata ({str: str}) a ``.metadata`` file carries, or None when it has none.
+
+    Stock DCP metadata (a pickle) has no such field: None. A damaged file, or a
+    ``user_metadata`` that is not an object of strings, raises FormatError naming the file.
+    """
+    p, kind, data = _read(metadata_file_path)
+    if kind != KIND_MMAPCKPT:
+        return None
+    body = _body(data, p)
+    try:
+        doc = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"metadata is not valid JSON: {e}", path=p) from None
+    if type(doc) is not dict:
+        raise FormatError("invalid metadata: metadata must be a JSON object", path=p)
+    user = doc.get(USER_METADATA_KEY)
+    if user is None:
+        return None
+    if type(user) is not dict or not all(type(v) is str for v in user.values()):
+        raise FormatError(f"invalid metadata: {USER_METADATA_KEY!r} must be an object of strings", path=p)
+    return user
 
 
 def find_metadata(path: str, rank: int | None = None) -> str:

@@ -66,12 +66,22 @@ class MetaIndex(NamedTuple):
     doc: dict[str, Any]  # the document's version, planner_data and storage_meta (not its entries)
     requires_grad: set[str]
     record_index: dict[tuple[str, tuple[int, ...] | None], int]  # MetadataIndex.index hints
+    #: the stream-transform descriptors of items stored encoded (MmapWriter(_extensions=...)), by key
+    transforms: dict[tuple[str, tuple[int, ...] | None], tuple[str, ...]] = {}
 
 
 _Record = tuple  # (relative_path, file_offset, length)
+_V1 = object()  # to_dcp: planner_data from a version-1 document
 
 
-def _records(raw: Any, path: str, record_index: dict[Any, int]) -> dict[tuple[str, Any], _Record]:
+def _transform_list(v: Any, fqn: str) -> tuple[str, ...]:
+    if not (type(v) is list and 0 < len(v) <= 64 and all(type(t) is str and len(t) <= 256 for t in v)):
+        raise InvalidMetadata(f"storage record of {fqn!r} has a malformed 'transform_descriptors'")
+    return tuple(v)
+
+
+def _records(raw: Any, path: str, record_index: dict[Any, int],
+             transforms: dict[Any, tuple[str, ...]]) -> dict[tuple[str, Any], _Record]:
     """The storage records by (fqn, chunk offsets or None)."""
     _need(type(raw) is list, "'storage_data' must be a list")
     recs: dict[tuple[str, Any], _Record] = {}
@@ -94,11 +104,14 @@ def _records(raw: Any, path: str, record_index: dict[Any, int]) -> dict[tuple[st
         if not (type(fo) is int and type(ln) is int and 0 <= fo <= fmt.MAX_INT and 0 <= ln <= fmt.MAX_INT):
             raise InvalidMetadata(f"storage record of {fqn!r} needs integer 'file_offset' and 'length' in [0, 2**63)")
         recs[key] = (rel, fo, ln)
+        if "transform_descriptors" in r:
+            transforms[key] = _transform_list(r["transform_descriptors"], fqn)
     return recs
 
 
 def _tensor_chunks(fqn: str, v: dict[str, Any], size: tuple[int, ...], itemsize: int,
-                   recs: dict[tuple[str, Any], _Record], missing: list[str]) -> tuple[ChunkInfo, ...]:
+                   recs: dict[tuple[str, Any], _Record], missing: list[str],
+                   transforms: dict[Any, tuple[str, ...]]) -> tuple[ChunkInfo, ...]:
     raw = v.get("chunks")
     if type(raw) is not list:
         raise InvalidMetadata(f"chunks of {fqn!r} must be a list")
@@ -123,7 +136,7 @@ def _tensor_chunks(fqn: str, v: dict[str, Any], size: tuple[int, ...], itemsize:
         if rec is None:
             missing.append(f"{fqn}@{list(off)}")
             continue
-        if rec[2] != n:
+        if rec[2] != n and (fqn, off) not in transforms:  # an encoded chunk's stored length is its own
             raise InvalidMetadata(f"storage record of {fqn!r}@{list(off)} is {rec[2]} bytes, its chunk holds {n}")
         chunks.append(ChunkInfo(off, sz, *rec))
     held, whole_n = sum(math.prod(c.sizes) for c in chunks), math.prod(size)
@@ -157,7 +170,8 @@ def index_doc(doc: Any, path: str) -> MetaIndex:
     sdm = doc.get("state_dict_metadata")
     _need(type(sdm) is dict, "'state_dict_metadata' must be an object")
     record_index: dict[Any, int] = {}
-    recs = _records(doc.get("storage_data"), path, record_index)
+    transforms: dict[Any, tuple[str, ...]] = {}
+    recs = _records(doc.get("storage_data"), path, record_index, transforms)
     entries: dict[str, EntryInfo] = {}
     grad: set[str] = set()
     missing: list[str] = []
@@ -182,7 +196,7 @@ def index_doc(doc: Any, path: str) -> MetaIndex:
         size = _dims(size_raw, "size", fqn)
         chunks = _whole_chunk(fqn, v, size_raw, size, dt[1], recs)
         if chunks is None:
-            chunks = _tensor_chunks(fqn, v, size, dt[1], recs, missing)
+            chunks = _tensor_chunks(fqn, v, size, dt[1], recs, missing, transforms)
         entries[fqn] = EntryInfo(fqn, "tensor", dt[0], size, chunks)
         if v.get("requires_grad"):
             grad.add(fqn)
@@ -203,7 +217,12 @@ def index_doc(doc: Any, path: str) -> MetaIndex:
     # Only the small top-level fields are kept: the entries' JSON is freed by the caller while
     # the collector is still paused (freeing 100,000 entries' dicts later cost 2.6 us an entry).
     top = {k: doc.get(k) for k in ("version", "planner_data", "storage_meta")}
-    return MetaIndex(entries, save_id, top, grad, record_index)
+    return MetaIndex(entries, save_id, top, grad, record_index, transforms)
+
+
+def _descriptors(ix: MetaIndex, key: tuple[str, tuple[int, ...] | None]) -> list[str] | None:
+    t = ix.transforms.get(key)
+    return None if t is None else list(t)
 
 
 def _planner_data(raw: Any) -> dict[str, tuple[Any, ...]] | None:
@@ -224,7 +243,7 @@ def _storage_meta(raw: Any) -> StorageMeta | None:
                        save_id=_opt_str(raw.get("save_id"), "save_id"), modules=list(mods))
 
 
-def to_dcp(ix: MetaIndex) -> Metadata:
+def to_dcp(ix: MetaIndex, planner_data: Any = _V1) -> Metadata:
     """DCP's ``Metadata`` for an index (what ``dcp.load`` plans with).
 
     The immutable ``torch.Size`` objects are shared where values are equal (a whole
@@ -239,7 +258,8 @@ def to_dcp(ix: MetaIndex) -> Metadata:
         if e.kind == "object":
             sdm[name] = BytesStorageMetadata()
             c = e.chunks[0]
-            storage[MetadataIndex(name, None, hints.get((name, None)))] = _StorageInfo(c.file, c.file_offset, c.length)
+            storage[MetadataIndex(name, None, hints.get((name, None)))] = _StorageInfo(
+                c.file, c.file_offset, c.length, transform_descriptors=_descriptors(ix, (name, None)))
             continue
         size = torch.Size(e.shape)
         chunks = []
@@ -250,10 +270,13 @@ def to_dcp(ix: MetaIndex) -> Metadata:
                 if not any(c.offsets):
                     zeros[len(c.offsets)] = off
             chunks.append(ChunkStorageMetadata(offsets=off, sizes=size if c.sizes == e.shape else torch.Size(c.sizes)))
-            storage[MetadataIndex(name, off, hints.get((name, c.offsets)))] = _StorageInfo(c.file, c.file_offset, c.length)
+            storage[MetadataIndex(name, off, hints.get((name, c.offsets)))] = _StorageInfo(
+                c.file, c.file_offset, c.length,
+                transform_descriptors=_descriptors(ix, (name, c.offsets)) if ix.transforms else None)
         sdm[name] = TensorStorageMetadata(TensorProperties(dtype=e.dtype, requires_grad=name in ix.requires_grad),
                                           size, chunks)
-    return Metadata(state_dict_metadata=sdm, planner_data=_planner_data(ix.doc.get("planner_data")),
+    pd = _planner_data(ix.doc.get("planner_data")) if planner_data is _V1 else planner_data
+    return Metadata(state_dict_metadata=sdm, planner_data=pd,
                     storage_data=storage, storage_meta=_storage_meta(ix.doc.get("storage_meta")),
                     version=_opt_str(ix.doc.get("version"), "version"))
 

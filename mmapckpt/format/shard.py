@@ -29,8 +29,9 @@ from ..errors import (
 from ..io.files import pread_into
 from ..io.mapped import MappedFile, open_regular
 from . import layout as fmt
+from .transforms import StreamTransforms
 
-__all__ = ["Shard", "is_mmapckpt_shard"]
+__all__ = ["Shard", "is_mmapckpt_shard", "encoded_bytes", "decode_entry"]
 
 
 def is_mmapckpt_shard(path: str) -> bool:
@@ -96,8 +97,10 @@ class Shard:
     def _placed(self) -> dict[tuple[str, tuple[int, ...] | None], tuple[Any, ...]]:
         """(offset, length, dtype, shape) of every entry by key, from the header without checking each entry."""
         try:
-            return {(e["fqn"], tuple(e["chunk_offsets"])) if e.get("kind") == fmt.KIND_TENSOR else (e["fqn"], None):
-                    (e["offset"], e["length"], e.get("dtype"), e.get("shape")) for e in self._doc["entries"]}
+            return {(e["fqn"], tuple(e["chunk_offsets"])) if "chunk_offsets" in e else (e["fqn"], None):
+                    (e["offset"], e["length"], e.get("dtype"), e.get("shape"))
+                    + ((tuple(e["transforms"]),) if e.get("kind") == fmt.KIND_ENCODED else ())
+                    for e in self._doc["entries"]}
         except (KeyError, TypeError, AttributeError):  # malformed: the full decode says what is wrong
             self.header
             raise FormatError("header entries are malformed", path=self.path) from None
@@ -109,6 +112,10 @@ class Shard:
         label = _label(key)
         if got is None:
             raise FormatError("entry is not in this shard's header", path=self.path, entry=label)
+        if len(got) == 5:  # KIND_ENCODED: its stored bytes are not the value's
+            raise FormatError(f"entry is stored through stream transforms {list(got[4])}, which only dcp.load with "
+                              "MmapReader(path, _extension_registry=...) undoes; this reader takes raw entries "
+                              "only", path=self.path, entry=label)
         if got[:3] == want[:3]:
             raise SizeMismatchError(f"stored chunk is {got[3]}, the metadata says {want[3]}", path=self.path,
                                     entry=label)
@@ -183,6 +190,32 @@ class Shard:
         if got != e.crc32:
             raise ChecksumError(f"CRC-32 of the data is {got:08x}, the header says {e.crc32:08x}",
                                 path=self.path, entry=e.label)
+
+
+def encoded_bytes(shard: Shard, key: tuple[str, tuple[int, ...] | None], offset: int,
+                  length: int) -> tuple[memoryview, tuple[str, ...]]:
+    """The stored bytes of the KIND_ENCODED entry ``key`` of ``shard`` (placed by the metadata, checked
+    as in :meth:`Shard.view`) as a view over the mapping, and its transform descriptors."""
+    got = shard._placed.get(key)
+    if got is None or len(got) != 5 or got[:2] != (offset, length):
+        e = shard.entry(*key)
+        raise FormatError(f"metadata says bytes [{offset}, +{length}) stored through stream transforms, but the "
+                          f"shard header has a {e.kind} entry at [{e.offset}, +{e.length})", path=shard.path,
+                          entry=_label(key))
+    if not shard._in_bounds(offset, length):
+        shard._refuse_region(key, offset, length)
+    return memoryview(shard.file.raw(offset, length).numpy()), got[4]
+
+
+def decode_entry(shard: Shard, e: fmt.Entry, transforms: StreamTransforms) -> torch.Tensor | bytes:
+    """A KIND_ENCODED entry's value, decoded into memory: a new tensor (a chunk) or bytes (a payload)."""
+    stored = memoryview(shard.raw(e).numpy())
+    if e.chunk_offsets is None:
+        return transforms.decode(stored, e.transforms, path=shard.path, entry=e.label)  # type: ignore[return-value]
+    out = torch.empty(e.shape, dtype=fmt.DTYPES[e.dtype][0])  # type: ignore[index]
+    into = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(bytearray())
+    transforms.decode(stored, e.transforms, path=shard.path, entry=e.label, into=into)
+    return out
 
 
 def _label(key: tuple[str, tuple[int, ...] | None]) -> str:

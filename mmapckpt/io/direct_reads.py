@@ -22,6 +22,8 @@ __all__ = ["DirectReads"]
 
 #: Threads that read a file whose pages are already cached (the copy out of the cache is the cost).
 _CACHED_READ_THREADS = max(1, min(4, os.cpu_count() or 1))
+#: Regions of a cached file shorter than this are copied from the mapping (see take()).
+SMALL_CACHED_COPY = 64 << 10
 #: Cached reads start on those threads in batches of this many bytes, while the plan is still walked.
 _BATCH = 64 << 20
 
@@ -72,6 +74,8 @@ class DirectReads:
                 and target.is_contiguous() and src.is_contiguous() and not target.is_conj()
                 and not target.is_neg()):
             return False
+        if self.cached and src.numel() * src.element_size() < SMALL_CACHED_COPY:
+            return False  # a few cached pages: copying them from the mapping costs less than queueing a read
         if self._base is None:
             self._base = self.file.address()
         offset = src.data_ptr() - self._base

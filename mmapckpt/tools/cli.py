@@ -93,7 +93,7 @@ def _args_inspect(p: argparse.ArgumentParser) -> None:
 def _args_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="mmapckpt checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar; print only problems")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only problems: nothing, and exit 0, on a sound checkpoint")
     p.set_defaults(_run=_run_verify)
 
 
@@ -104,6 +104,11 @@ def _args_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="safetensors only: write Hugging Face-style shards of at most SIZE (e.g. 5GB, 500MiB) "
                    "with model.safetensors.index.json")
+    p.add_argument("--keys", metavar="PATTERN", action="append",
+                   help="convert only entries whose stored name matches this glob (repeatable; case-sensitive, "
+                   "'*' also matches dots), e.g. 'model.*'")
+    p.add_argument("--strip-prefix", metavar="PREFIX",
+                   help="then remove PREFIX from the selected names that start with it, e.g. 'model.'")
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     p.set_defaults(_run=_run_convert)
@@ -120,6 +125,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 def _run_verify(args: argparse.Namespace) -> int:
     from .verify import verify_checkpoint
+    from .wording import count
 
     report = verify_checkpoint(args.path, progress=not (args.quiet or args.json))
     if args.json:
@@ -134,11 +140,11 @@ def _run_verify(args: argparse.Namespace) -> int:
             print(f"warning  {w}")
     for prob in report.problems:
         print(f"PROBLEM  {prob}")
-    if report.ok:
-        extra = f"; {len(report.warnings)} unreferenced file{'s' * (len(report.warnings) != 1)}" if report.warnings else ""
+    if not report.ok:
+        print(f"{args.path}: NOT sound: {count(len(report.problems), 'problem')}")
+    elif not args.quiet:  # --quiet: only problems, so nothing at all on a sound checkpoint
+        extra = f"; {count(len(report.warnings), 'unreferenced file')}" if report.warnings else ""
         print(f"{args.path}: sound ({report.bytes_checked} bytes checked{extra})")
-    else:
-        print(f"{args.path}: NOT sound: {len(report.problems)} problem{'s' if len(report.problems) != 1 else ''}")
     return 0 if report.ok else 1
 
 
@@ -148,7 +154,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     r = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-                progress=not args.quiet)
+                progress=not args.quiet, keys=args.keys, strip_prefix=args.strip_prefix)
     if not args.quiet:
         print(f"converted {args.src} ({r.source_format}) -> {r.path} ({r.target_format}): {r.tensors} tensors, "
               f"{human_bytes(r.tensor_bytes)} in {time.monotonic() - t0:.2f} s")

@@ -17,6 +17,7 @@ from ..errors import IncompleteCheckpointError, TruncatedFileError
 from ..io.files import open_inside
 from ..format import layout as fmt
 from ..io.progress import human_bytes
+from .wording import count
 
 __all__ = ["EntrySummary", "CheckpointInfo", "inspect_checkpoint", "format_table"]
 
@@ -44,7 +45,15 @@ class EntrySummary:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """A checkpoint's format and entries, as ``mmapckpt inspect`` shows them."""
+    """A checkpoint's format and entries, as ``mmapckpt inspect`` shows them.
+
+    Attributes:
+        path: the path inspected.
+        format: ``"mmapckpt"``, ``"dcp"``, ``"safetensors"`` or ``"torch"``.
+        version: the format's version, as a human-readable string.
+        files: how many data files the checkpoint has.
+        entries: one summary (name, kind, dtype, shape, chunks, bytes) per entry.
+    """
 
     path: str
     format: str
@@ -80,6 +89,9 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe the checkpoint at ``path`` (mmapckpt, stock DCP, safetensors or torch.save).
 
     Reads metadata and headers only (a torch.save file is mapped, not read).
+
+    Args:
+        path: a checkpoint directory or file in any supported format.
 
     Raises:
         CheckpointError: nothing recognisable at ``path``, or its metadata is damaged.
@@ -132,11 +144,11 @@ def format_table(info: CheckpointInfo) -> str:
         shape = "-" if e.shape is None else "[" + ", ".join(map(str, e.shape)) + "]"
         rows.append((e.name, e.dtype or "(object)", shape, str(e.chunks), human_bytes(e.nbytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = [f"{info.path}: {info.format} ({info.version}), {info.files} file{'s' if info.files != 1 else ''}", ""]
+    lines = [f"{info.path}: {info.format} ({info.version}), {count(info.files, 'file')}", ""]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     others = len(info.entries) - info.tensors
-    lines += ["", f"total: {len(info.entries)} entries ({info.tensors} tensors, {others} non-tensor), "
+    lines += ["", f"total: {count(len(info.entries), 'entry')} ({count(info.tensors, 'tensor')}, {others} non-tensor), "
                   f"{human_bytes(info.total_bytes)} ({info.total_bytes} bytes)"]
     if info.format == "mmapckpt":
         lines.append(STOCK_READER_NOTE)

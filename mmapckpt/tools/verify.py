@@ -6,6 +6,14 @@ exists, with a valid preamble and header whose entries lie in bounds, aligned an
 without overlaps; every storage record matches a header entry (same file, offset,
 length, kind, dtype and chunk shape); the CRC-32 of every entry's bytes matches.
 Problems are collected, never raised one at a time, so one run shows them all.
+
+Other formats get the checks they allow (``_verify_flat``): a safetensors file or Hugging
+Face directory its index (every file present, every name in its file's header) and every
+header (dtypes known, shapes matching their byte ranges, data tiled to the end of the file;
+there are no checksums, so the data bytes cannot be checked); a torch.save file that it
+loads with ``weights_only=True`` and, for the zip format, the CRC-32 of every archive
+member (which ``torch.load`` itself never checks). Only mmapckpt checkpoints have a
+checksum per entry.
 Files in the directory that no metadata references (left-over shards, temp files,
 files of other programs such as config.json) are listed with their sizes as
 warnings: they do not make the checkpoint unsound.
@@ -16,17 +24,32 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError, FormatError
 from ..format import layout as fmt
+from ..format.locate import (
+    SAFETENSORS_SINGLE,
+    detect_format,
+    index_file,
+    safetensors_files,
+)
 from ..format.metadata import KIND_MMAPCKPT, find_metadata, read_metadata_file
-from ..format.shard import Shard, check_size_unchanged
+from ..format.safetensors import SafetensorsFile, entry_infos
+from ..format.shard import Shard, check_size_unchanged, decode_entry
+from ..format.torchfile import flat_torch_file
+from ..format.transforms import StreamTransforms
 from ..io.files import open_inside
 from ..io.progress import Progress, human_bytes
+from .wording import count
 
 __all__ = ["Problem", "FileWarning", "VerifyReport", "verify_checkpoint"]
 
@@ -62,7 +85,16 @@ class FileWarning:
 
 @dataclass
 class VerifyReport:
-    """The outcome of :func:`verify_checkpoint`: what was checked, problems, warnings and notes (not defects)."""
+    """The outcome of :func:`verify_checkpoint`: what was checked, problems, warnings and notes (not defects).
+
+    Attributes:
+        path: the path verified.
+        checked: one line per check that passed.
+        problems: every defect found, each naming its file and entry; ``ok`` is True without any.
+        notes: facts worth knowing that are not defects (e.g. what a format cannot check).
+        warnings: files in the directory that the checkpoint does not reference, with their sizes.
+        bytes_checked: bytes whose checksums were checked.
+    """
 
     path: str
     checked: list[str] = field(default_factory=list)
@@ -87,10 +119,16 @@ def _label(idx: MetadataIndex) -> str:
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False) -> VerifyReport:
-    """Check the mmapckpt checkpoint at ``path``; return every problem found.
+    """Check the checkpoint at ``path``; return every problem found.
 
-    Reads every byte of every entry (to check its CRC-32). The checkpoint is sound
-    when ``report.ok``.
+    For an mmapckpt checkpoint, reads every byte of every entry (to check its CRC-32).
+    A safetensors file or Hugging Face directory, or a torch.save file, gets the checks its
+    format allows (see the module's docstring; ``report.checked`` and ``report.notes`` say
+    which). The checkpoint is sound when ``report.ok``.
+
+    Args:
+        path: a checkpoint directory or file.
+        progress: draw a progress bar on stderr when it is a terminal.
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist at all.
@@ -103,6 +141,11 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False) -
     if not os.path.exists(p):
         raise CheckpointNotFoundError("no such file or directory", path=p)
     report = VerifyReport(p)
+    flat = _flat_kind(p)
+    if flat is not None:
+        with Progress(_flat_bytes(p, flat), "verify", enabled=progress) as bar:
+            (_verify_safetensors if flat == "safetensors" else _verify_torch)(p, report, bar)
+        return report
     md = _check_metadata(p, report)
     if md is None:
         return report
@@ -116,6 +159,83 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False) -
             _check_shard(p, rel, per_file[rel], md, report, bar)
     _check_directory(p, set(per_file), report)
     return report
+
+
+def _flat_kind(p: str) -> str | None:
+    """``"safetensors"`` or ``"torch"`` for a checkpoint of those formats at ``p``; None for anything else
+    (DCP directories, and paths that are no checkpoint: the metadata check reports those)."""
+    if os.path.isdir(p):
+        if os.path.exists(os.path.join(p, ".metadata")):
+            return None
+        return "safetensors" if index_file(p) or os.path.isfile(os.path.join(p, SAFETENSORS_SINGLE)) else None
+    try:
+        kind = detect_format(p)
+    except CheckpointError:
+        return None
+    return kind if kind in ("safetensors", "torch") else None
+
+
+def _flat_bytes(p: str, kind: str) -> int:
+    if kind == "torch" and zipfile.is_zipfile(p):
+        with zipfile.ZipFile(p) as z:
+            return sum(i.file_size for i in z.infolist())
+    return 0
+
+
+_NO_CHECKSUMS = ("safetensors files carry no checksums: the tensors' bytes could not be checked (only mmapckpt "
+                 "checkpoints have a CRC-32 per entry: `mmapckpt convert SRC DST --to mmapckpt` makes one)")
+
+
+def _verify_safetensors(p: str, report: VerifyReport, bar: Progress) -> None:
+    try:
+        files, idx = safetensors_files(p)
+    except CheckpointError as e:
+        report.problems.append(Problem.of(e, p))
+        return
+    if idx is not None:
+        report.checked.append(f"index {idx}: {count(sum(len(n or ()) for n in files.values()), 'tensor')} in "
+                              f"{count(len(files), 'file')}, every file present")
+    for full, names in files.items():
+        try:
+            header = SafetensorsFile(full).header
+            entry_infos(header, full, names)  # every name the index puts in this file is in its header
+        except CheckpointError as e:
+            report.problems.append(Problem.of(e, full))
+            continue
+        for extra in sorted(set(header.entries) - set(names)) if names is not None else ():
+            report.notes.append(f"{full}: tensor {extra!r} is in the header but not in the index's weight_map "
+                                "(loaders that follow the index skip it)")
+        report.checked.append(f"{full}: header valid ({count(len(header.entries), 'tensor')}: known dtypes, shapes match "
+                              "their byte ranges, data tiled without overlap or gap to the end of the file)")
+    report.notes.append(_NO_CHECKSUMS)
+
+
+def _verify_torch(p: str, report: VerifyReport, bar: Progress) -> None:
+    try:
+        flat, _ = flat_torch_file(p)
+        tensors = sum(1 for v in flat.values() if hasattr(v, "dtype"))
+        report.checked.append(f"{p}: loads with torch.load(weights_only=True): {count(len(flat), 'entry')} ("
+                              f"{count(tensors, 'tensor')}), no code run")
+    except CheckpointError as e:
+        report.problems.append(Problem.of(e, p))
+    if not zipfile.is_zipfile(p):
+        report.notes.append(f"{p}: legacy (pre-1.6) torch.save format: it has no checksums, its bytes could not "
+                            "be checked")
+        return
+    before, members = len(report.problems), 0
+    with zipfile.ZipFile(p) as z:
+        for info in z.infolist():
+            members += 1
+            try:
+                with z.open(info) as f:
+                    while chunk := f.read(8 << 20):
+                        bar.advance(len(chunk))
+                        report.bytes_checked += len(chunk)
+            except Exception as e:  # noqa: BLE001 - zipfile's CRC, zlib and format errors: all a damaged member
+                report.problems.append(Problem(p, info.filename, f"zip member does not read back intact: {e}"))
+    if len(report.problems) == before:
+        report.checked.append(f"{p}: zip archive: {count(members, 'member CRC-32')} match{'es' * (members == 1)} (torch.load itself does not "
+                              "check them)")
 
 
 def _check_metadata(p: str, report: VerifyReport) -> Metadata | None:
@@ -132,8 +252,8 @@ def _check_metadata(p: str, report: VerifyReport) -> Metadata | None:
         return None
     files = {info.relative_path for info in md.storage_data.values()}
     report.checked.append(f"metadata {meta}: committed, decodes, checksum matches; "
-                          f"{len(md.state_dict_metadata)} entries, {len(md.storage_data)} storage records "
-                          f"in {len(files)} shard files")
+                          f"{count(len(md.state_dict_metadata), 'entry')}, {count(len(md.storage_data), 'storage record')} "
+                          f"in {count(len(files), 'shard file')}")
     return md
 
 
@@ -183,7 +303,7 @@ def _check_shard(p: str, rel: str, records: list[MetadataIndex], md: Metadata, r
         full = open_inside(p, rel)
         if not os.path.exists(full):
             names = ", ".join(sorted(_label(i) for i in records)[:5]) + (", ..." if len(records) > 5 else "")
-            report.problems.append(Problem(full, None, f"shard file is missing; {len(records)} entries lost ({names})"))
+            report.problems.append(Problem(full, None, f"shard file is missing; {count(len(records), 'entry')} lost ({names})"))
             return
         shard = Shard(full)
     except CheckpointError as e:
@@ -205,14 +325,21 @@ def _check_shard(p: str, rel: str, records: list[MetadataIndex], md: Metadata, r
         diffs = []
         if (info.offset, info.length) != (e.offset, e.length):
             diffs.append(f"metadata says bytes [{info.offset}, +{info.length}), header says [{e.offset}, +{e.length})")
-        if e.kind != kind:
+        encoded_as = None if e.kind != fmt.KIND_ENCODED else (fmt.KIND_BYTES if e.chunk_offsets is None
+                                                               else fmt.KIND_TENSOR)
+        if (encoded_as or e.kind) != kind:
             diffs.append(f"metadata says {kind}, header says {e.kind}")
+        elif list(getattr(info, "transform_descriptors", None) or ()) != list(e.transforms):
+            diffs.append(f"metadata says stream transforms {list(info.transform_descriptors or ())}, "
+                         f"header says {list(e.transforms)}")
         elif kind == fmt.KIND_TENSOR and (e.dtype != dtype or e.shape != shape):
             diffs.append(f"metadata says {dtype} {list(shape or ())}, header says {e.dtype} {list(e.shape)}")
         report.problems.extend(Problem(full, e.label, d) for d in diffs)
     for e in shard.header.entries:
         try:
             shard.verify(e)
+            if e.kind == fmt.KIND_ENCODED:
+                _check_decodes(shard, e, report)
         except CheckpointError as err:
             report.problems.append(Problem.of(err, full))
         bar.advance(e.length)
@@ -225,9 +352,21 @@ def _check_shard(p: str, rel: str, records: list[MetadataIndex], md: Metadata, r
         report.problems.append(Problem.of(err, full))
     if len(report.problems) == before:
         report.checked.append(f"{rel}: preamble and header valid (format {fmt.FORMAT_MAJOR}.{shard.header.minor}, "
-                              f"{len(shard.header.entries)} entries in bounds, aligned, not overlapping); "
-                              f"matches the metadata; {len(shard.header.entries)} checksums match "
+                              f"{count(len(shard.header.entries), 'entry')} in bounds, aligned, not overlapping); "
+                              f"matches the metadata; {count(len(shard.header.entries), 'checksum')} "
+                              f"match{'es' * (len(shard.header.entries) == 1)} "
                               f"({human_bytes(sum(e.length for e in shard.header.entries))})")
+
+
+def _check_decodes(shard: Shard, e: fmt.Entry, report: VerifyReport) -> None:
+    """An encoded entry must decode (through DCP's default transforms) to its value's length."""
+    try:
+        decode_entry(shard, e, StreamTransforms())
+    except FormatError:
+        raise
+    except CheckpointError:  # a transform of the user's own: only dcp.load with its registry can undo it
+        report.notes.append(f"{shard.path}: entry {e.label!r} went through stream transforms {list(e.transforms)} "
+                            "that DCP's default registry does not know; its stored bytes were checked, not decoded")
 
 
 _COMMITS = (".metadata", "__*.metadata")

@@ -140,10 +140,11 @@ def test_a_tensor_described_with_no_chunks_is_refused(tmp_path):
     for every reader: dcp.load would otherwise plan no read for it and leave the target as it was."""
     import json
 
-    from helpers import metadata_with_doc
+    from helpers import as_metadata_v1, metadata_with_doc
 
     path = tmp_path / "c"
     mmapckpt.save({"w": torch.ones(2, 3), "b": torch.ones(4)}, path)
+    as_metadata_v1(path)  # the version-1 form can describe a tensor with no chunks
     raw = (path / ".metadata").read_bytes()
     doc = json.loads(raw[24:])
     doc["state_dict_metadata"]["w"]["chunks"] = []
@@ -170,6 +171,7 @@ def test_cached_reads_started_during_the_walk(tmp_path, monkeypatch, batch):
     started = []
     real = _direct.submit_reads
     monkeypatch.setattr(_direct, "_BATCH", batch)
+    monkeypatch.setattr(_direct, "SMALL_CACHED_COPY", 0)  # these small tensors too go through reads
     monkeypatch.setattr(_direct, "submit_reads", lambda *a, **k: started.append(len(a[1])) or real(*a, **k))
     g = torch.Generator().manual_seed(5)
     sd = {f"t{i}": torch.randn(64 + 7 * i, 33, generator=g).to(torch.bfloat16) for i in range(40)}
@@ -189,6 +191,30 @@ def test_cached_reads_started_during_the_walk(tmp_path, monkeypatch, batch):
             os.close(fd)
         if probe_works:  # 1 B and 4 KiB batches start during the walk; 1 MiB (> the 0.5 MiB) only at its end
             assert len(started) > 3 if batch < (1 << 20) else len(started) == 1, started
+
+
+def test_small_regions_of_a_cached_file_are_copied_from_the_mapping(tmp_path, monkeypatch):
+    """Queueing a read costs more than copying a few cached pages: below SMALL_CACHED_COPY no read is made."""
+    from mmapckpt.io import direct_reads as _direct
+
+    taken = []
+    real = _direct.DirectReads.run
+    monkeypatch.setattr(_direct.DirectReads, "run", lambda self: taken.append(len(self.jobs)) or real(self))
+    sd = {"small": torch.randn(16), "big": torch.randn(_direct.SMALL_CACHED_COPY // 4 + 1)}
+    path = str(tmp_path / "c")
+    mmapckpt.save(sd, path)
+    _warm(path)
+    fd = os.open(os.path.join(path, SHARD), os.O_RDONLY)
+    try:
+        if not _direct.is_cached(fd, [0]):
+            pytest.skip("RWF_NOWAIT probes are unsupported here: every file counts as cold")
+    finally:
+        os.close(fd)
+    out = fresh_like(sd, 0x3C)
+    mmapckpt.load_into(out, path)
+    assert taken == [1]  # only "big" went through a read
+    for k, v in sd.items():
+        assert_bitwise_equal(out[k], v, k)
 
 
 def test_an_error_after_reads_started_waits_for_them_and_is_raised(tmp_path, monkeypatch):

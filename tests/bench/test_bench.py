@@ -27,7 +27,7 @@ def _positive(x: object) -> bool:
 
 @pytest.mark.slow  # one child process per method for the memory rows: ~15 s on a busy 2-core machine
 def test_quick_run_produces_every_row_and_valid_json(tmp_path, capsys) -> None:
-    assert bench.run(_args(tmp_path, "--repeats", "2")) == 0
+    assert bench.run(_args(tmp_path, "--repeats", "2", "--targets")) == 0
     out = capsys.readouterr().out
     doc = json.loads((tmp_path / "out" / "bench.json").read_text())
 

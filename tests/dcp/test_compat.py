@@ -36,7 +36,6 @@ def test_single_file_per_rank_false_writes_one_file_per_item(tmp_path):
 
 @pytest.mark.parametrize("kwargs, says", [
     ({"cache_staged_state_dict": True}, "async_stager"),
-    ({"_extensions": [object()]}, "FileSystemWriter(_extensions"),
     ({"serialization_format": "safetensors"}, "mmapckpt convert"),
     ({"per_thread_copy_ahead": -1}, "per_thread_copy_ahead"),
 ])
@@ -45,8 +44,8 @@ def test_stock_options_it_cannot_honour_are_refused_with_what_to_use(tmp_path, k
         mmapckpt.MmapWriter(tmp_path, **kwargs)
 
 
-def test_a_registry_of_stream_transforms_is_refused(tmp_path):
-    from torch.distributed.checkpoint._extension import ExtensionRegistry
-
-    with pytest.raises(ValueError, match="FileSystemReader"):
-        mmapckpt.MmapReader(tmp_path, _extension_registry=ExtensionRegistry())
+def test_stream_transform_arguments_of_the_wrong_type_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="StreamTransformExtension"):
+        mmapckpt.MmapWriter(tmp_path, _extensions=[object()])
+    with pytest.raises(TypeError, match="ExtensionRegistry"):
+        mmapckpt.MmapReader(tmp_path, _extension_registry=object())

@@ -168,8 +168,7 @@ def _doc(path: str) -> dict[str, Any]:
     with open(os.path.join(path, METADATA_NAME), "rb") as f:
         doc = json.loads(f.read()[24:])
     doc.pop("storage_meta")  # checkpoint id and save id: per save
-    for r in doc["storage_data"]:
-        r.pop("relative_path")  # the file prefix carries the save id
+    doc["table"].pop("files")  # the file names carry the save id
     return doc
 
 

@@ -225,7 +225,11 @@ HEADER_CASES: list[tuple[str, bytes, type, str | None, str]] = [
     ("overlaps-header", _bad_doc(doc(tensor_entry(offset=64))), mmapckpt.EntryBoundsError, "w@[0]", "overlaps the header"),
     ("overlap", _bad_doc(doc(tensor_entry("a", offset=512, length=128, shape=(32,)), tensor_entry("b", offset=576))),
      mmapckpt.EntryBoundsError, "b@[0]", "overlaps entry 'a@[0]'"),
-    ("same-offset", _bad_doc(doc(tensor_entry("a"), tensor_entry("b"))), mmapckpt.EntryBoundsError, "@[0]", "overlaps"),
+    # the same bytes under two names are an exact alias (tied weights) only with equal CRC, dtype and shape
+    ("same-offset", _bad_doc(doc(tensor_entry("a"), tensor_entry("b", crc="00000001"))), mmapckpt.EntryBoundsError, "@[0]", "overlaps"),
+    ("same-offset-dtype", _bad_doc(doc(tensor_entry("a"), tensor_entry("b", dtype="int32"))), mmapckpt.EntryBoundsError, "@[0]", "overlaps"),
+    ("same-offset-shape", _bad_doc(doc(tensor_entry("a", shape=(2, 1), chunk=(0, 0)), tensor_entry("b", shape=(2,)))),
+     mmapckpt.EntryBoundsError, "@[0", "overlaps"),
     ("bytes-overlap", _bad_doc(doc(tensor_entry("a"), {"fqn": "s", "kind": "bytes", "offset": 514, "length": 3, "crc32": "00000000"})),
      mmapckpt.EntryBoundsError, None, "overlaps"),
     ("offset-2**63", _bad_doc(doc(tensor_entry(offset=2**63))), mmapckpt.FormatError, "w", "offset"),

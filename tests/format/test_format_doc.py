@@ -69,15 +69,18 @@ def _state_dict() -> dict[str, Any]:
     return sd
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_stand_alone_reader_reads_a_real_checkpoint(tmp_path, reader, threads: int) -> None:
+@pytest.mark.parametrize("threads, major", [(1, 2), (3, 2), (3, 1)])
+def test_stand_alone_reader_reads_a_real_checkpoint(tmp_path, reader, threads: int, major: int) -> None:
     sd = _state_dict()
     dcp_save(sd, mmapckpt.MmapWriter(tmp_path, thread_count=threads))
-    meta = reader["read_metadata"](str(tmp_path / ".metadata"))
+    if major == 1:  # the same checkpoint with its metadata in the version-1 form
+        from helpers import as_metadata_v1
+        as_metadata_v1(tmp_path)
+    records = reader["storage_records"](str(tmp_path / ".metadata"))
     flat = flatten(sd)
     shards: dict[str, dict] = {}
     seen = set()
-    for rec in meta["storage_data"]:
+    for rec in records:
         shard = shards.setdefault(rec["relative_path"], reader["read_shard"](str(tmp_path / rec["relative_path"])))
         value = flat[rec["fqn"]]
         seen.add(rec["fqn"])

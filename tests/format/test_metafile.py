@@ -132,17 +132,30 @@ def test_metadata_file_layout(tmp_path) -> None:
     raw = (tmp_path / ".metadata").read_bytes()
     magic, major, minor, crc, blen = struct.unpack_from("<8sHHIQ", raw)
     body = raw[24:]
-    assert (magic, major, minor) == (b"\xffMMAPMD\n", 1, 0)
+    assert (magic, major, minor) == (b"\xffMMAPMD\n", 2, 0)
     assert blen == len(body) and crc == zlib.crc32(body)
     doc = json.loads(body)
-    assert set(doc) >= {"version", "state_dict_metadata", "planner_data", "storage_data", "storage_meta"}
-    assert doc["state_dict_metadata"]["txt"] == {"type": "bytes"}
-    w = doc["state_dict_metadata"]["w"]
-    assert w == {"type": "tensor", "dtype": "float32", "requires_grad": False, "size": [5, 4],
-                 "chunks": [{"offsets": [0, 0], "sizes": [5, 4]}]}
-    [rec] = [r for r in doc["storage_data"] if r["fqn"] == "w"]
-    assert rec["relative_path"] == "__0_0.distcp" and rec["offset"] == [0, 0] and rec["length"] == 80
-    assert rec["file_offset"] % 64 == 0
+    assert set(doc) >= {"version", "planner_data", "table", "storage_meta"}
+    t = doc["table"]
+    assert t["files"] == ["__0_0.distcp"] and "float32" in t["dtypes"]
+    # rows, name by name: w is dtype, flags, ndim, size, one whole chunk (file, file_offset, length, index, 1)
+    p = 0
+    for name in t["names"]:
+        if t["rows"][p] < 0:
+            assert name == "txt" or not name.startswith("w")
+            p += 5
+            continue
+        nd = t["rows"][p + 2]
+        if name == "w":
+            code, flags, _, *size = t["rows"][p:p + 3 + nd]
+            assert t["dtypes"][code] == "float32" and flags == 0 and size == [5, 4]
+            f, off, length, _, whole = t["rows"][p + 4 + nd:p + 9 + nd]
+            assert (f, length, whole) == (0, 80, 1) and off % 64 == 0
+        p += 4 + nd + 5 * t["rows"][p + 3 + nd]  # every chunk of this test's tensors is whole
+    assert p == len(t["rows"])
+    v1 = json.loads(mf.encode_metadata(mf.decode_metadata(raw, "m"), major=1)[24:])  # the older form
+    assert v1["state_dict_metadata"]["w"] == {"type": "tensor", "dtype": "float32", "requires_grad": False,
+                                              "size": [5, 4], "chunks": [{"offsets": [0, 0], "sizes": [5, 4]}]}
 
 
 def test_metadata_kind() -> None:
@@ -155,7 +168,7 @@ def test_metadata_kind() -> None:
 # --------------------------------------------------------------------------- malformed mmapckpt metadata
 def _good_doc() -> dict[str, Any]:
     md = with_raw_lengths(stock_metadata(_sd(), tempfile.mkdtemp()))
-    return json.loads(mf.encode_metadata(md)[24:])
+    return json.loads(mf.encode_metadata(md, major=1)[24:])
 
 
 _GOOD = None
@@ -189,7 +202,7 @@ BAD_METADATA: list[tuple[str, Callable[[], bytes], type, str]] = [
     ("empty", lambda: b"", mmapckpt.BadMagicError, "mmapckpt"),
     ("short", lambda: b"\xffMMAPMD\n\x01", mmapckpt.BadMagicError, "mmapckpt"),
     ("magic", lambda: b"\xffMMAPMX\n" + encode_doc(good_doc())[8:], mmapckpt.BadMagicError, "mmapckpt"),
-    ("major-2", lambda: encode_doc(good_doc(), major=2), mmapckpt.UnsupportedVersionError, "version 2"),
+    ("major-3", lambda: encode_doc(good_doc(), major=3), mmapckpt.UnsupportedVersionError, "version 3"),
     ("length-long", lambda: encode_doc(good_doc(), blen=10**6), mmapckpt.FormatError, "preamble says"),
     ("length-short", lambda: encode_doc(good_doc())[:-5], mmapckpt.FormatError, "preamble says"),
     ("crc", lambda: encode_doc(good_doc(), crc=7), mmapckpt.FormatError, "checksum"),

@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import mmapckpt
-from helpers import assert_tree_equal, dcp_failure, dcp_load, dcp_save
+from helpers import as_metadata_v1, assert_tree_equal, dcp_failure, dcp_load, dcp_save
 from strategies import fresh_like
 
 SHARD = "__0_0.distcp"
@@ -94,7 +94,9 @@ def rewrite_header(path: Path, mutate: Callable[[dict[str, Any]], None], **pream
 
 
 def rewrite_metadata(path: Path, mutate: Callable[[dict[str, Any]], None]) -> None:
-    """Change an mmapckpt .metadata file's JSON body, keeping its length and CRC-32 right."""
+    """Change an mmapckpt .metadata file's JSON body in its version-1 form (one object per item and
+    record), keeping its length and CRC-32 right."""
+    as_metadata_v1(path.parent)
     raw = path.read_bytes()
     assert raw[:8] == b"\xffMMAPMD\n"
     doc = json.loads(raw[24:])
@@ -188,14 +190,14 @@ def test_unsupported_shard_version(ckpt: Path, major: int) -> None:
 
 def test_unsupported_metadata_version(ckpt: Path) -> None:
     raw = bytearray((ckpt / ".metadata").read_bytes())
-    raw[8:10] = (2).to_bytes(2, "little")
+    raw[8:10] = (3).to_bytes(2, "little")
     (ckpt / ".metadata").write_bytes(bytes(raw))
     with pytest.raises(mmapckpt.UnsupportedVersionError) as ei:
         mmapckpt.MmapReader(ckpt).read_metadata()
     assert_names(ei.value, ckpt / ".metadata")
     with pytest.raises(dcp.api.CheckpointException) as ei2:
         dcp_load(fresh_like(_state()), mmapckpt.MmapReader(ckpt))
-    assert "metadata version 2" in str(dcp_failure(ei2.value))
+    assert "metadata version 3" in str(dcp_failure(ei2.value))
 
 
 def test_other_byte_order(ckpt: Path) -> None:

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from helpers import assert_tree_equal, dcp_failure, dcp_load, dcp_save
-from helpers import metadata_with_doc, shard_with_header
+from helpers import as_metadata_v1, metadata_with_doc, shard_with_header
 
 import mmapckpt
 from mmapckpt import (
@@ -186,6 +186,7 @@ def test_duplicate_and_overlapping_entries_are_refused(ckpt):
 
 
 def test_metadata_and_header_disagreeing_on_an_entry_is_refused(ckpt):
+    as_metadata_v1(ckpt)  # the version-1 form: one JSON object per record
     md = _read(ckpt, ".metadata")
     doc = json.loads(md[24:])
     rec = next(r for r in doc["storage_data"] if r["fqn"] == "c")
@@ -210,6 +211,7 @@ def test_a_chunk_missing_from_the_shard_header_is_refused(ckpt):
 
 
 def test_metadata_record_length_not_matching_its_chunk_is_refused(ckpt):
+    as_metadata_v1(ckpt)  # the version-1 form: one JSON object per record
     md = _read(ckpt, ".metadata")
     doc = json.loads(md[24:])
     next(r for r in doc["storage_data"] if r["fqn"] == "a")["length"] -= 4
@@ -221,6 +223,7 @@ def test_metadata_record_length_not_matching_its_chunk_is_refused(ckpt):
 # --------------------------------------------------------------------------- paths
 @pytest.mark.parametrize("rel", ["../outside.distcp", "/etc/passwd", "sub/../../x", "", "a\\..\\..\\b", "x\x00y"])
 def test_storage_paths_leaving_the_directory_are_refused(ckpt, rel):
+    as_metadata_v1(ckpt)  # the version-1 form: one JSON object per record
     md = _read(ckpt, ".metadata")
     doc = json.loads(md[24:])
     doc["storage_data"][0]["relative_path"] = rel

@@ -1,0 +1,276 @@
+"""safetensors files: the header parsed and checked, and tensors as views over the file mapping.
+
+The format (https://github.com/huggingface/safetensors) is::
+
+    offset 0   n        u64, little-endian: the header's length in bytes
+    offset 8   header   n bytes of UTF-8 JSON: {name: {"dtype", "shape", "data_offsets": [begin, end]},
+                        optional "__metadata__": {str: str}}, often padded with spaces
+    offset 8+n data     the tensors' bytes; data_offsets are relative to this point
+
+This is the one parser of that header in the package (the lazy loader, ``convert``,
+``inspect`` and ``verify`` all use it). It treats the file as hostile: the header is at
+most ``MAX_HEADER_SIZE`` bytes and must be a JSON object without duplicate keys; every
+dtype must be in :data:`SAFETENSORS_DTYPES`; every shape a list of non-negative ints
+whose byte size is the entry's ``end - begin``; and, as ``safe_open`` demands, the
+entries must tile the data section exactly (sorted by offset, each starting where the
+previous one ends, the last ending at the end of the file: no overlap, no hole, nothing
+past the end). A file ``safe_open`` refuses is refused here too, with a ``FormatError``
+naming the file and the entry.
+
+Alignment: a tensor is returned as a view over the mapping when its file offset is a
+multiple of its element size (``save_file`` pads the header to 8 bytes and orders the
+tensors by element size, so that is every tensor it writes); otherwise its bytes are
+copied into a new, aligned tensor, because torch cannot view misaligned elements.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, NamedTuple
+
+import torch
+
+from ..errors import CheckpointError, FormatError, TruncatedFileError, UnknownDtypeError
+from ..io.files import pread_into
+from ..io.mapped import MappedFile, open_regular
+from .entries import ChunkInfo, EntryInfo, numel
+
+__all__ = [
+    "MAX_HEADER_SIZE",
+    "SAFETENSORS_DTYPES",
+    "SafetensorsEntry",
+    "SafetensorsFile",
+    "SafetensorsFiles",
+    "SafetensorsHeader",
+    "entry_infos",
+    "looks_like_safetensors",
+    "parse_header",
+    "read_header",
+]
+
+#: The largest header accepted (safetensors' own limit).
+MAX_HEADER_SIZE = 100_000_000
+METADATA_KEY = "__metadata__"
+
+#: safetensors dtype codes <-> torch dtypes, written out by hand (the safetensors spec's names).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
+}
+
+
+class SafetensorsEntry(NamedTuple):
+    """One tensor of a safetensors header; ``begin``/``end`` are relative to the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class SafetensorsHeader(NamedTuple):
+    """A checked header: the entries in the header's order, the user metadata, where the data starts."""
+
+    path: str
+    entries: dict[str, SafetensorsEntry]
+    metadata: dict[str, str] | None
+    data_start: int
+    file_size: int
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _entry(name: str, doc: Any, data_size: int, path: str) -> SafetensorsEntry:
+    if type(doc) is not dict:
+        raise FormatError("header entry is not a JSON object", path=path, entry=name)
+    code, shape, offsets = doc.get("dtype"), doc.get("shape"), doc.get("data_offsets")
+    if type(code) is not str:
+        raise FormatError("header entry has no 'dtype' string", path=path, entry=name)
+    dtype = SAFETENSORS_DTYPES.get(code)
+    if dtype is None:
+        raise UnknownDtypeError(f"safetensors dtype {code!r} is not supported (known: "
+                                f"{', '.join(SAFETENSORS_DTYPES)})", path=path, entry=name)
+    if type(shape) is not list or not all(_is_int(s) for s in shape):
+        raise FormatError(f"'shape' must be a list of non-negative integers, not {shape!r:.80}", path=path, entry=name)
+    if type(offsets) is not list or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise FormatError(f"'data_offsets' must be [begin, end] (non-negative integers), not {offsets!r:.80}",
+                          path=path, entry=name)
+    begin, end = offsets
+    if begin > end:
+        raise FormatError(f"data_offsets [{begin}, {end}] end before they begin", path=path, entry=name)
+    if end > data_size:
+        raise TruncatedFileError(f"data_offsets [{begin}, {end}] run past the end of the {data_size}-byte data "
+                                 "section", path=path, entry=name)
+    want = numel(tuple(shape)) * dtype.itemsize
+    if end - begin != want:
+        raise FormatError(f"{code} {shape} takes {want} bytes but data_offsets [{begin}, {end}] hold {end - begin}",
+                          path=path, entry=name)
+    return SafetensorsEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _user_metadata(doc: Any, path: str) -> dict[str, str] | None:
+    if doc is None:
+        return None
+    if type(doc) is not dict or not all(type(v) is str for v in doc.values()):
+        raise FormatError(f"{METADATA_KEY!r} must be an object of strings", path=path, entry=METADATA_KEY)
+    return doc
+
+
+def _check_tiling(entries: dict[str, SafetensorsEntry], data_size: int, path: str) -> None:
+    """The entries must tile the data section, as safe_open demands: no overlap, no hole, no tail."""
+    at, last = 0, None
+    for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if e.begin != at:
+            what = "overlaps" if e.begin < at else "leaves a gap after"
+            prev = f"entry {last!r}" if last is not None else "the start of the data"
+            raise FormatError(f"data_offsets [{e.begin}, {e.end}] {what} {prev} (ending at {at}): safetensors "
+                              "data must be tiled by the entries", path=path, entry=e.name)
+        at, last = e.end, e.name
+    if at != data_size:
+        raise FormatError(f"the entries cover {at} of the {data_size} bytes after the header: the file has "
+                          "bytes no entry describes (damaged or not written by safetensors)", path=path)
+
+
+def parse_header(raw: bytes, file_size: int, path: str) -> SafetensorsHeader:
+    """Check a safetensors header (``raw``: the whole header, after the 8-byte length) against a file of
+    ``file_size`` bytes; every defect raises FormatError naming ``path`` and the entry."""
+    data_start = 8 + len(raw)
+    try:
+        text = raw.decode("utf-8")
+        doc = json.loads(text, object_pairs_hook=_no_duplicates)
+    except _Duplicate as d:
+        raise FormatError("the header names this entry twice", path=path, entry=str(d)) from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"safetensors header is not valid JSON: {e}", path=path) from None
+    if type(doc) is not dict:
+        raise FormatError("safetensors header is not a JSON object", path=path)
+    data_size = file_size - data_start
+    metadata = _user_metadata(doc.pop(METADATA_KEY, None), path)
+    entries = {name: _entry(name, d, data_size, path) for name, d in doc.items()}
+    _check_tiling(entries, data_size, path)
+    return SafetensorsHeader(path, entries, metadata, data_start, file_size)
+
+
+def _read_from(fd: int, path: str) -> SafetensorsHeader:
+    size = os.fstat(fd).st_size
+    if size < 8:
+        raise TruncatedFileError(f"a {size}-byte file cannot hold a safetensors header (8-byte length first)",
+                                 path=path)
+    n = int.from_bytes(os.pread(fd, 8, 0), "little")
+    if n > MAX_HEADER_SIZE:
+        raise FormatError(f"header length {n} exceeds the limit of {MAX_HEADER_SIZE} bytes (not a safetensors "
+                          "file, or a damaged one)", path=path)
+    if 8 + n > size:
+        raise TruncatedFileError(f"header length {n} runs past the end of the {size}-byte file", path=path)
+    raw = bytearray(n)
+    pread_into(fd, raw, 8, path=path)
+    return parse_header(bytes(raw), size, path)
+
+
+def read_header(path: str) -> SafetensorsHeader:
+    """Read and check the header of the safetensors file at ``path`` (no data read)."""
+    fd = open_regular(path)
+    try:
+        return _read_from(fd, path)
+    except OSError as e:
+        raise CheckpointError(f"cannot read safetensors file: {e.strerror or e}", path=path) from None
+    finally:
+        os.close(fd)
+
+
+def looks_like_safetensors(path: str) -> bool:
+    """Whether the file starts like a safetensors file (a plausible length, then ``{``); reads 9 bytes."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return head[8:9] == b"{" and 2 <= n <= min(MAX_HEADER_SIZE, os.path.getsize(path) - 8)
+
+
+class SafetensorsFile:
+    """A safetensors file opened for reading: its checked header, and the file mapped (MAP_PRIVATE).
+
+    The header is read from the descriptor that is then mapped, so a file renamed over the
+    path in between cannot pair this header with other bytes.
+    """
+
+    def __init__(self, path: str) -> None:
+        fd = open_regular(path)
+        try:
+            self.header = _read_from(fd, path)
+            self.file = MappedFile(fd, path, self.header.file_size)
+        except OSError as e:
+            raise CheckpointError(f"cannot read safetensors file: {e.strerror or e}", path=path) from None
+        finally:
+            os.close(fd)
+        self.path = path
+
+    def view(self, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor whose ``length`` bytes start at file ``offset`` (checked when the header was parsed):
+        a view over the mapping when ``offset`` is a multiple of the element size, else an aligned copy."""
+        if not offset % dtype.itemsize:
+            return self.file.view(offset, dtype, shape)
+        return self.file.raw(offset, length).clone().view(dtype).view(shape)
+
+
+class SafetensorsFiles:
+    """The chunk backend of ``mmapckpt.open`` for safetensors files: one chunk per tensor, at a file offset.
+
+    ``files`` maps each file's name relative to ``root`` to its opened :class:`SafetensorsFile`.
+    There are no checksums in the format, so ``verify`` checks nothing more than opening did.
+    """
+
+    pickled_objects = False
+
+    def __init__(self, root: str, files: dict[str, SafetensorsFile]) -> None:
+        self.root, self.files = root, files
+
+    def chunk(self, info: EntryInfo, c: ChunkInfo) -> torch.Tensor:
+        return self.files[c.file].view(c.file_offset, c.length, info.dtype, c.sizes)  # type: ignore[arg-type]
+
+    def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | None:
+        """The mapping ``chunk`` returns a view of (for direct reads), or None where it returns a copy."""
+        return self.files[c.file].file if not c.file_offset % info.dtype.itemsize else None  # type: ignore[union-attr]
+
+    def advise(self, c: ChunkInfo, advice: int) -> None:
+        self.files[c.file].file.advise(advice, c.file_offset, c.length)
+
+    def check_unchanged(self, chunks: Any) -> None:
+        for rel in {c.file for c in chunks}:
+            self.files[rel].file.check_unchanged()
+
+    def object_value(self, info: EntryInfo) -> Any:
+        raise CheckpointError("safetensors files hold tensors only", path=self.root, entry=info.name)
+
+
+def entry_infos(header: SafetensorsHeader, rel: str, names: list[str] | None = None) -> dict[str, EntryInfo]:
+    """The index entries (one whole-tensor chunk each) of ``names`` (default: all) of a file named ``rel``."""
+    out = {}
+    for name in header.entries if names is None else names:
+        e = header.entries.get(name)
+        if e is None:
+            raise FormatError("the index names this tensor for this file, but its header lacks it", path=header.path,
+                              entry=name)
+        c = ChunkInfo((0,) * len(e.shape), e.shape, rel, header.data_start + e.begin, e.end - e.begin)
+        out[name] = EntryInfo(name, "tensor", e.dtype, e.shape, (c,))
+    return out

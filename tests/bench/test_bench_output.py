@@ -1,0 +1,67 @@
+"""What `mmapckpt bench` writes and prints: JSON only under --out; targets in one line or listed; the save rows'
+O_DIRECT limit beside the buffered one (no timing is asserted)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from mmapckpt.bench import runner as bench
+from mmapckpt.bench.report import PHASES, SAVE_NOTE, TARGETS_NOTE
+
+
+def _args(tmp_path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(["--quick", "--size", "1MB", "--tensors", "13", "--dir", str(tmp_path / "work"),
+                              "--threads", "1", "--methods", "mmapckpt,dcp", "--no-memory", *extra])
+
+
+def test_no_file_is_written_without_out(tmp_path, monkeypatch, capsys) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert bench.run(_args(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert os.listdir(cwd) == [] and os.listdir(tmp_path / "work") == []
+    assert "JSON:" not in out and "chart:" not in out
+
+    assert bench.run(_args(tmp_path, "--out", str(tmp_path / "res"))) == 0
+    out = capsys.readouterr().out
+    assert os.listdir(cwd) == [] and "bench.json" in os.listdir(tmp_path / "res")
+    assert f"JSON: {tmp_path / 'res' / 'bench.json'}" in out
+    doc = json.loads((tmp_path / "res" / "bench.json").read_text())
+    assert {r["method"] for r in doc["rows"]} == {"mmapckpt", "dcp"} and doc["targets"]
+
+
+def test_targets_one_line_unless_listed(tmp_path, capsys) -> None:
+    assert bench.run(_args(tmp_path)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    one = [line for line in lines if line.startswith("targets: ")]
+    assert len(one) == 1 and " met" in one[0] and "--targets lists them" in one[0] and TARGETS_NOTE in one[0]
+    assert "mmapckpt against the targets:" not in lines
+
+    assert bench.run(_args(tmp_path, "--targets")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert not any(line.startswith("targets: ") for line in lines)
+    listed = lines[lines.index("mmapckpt against the targets:") + 1:]
+    phases = [line for line in listed if line.startswith("  mmapckpt ")]
+    assert {p.split(":")[0].split(None, 1)[1] for p in phases} >= {"save (fsync)", "warm load into targets",
+                                                                   "cold load into targets"}
+
+
+def test_save_rows_show_the_o_direct_limit_beside_the_buffered_one(tmp_path, capsys) -> None:
+    assert bench.run(_args(tmp_path, "--out", str(tmp_path / "res"))) == 0
+    lines = capsys.readouterr().out.splitlines()
+    doc = json.loads((tmp_path / "res" / "bench.json").read_text())
+    head = next(line for line in lines if line.startswith("phase "))
+    col = head.index("O_DIRECT")
+    assert "limit: write+fsync, O_DIRECT" in "\n".join(lines) and SAVE_NOTE in lines
+    for r in doc["rows"]:
+        row = next(line for line in lines if line.startswith(f"{PHASES[r['phase']][0]:<24}{r['method']:<15}"))
+        cell = row[col:col + 8].strip()
+        if r["phase"] == "save" and "fraction_of_direct" in r:
+            assert cell == f"{r['fraction_of_direct']:.2f}", (row, head)
+        elif r["phase"] != "save":
+            assert cell == "", row
