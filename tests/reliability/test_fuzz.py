@@ -91,7 +91,10 @@ def build(root: str) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- the oracle
-PLANNER_MISMATCH = ("Missing key in checkpoint state_dict", "Size mismatch")
+# DCP's planner refusing a (checksummed, self-consistent) metadata that describes another state dict
+# than the targets: a missing key, another size, or another kind of item (the version-2 table can swap
+# two names with everything they describe; the shard headers would still refuse the bytes on read).
+PLANNER_MISMATCH = ("Missing key in checkpoint state_dict", "Size mismatch", "Invalid checkpoint metadata for")
 
 
 def _refused(e: CheckpointError) -> str:
