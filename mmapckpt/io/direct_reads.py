@@ -51,7 +51,11 @@ class DirectReads:
             self._open([(o, n) for o, n in ranges if o >= 0 and n > 0])
 
     def _open(self, ranges: list[tuple[int, int]]) -> None:
-        fd = os.open(self.file.path, os.O_RDONLY)
+        try:
+            fd = os.open(self.file.path, os.O_RDONLY)
+        except FileNotFoundError:  # removed since it was mapped (a later save's clean-up): read the mapping
+            self.enabled = False
+            return
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) != self.file.ident:
             os.close(fd)  # replaced since it was mapped: the mapping is the file to read

@@ -296,3 +296,23 @@ def test_dtensors_are_refused_with_the_dcp_way_named(tmp_path):
     path = str(tmp_path / "c")
     mmapckpt.save({"w": torch.arange(8.0)}, path)
     helpers.run_distributed(_dtensor_refusals, 1, path)
+
+
+def test_direct_reads_of_a_shard_removed_after_mapping_fall_back_to_the_mapping(tmp_path):
+    """A later save's clean-up may unlink a shard a load has mapped: the mapping stays the file to read."""
+    from mmapckpt.format.shard import Shard
+    from mmapckpt.io.direct_reads import DirectReads
+
+    sd = {"w": torch.randn(70_000)}
+    path = str(tmp_path / "c")
+    mmapckpt.save(sd, path)
+    shard = Shard(os.path.join(path, SHARD))
+    os.unlink(os.path.join(path, SHARD))
+    reads = DirectReads(shard.file, ranges=[(4096, 280_000)])
+    assert not reads.enabled
+    e = shard.header.entries[0]
+    target = torch.empty(70_000)
+    src = shard.tensor(e)
+    assert not reads.take(src, target, None, "w")
+    target.copy_(src)
+    assert_bitwise_equal(target, sd["w"])
