@@ -38,7 +38,7 @@ class _Tensors(SavePlanner):
         self.mmapckpt_aliases = aliases  # format/aliases.py ALIASES_ATTR: tied weights, stored once
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self.tensors[write_item.index.fqn].detach()
+        return self.tensors[write_item.index.fqn]  # stage_to_host detaches what needs it
 
     # The planning steps belong to dcp.save, which this path does not take.
     def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
@@ -79,24 +79,45 @@ def save(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *
     _check_plain(tensors)
     writer = MmapWriter(path, overwrite=overwrite, metadata=metadata, **writer_options)
     with paused_gc():
-        items, sdm = [], {}
-        for fqn, t in tensors.items():
-            props = TensorProperties.create_from_tensor(t)
-            chunk = ChunkStorageMetadata(offsets=torch.Size([0] * t.dim()), sizes=t.size())
-            items.append(WriteItem(index=MetadataIndex(fqn, chunk.offsets, 0), type=WriteItemType.TENSOR,
-                                   tensor_data=TensorWriteData(chunk=chunk, properties=props, size=t.size())))
-            sdm[fqn] = TensorStorageMetadata(properties=props, size=t.size(), chunks=[chunk])
-        zeros = {fqn: MetadataIndex(fqn, sdm[fqn].chunks[0].offsets) for fqn in tensors}
-        aliases = {zeros[a]: zeros[c] for a, c in exact_aliases(tensors).items()}
-        writer.set_up_storage_writer(True, rank=0, use_collectives=True)
-        try:
-            plan = writer.prepare_global_plan([writer.prepare_local_plan(SavePlan(items))])[0]
-            results = writer.write_data(plan, _Tensors(tensors, aliases)).wait()
-            metadata = Metadata(state_dict_metadata=sdm, planner_data={fqn: (fqn,) for fqn in tensors})
-            writer.finish(metadata, [results])
-        finally:
-            writer._release()  # the save lock, also when a step failed (finish releases it otherwise)
+        _steps(writer, tensors)  # returns having dropped every object it built: the collector never walks them
     return writer
+
+
+def _steps(writer: MmapWriter, tensors: dict[str, torch.Tensor]) -> None:
+    """The StorageWriter steps of ``dcp.save``, with the items and metadata DCP's default planner makes."""
+    items, sdm = _items(tensors)
+    tied = exact_aliases(tensors)
+    aliases = {MetadataIndex(a, sdm[a].chunks[0].offsets): MetadataIndex(c, sdm[c].chunks[0].offsets)
+               for a, c in tied.items()}
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    try:
+        plan = writer.prepare_global_plan([writer.prepare_local_plan(SavePlan(items))])[0]
+        results = writer.write_data(plan, _Tensors(tensors, aliases)).wait()
+        metadata = Metadata(state_dict_metadata=sdm, planner_data={fqn: (fqn,) for fqn in tensors})
+        writer.finish(metadata, [results])
+    finally:
+        writer._release()  # the save lock, also when a step failed (finish releases it otherwise)
+
+
+def _items(tensors: dict[str, torch.Tensor]) -> tuple[list[WriteItem], dict[str, TensorStorageMetadata]]:
+    """One whole-tensor WriteItem and state-dict entry per tensor, as DCP's default planner makes them
+    (their properties and zero offsets shared between tensors of one kind: DCP's values, built once)."""
+    items, sdm = [], {}
+    props: dict[tuple[Any, ...], TensorProperties] = {}
+    zeros: dict[int, torch.Size] = {}
+    for fqn, t in tensors.items():
+        size = t.size()
+        p = props.get(key := (t.dtype, t.layout, t.requires_grad))
+        if p is None:
+            p = props[key] = TensorProperties.create_from_tensor(t)
+        z = zeros.get(len(size))
+        if z is None:
+            z = zeros[len(size)] = torch.Size([0] * len(size))
+        chunk = ChunkStorageMetadata(offsets=z, sizes=size)
+        items.append(WriteItem(index=MetadataIndex(fqn, z, 0), type=WriteItemType.TENSOR,
+                               tensor_data=TensorWriteData(chunk=chunk, properties=p, size=size)))
+        sdm[fqn] = TensorStorageMetadata(properties=p, size=size, chunks=[chunk])
+    return items, sdm
 
 
 def _check_plain(tensors: dict[str, Any]) -> None:

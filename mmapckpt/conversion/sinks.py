@@ -11,7 +11,6 @@ one tensor plus one chunk, whatever the checkpoint's size.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pickle
@@ -118,7 +117,7 @@ def _write_mmapckpt_shard(src: Source, path: str, rel: str, items: list[Metadata
         os.ftruncate(fd, file_size)
         for i, (e, idx) in enumerate(zip(entries, items)):
             if i in aliases:  # the same bytes as an entry already written
-                done.append(dataclasses.replace(e, crc32=done[aliases[i]].crc32))
+                done.append(e._replace(crc32=done[aliases[i]].crc32))
                 progress.advance(e.length)
                 continue
             buf = payloads[idx] if idx in payloads else raw_bytes(src.read_tensor(idx))
@@ -126,8 +125,7 @@ def _write_mmapckpt_shard(src: Source, path: str, rel: str, items: list[Metadata
                 raise FormatError(f"read {len(buf)} bytes, expected {e.length}", path=src.path, entry=label(idx))
             if e.length:
                 pwrite_all(fd, buf, e.offset)
-            done.append(fmt.Entry(e.fqn, e.chunk_offsets, e.kind, e.dtype, e.shape, e.offset, e.length,
-                                  zlib.crc32(buf)))
+            done.append(e._replace(crc32=zlib.crc32(buf)))
             del buf
             if idx not in payloads:
                 progress.advance(e.length)

@@ -39,16 +39,25 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
 
 def exact_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """``{alias: the first name of the same tensor}`` for every name that is an exact alias of an earlier one."""
+    at: dict[int, list[str]] = {}  # aliases start at the same address: only those are compared in full
+    for name, t in tensors.items():
+        try:
+            at.setdefault(t.data_ptr(), []).append(name)
+        except RuntimeError:  # no strided memory (sparse, and such): never an alias
+            continue
     first: dict[tuple[Any, ...], str] = {}
     out: dict[str, str] = {}
-    for name, t in tensors.items():
-        key = _view_key(t)
-        if key is None:
+    for names in at.values():
+        if len(names) < 2:
             continue
-        if key in first:
-            out[name] = first[key]
-        else:
-            first[key] = name
+        for name in names:
+            key = _view_key(tensors[name])
+            if key is None:
+                continue
+            if key in first:
+                out[name] = first[key]
+            else:
+                first[key] = name
     return out
 
 

@@ -67,8 +67,13 @@ def stage_to_host(items: Iterable[Any], resolve: Callable[[Any], torch.Tensor],
             except StopIteration:
                 exhausted = True
                 break
-            t = resolve(item).detach()
+            t = resolve(item)
+            if t.requires_grad:
+                t = t.detach()
             if t.device.type == "cpu":
+                if not pending:  # nothing ahead of it: handed over as it is
+                    yield item, t
+                    continue
                 staged = _Staged(item, t)
             else:
                 host, event = streams.copy_to_pinned(t)

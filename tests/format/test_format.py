@@ -73,20 +73,22 @@ def test_exact_bytes_of_a_small_layout() -> None:
         fmt.EntrySpec("c.w", (4, 0), "tensor", "uint8", (1, 4096), 4096),
     ]
     entries, file_size = fmt.layout_entries(specs, 4096)
-    # data start: 32 + 256 + 160 per entry = 768, already 64-aligned; "a" (6 bytes) at 768;
-    # "b" at the next multiple of 64; "c.w" (one page) on the next page; the file ends on a page.
-    assert [(e.offset, e.length) for e in entries] == [(768, 6), (832, 5), (4096, 4096)]
+    # data start: the 386-byte header below with every offset reserved at 4 digits (no offset of
+    # an 8 KiB file has more) is 389 bytes, rounded up to 64: 448; "a" (6 bytes) at 448; "b" at
+    # the next multiple of 64; "c.w" (one page) on the next page; the file ends on a page.
+    assert [(e.offset, e.length) for e in entries] == [(448, 6), (512, 5), (4096, 4096)]
     assert file_size == 8192
-    done = [e.__class__(**{**e.__dict__, "crc32": c}) for e, c in zip(entries, (0x0123ABCD, 0, 0xFFFFFFFF))]
+    done = [e._replace(crc32=c) for e, c in zip(entries, (0x0123ABCD, 0, 0xFFFFFFFF))]
     body = (b'{"format":"mmapckpt","entries":['
-            b'{"fqn":"a","kind":"tensor","chunk_offsets":[0],"dtype":"int16","shape":[3],"offset":768,"length":6,"crc32":"0123abcd"},'
-            b'{"fqn":"b","kind":"bytes","offset":832,"length":5,"crc32":"00000000"},'
+            b'{"fqn":"a","kind":"tensor","chunk_offsets":[0],"dtype":"int16","shape":[3],"offset":448,"length":6,"crc32":"0123abcd"},'
+            b'{"fqn":"b","kind":"bytes","offset":512,"length":5,"crc32":"00000000"},'
             b'{"fqn":"c.w","kind":"tensor","chunk_offsets":[4,0],"dtype":"uint8","shape":[1,4096],"offset":4096,"length":4096,"crc32":"ffffffff"}'
             b']}')
     expected = (b"MMAPCKPT" + b"\x01\x00" + b"\x00\x00" + b"\x01" + b"\x00\x00\x00"
                 + struct.pack("<Q", len(body)) + struct.pack("<I", zlib.crc32(body)) + b"\x00" * 4 + body)
     assert fmt.encode_header(done) == expected
-    assert len(expected) <= 768
+    assert len(expected) == 386
+    assert fmt.plan_shard(specs, 4096).header([e.crc32 for e in done]) == expected  # the writer's path
 
 
 def test_exact_bytes_of_a_written_shard(tmp_path) -> None:
@@ -97,9 +99,10 @@ def test_exact_bytes_of_a_written_shard(tmp_path) -> None:
     assert isinstance(save_id, str) and len(save_id) == 36
     body = (f'{{"format":"mmapckpt","save_id":"{save_id}","entries":[{{"fqn":"w","kind":"tensor",'
             '"chunk_offsets":[0],"dtype":"float32",'
-            f'"shape":[2],"offset":448,"length":8,"crc32":"{zlib.crc32(data):08x}"}}]}}').encode()
+            f'"shape":[2],"offset":256,"length":8,"crc32":"{zlib.crc32(data):08x}"}}]}}').encode()
     head = preamble(len(body), zlib.crc32(body)) + body
-    expected = head + b"\0" * (448 - len(head)) + data + b"\0" * (4096 - 456)
+    assert len(head) == 235  # 236 with the offset reserved at 4 digits (a 4 KiB file's), rounded up to 64: 256
+    expected = head + b"\0" * (256 - len(head)) + data + b"\0" * (4096 - 264)
     assert (tmp_path / "__0_0.distcp").read_bytes() == expected
 
 
