@@ -110,6 +110,65 @@ def _h2d_limit(nbytes: int, dev: torch.device) -> float:
     return _timed(run, dev)[0]
 
 
+def _fill_limit(files: list[str], threads: int, dev: torch.device) -> float:
+    """Seconds to read every byte of the (cached) ``files`` into one staging-sized host buffer (pinned on a
+    GPU) with ``threads`` reader threads: the host side of a warm load, with no copy to the device."""
+    from mmapckpt.io.reads import ReadJob, pread_jobs, submit_reads
+    from mmapckpt.io.staging import DEFAULT_STAGING_BYTES
+
+    buf = torch.empty(DEFAULT_STAGING_BYTES, dtype=torch.uint8, pin_memory=dev.type == "cuda").numpy()
+
+    def run() -> None:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                for base in range(0, size, len(buf)):
+                    n = min(len(buf), size - base)
+                    step = -(-n // threads)
+                    step += -step % 4096
+                    jobs = [ReadJob(buf[s:min(s + step, n)], base + s, None) for s in range(0, n, step)]
+                    if threads == 1:
+                        pread_jobs(fd, jobs, path=path)
+                    else:
+                        for f in submit_reads(fd, jobs, threads=len(jobs), path=path):
+                            f.result()
+            finally:
+                os.close(fd)
+    run()
+    return _timed(run, dev)[0]
+
+
+def _fill_sweep(ctx: dict[str, Any], counts: list[int], repeats: int) -> dict[str, Any]:
+    """For each count of fill threads: the fill limit and the warm ``load_into`` (medians of ``repeats``); and
+    whether the warm files probe as cached, since the fill threads serve only files that do."""
+    from mmapckpt.bench.system import files_under, warm_up
+    from mmapckpt.io import direct_reads
+
+    files, nbytes, default = files_under(ctx["paths"]["mmapckpt"]), ctx["nbytes"], direct_reads._STAGE_READ_THREADS
+    warm_up(files)
+    fsize = sum(os.path.getsize(f) for f in files)
+    from mmapckpt.io.files import is_cached
+
+    fd = os.open(max(files, key=os.path.getsize), os.O_RDONLY)
+    try:
+        cached = is_cached(fd, [0, 1 << 20])
+    finally:
+        os.close(fd)
+    rows = []
+    try:
+        for t in counts:
+            direct_reads._STAGE_READ_THREADS = t
+            fill = statistics.median(_fill_limit(files, t, ctx["dev"]) for _ in range(repeats))
+            load = statistics.median(_load_once(ctx, "mmapckpt-load_into", "warm", check=i == 0)
+                                     for i in range(repeats))
+            rows.append({"threads": t, "fill_s": fill, "fill_gbps": fsize / fill / 1e9, "load_into_s": load,
+                         "load_into_gbps": nbytes / load / 1e9, "default": t == default})
+    finally:
+        direct_reads._STAGE_READ_THREADS = default
+    return {"cached_probe": cached, "rows": rows}
+
+
 # ---------------------------------------------------------------- saves and loads
 def _paths(root: str) -> dict[str, str]:
     return {"mmapckpt": os.path.join(root, "mmapckpt"), "dcp": os.path.join(root, "dcp"),
@@ -264,8 +323,8 @@ def _repetition(r: int, ctx: dict[str, Any], add: Callable[[str, str, float], No
                     add(phase, key, seconds)
 
 
-def _measure(sd: StateDict, root: str, repeats: int, dev: torch.device) -> tuple[dict, dict, dict]:
-    """Every phase ``repeats`` times: (times by (phase, key), bitwise checks, notes)."""
+def _measure(sd: StateDict, root: str, repeats: int, dev: torch.device) -> tuple[dict, dict, dict, dict]:
+    """Every phase ``repeats`` times: (times by (phase, key), bitwise checks, notes, the run's context)."""
     paths = _paths(root)
     _save_reference_files({k: v.cpu() for k, v in sd.items()}, paths)
     targets = {k: torch.empty_like(v) for k, v in sd.items()}
@@ -276,7 +335,7 @@ def _measure(sd: StateDict, root: str, repeats: int, dev: torch.device) -> tuple
     for r in range(repeats):
         print(f"repetition {r + 1}/{repeats}", file=sys.stderr)
         _repetition(r, ctx, lambda phase, key, s: times.setdefault((phase, key), []).append(s))
-    return times, ctx["checked"], notes
+    return times, ctx["checked"], notes, ctx
 
 
 # ---------------------------------------------------------------- the report
@@ -323,6 +382,12 @@ def _print(doc: dict[str, Any]) -> None:
               f"{'met' if t['met'] else 'MISSED'}")
     for key, ok in doc["checked_bitwise"].items():
         print(f"checked bitwise: {key}: {'yes' if ok else 'NO'}")
+    if doc.get("fill_sweep"):
+        print("\nwarm fill threads (page cache -> one staging buffer, no device copy; then a warm load_into); "
+              f"the warm files probe as cached: {doc['fill_sweep']['cached_probe']}")
+        for r in doc["fill_sweep"]["rows"]:
+            print(f"  {r['threads']:>3} threads{' (default)' if r['default'] else '':<10} fill {r['fill_gbps']:6.2f} GB/s"
+                  f"   load_into {r['load_into_gbps']:6.2f} GB/s")
     for key, note in doc["skipped"].items():
         print(f"{key}: {note}")
     if doc.get("note"):
@@ -352,6 +417,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: under the cwd)")
     parser.add_argument("--out", default="cuda_bench.json", help="JSON result file")
+    parser.add_argument("--fill-threads", default=None,
+                        help="comma-separated counts of staging fill threads to sweep after the run, warm "
+                             "(default 1,4,8,16 on cuda, 1,2 on cpu; 'none' to skip)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -371,10 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(sd)} tensors, {sum(t.nbytes for t in sd.values()) / 1e9:.3f} GB on {where}", file=sys.stderr)
     root = tempfile.mkdtemp(prefix=".mmapckpt-cuda-bench-", dir=args.dir or os.getcwd())
     try:
-        times, checked, notes = _measure(sd, root, args.repeats, dev)
+        times, checked, notes, ctx = _measure(sd, root, args.repeats, dev)
+        counts = args.fill_threads or ("1,2" if dev.type == "cpu" else "1,4,8,16")
+        sweep = None if counts == "none" else _fill_sweep(ctx, [int(c) for c in counts.split(",")], args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     doc = _document(args, dev, sd, times, checked, notes)
+    doc["fill_sweep"] = sweep
     _print(doc)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)

@@ -128,6 +128,9 @@ def test_cuda_benchmark_smoke_runs_every_row_on_the_cpu(tmp_path) -> None:
     assert _positive(doc["limits"]["h2d"]["gbps"])
     assert set(doc["limits"]["cold_read"]) == {"mmapckpt", "dcp", "safetensors", "torch"}
     assert doc["bytes"] > 1_000_000 and doc["repeats"] == 1
+    sweep = doc["fill_sweep"]
+    assert isinstance(sweep["cached_probe"], bool) and [r["threads"] for r in sweep["rows"]] == [1, 2]
+    assert all(_positive(r["fill_gbps"]) and _positive(r["load_into_gbps"]) for r in sweep["rows"])
     for label in ("dcp.load + MmapReader", "mmapckpt.load_into", "safetensors load_file", "against the targets"):
         assert label in proc.stdout
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".mmapckpt-cuda-bench-")]  # cleaned up

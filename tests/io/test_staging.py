@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import pytest
 import torch
@@ -193,6 +194,48 @@ def test_reads_fill_the_buffers_from_the_file(tmp_path):
     assert calls == [(0, 8192), (8192, 8192), (16384, 3616)]
     assert torch.equal(dst, data)
     assert reads.reader_for(src[::2]) is None  # a strided region is gathered from the mapping instead
+
+
+@pytest.mark.parametrize("threads, piece", [(3, 4096), (2, 5000), (8, 1 << 20)])
+def test_a_cached_fill_is_shared_by_threads_and_lands_bitwise(tmp_path, monkeypatch, threads, piece):
+    """A staging fill from a cached file is cut into page-aligned pieces read by several threads; every
+    byte lands at its place, also for uneven cuts and fills that start inside the source."""
+    from mmapckpt.io import direct_reads
+    from mmapckpt.io import reads as io_reads
+    from mmapckpt.io.mapped import MappedFile
+
+    monkeypatch.setattr(direct_reads, "_STAGE_READ_THREADS", threads)
+    monkeypatch.setattr(direct_reads, "_STAGE_PIECE", piece)
+    data = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(b"\1" * 4096 + data.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapped = MappedFile(fd, str(path))
+    finally:
+        os.close(fd)
+    src = mapped.view(4096, torch.uint8, (100_003,))
+    reads = direct_reads.DirectReads(mapped, ranges=[(4096, 100_003)])
+    assert reads.cached  # just written
+    seen: set[str] = set()
+    real = direct_reads.pread_into
+
+    def spy(*a, **k):
+        seen.add(threading.current_thread().name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(direct_reads, "pread_into", spy)  # one read on the caller's thread
+    monkeypatch.setattr(io_reads, "pread_into", spy)  # the reader threads' reads
+    read = reads.reader_for(src, "x")
+    try:
+        for start, nbytes in ((0, 100_003), (777, 50_000), (99_000, 1_003)):
+            staged = torch.zeros(nbytes, dtype=torch.uint8)
+            read(staged, start, nbytes)
+            assert torch.equal(staged, data[start:start + nbytes]), (start, nbytes)
+    finally:
+        reads.close()
+    parallel = min(threads, 100_003 // piece) >= 2
+    assert any(n.startswith("mmapckpt-pread") for n in seen) == parallel, seen
 
 
 def test_deprecated_names_still_work_and_warn():
