@@ -143,9 +143,9 @@ def _fill_sweep(ctx: dict[str, Any], counts: list[int], repeats: int) -> dict[st
     """For each count of fill threads: the fill limit and the warm ``load_into`` (medians of ``repeats``); and
     whether the warm files probe as cached, since the fill threads serve only files that do."""
     from mmapckpt.bench.system import files_under, warm_up
-    from mmapckpt.io import direct_reads
+    from mmapckpt.io import staging
 
-    files, nbytes, default = files_under(ctx["paths"]["mmapckpt"]), ctx["nbytes"], direct_reads._STAGE_READ_THREADS
+    files, nbytes, default = files_under(ctx["paths"]["mmapckpt"]), ctx["nbytes"], staging.FILL_THREADS
     warm_up(files)
     fsize = sum(os.path.getsize(f) for f in files)
     from mmapckpt.io.files import is_cached
@@ -158,14 +158,14 @@ def _fill_sweep(ctx: dict[str, Any], counts: list[int], repeats: int) -> dict[st
     rows = []
     try:
         for t in counts:
-            direct_reads._STAGE_READ_THREADS = t
+            staging.FILL_THREADS = t
             fill = statistics.median(_fill_limit(files, t, ctx["dev"]) for _ in range(repeats))
             load = statistics.median(_load_once(ctx, "mmapckpt-load_into", "warm", check=i == 0)
                                      for i in range(repeats))
             rows.append({"threads": t, "fill_s": fill, "fill_gbps": fsize / fill / 1e9, "load_into_s": load,
                          "load_into_gbps": nbytes / load / 1e9, "default": t == default})
     finally:
-        direct_reads._STAGE_READ_THREADS = default
+        staging.FILL_THREADS = default
     return {"cached_probe": cached, "rows": rows}
 
 

@@ -97,6 +97,7 @@ class FileReads:
         defer = _defers_safely(planner)
         direct = DirectReads(shard.file, enabled=self.direct_reads and defer, ranges=ranges)
         accept_view = getattr(planner, "accept_view", None)
+        ok = False
         try:
             for req in reqs:
                 idx, info = req.storage_index, self.storage_data[req.storage_index]
@@ -125,7 +126,10 @@ class FileReads:
                     devices.append(dev)
             for req, target in direct.run():
                 planner.commit_tensor(req, target)
+            ok = True
         finally:
+            for dev in set(devices):  # staged reads run late: before this file's descriptor closes
+                self.pool_for(dev).seal(run=ok)
             direct.close()
         check_size_unchanged(shard)
         return devices

@@ -34,16 +34,22 @@ def chunk_stager(files: Any, infos: list[EntryInfo]) -> Iterator[Callable[..., N
             if mapped is not None and c.length:
                 ranges.setdefault(c.file, (mapped, []))[1].append((c.file_offset, c.length))
     readers = {rel: DirectReads(m, ranges=sorted(r)) for rel, (m, r) in ranges.items()}
+    pools: set[StagingPool] = set()
 
     def stage_chunk(pool: StagingPool, info: EntryInfo, c: ChunkInfo, dst: torch.Tensor,
                     done: Callable[[], None] = lambda: None) -> None:
         src = files.chunk(info, c)
         reader = readers.get(c.file) if files.mapped(info, c) is not None else None
+        pools.add(pool)
         stage(pool, src, dst, done, reader.reader_for(src, info.name) if reader is not None else None)
 
+    ok = False
     try:
         yield stage_chunk
+        ok = True
     finally:
+        for pool in pools:  # the pools read late: before the files close
+            pool.seal(run=ok)
         for r in readers.values():
             r.close()
     files.check_unchanged(chunks)

@@ -22,12 +22,6 @@ __all__ = ["DirectReads"]
 
 #: Threads that read a file whose pages are already cached (the copy out of the cache is the cost).
 _CACHED_READ_THREADS = max(1, min(4, os.cpu_count() or 1))
-#: Threads that fill one staging buffer from a cached file (reader_for()): host-to-device loads are
-#: bound by this copy out of the page cache, which one thread does at a tenth of a PCIe 5 link.
-_STAGE_READ_THREADS = max(1, min(8, os.cpu_count() or 1))
-#: A staging fill is split into pieces of at least this many bytes (smaller ones cost more to hand
-#: to a thread than to read).
-_STAGE_PIECE = 1 << 20
 #: Regions of a cached file shorter than this are copied from the mapping (see take()).
 SMALL_CACHED_COPY = 64 << 10
 #: Cached reads start on those threads in batches of this many bytes, while the plan is still walked.
@@ -106,21 +100,7 @@ class DirectReads:
             return None
         if self._base is None:
             self._base = self.file.address()
-        offset = src.data_ptr() - self._base
-        fd, path, threads = self.fd, self.file.path, _STAGE_READ_THREADS if self.cached else 1
-
-        def read(staged: torch.Tensor, start: int, nbytes: int) -> None:
-            buf = staged.numpy()
-            k = min(threads, nbytes // _STAGE_PIECE)
-            if k < 2:  # a cold file reads best as one stream in file order
-                pread_into(fd, buf, offset + start, path=path, entry=label)
-                return
-            step = -(-nbytes // k)
-            step += -step % 4096  # page-aligned pieces, the last one shorter
-            jobs = [ReadJob(buf[s:s + step], offset + start + s, label) for s in range(0, nbytes, step)]
-            _wait_all(submit_reads(fd, jobs, threads=len(jobs), path=path))
-
-        return read
+        return _FileRead(self.fd, self.file.path, src.data_ptr() - self._base, label, self.cached)
 
     def _start(self) -> None:
         if self._pending:
@@ -149,6 +129,19 @@ class DirectReads:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class _FileRead:
+    """A staging reader (``io.staging.Reader``): a contiguous source's bytes read from the file at their
+    place. ``parallel`` where the file is cached: its reads are then memory copies that threads share."""
+
+    __slots__ = ("fd", "path", "offset", "label", "parallel")
+
+    def __init__(self, fd: int, path: str, offset: int, label: str | None, parallel: bool) -> None:
+        self.fd, self.path, self.offset, self.label, self.parallel = fd, path, offset, label, parallel
+
+    def __call__(self, staged: torch.Tensor, start: int, nbytes: int) -> None:
+        pread_into(self.fd, staged.numpy(), self.offset + start, path=self.path, entry=self.label)
 
 
 def _wait_all(futures: list[Future[None]]) -> None:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from .files import pread_into
 
-__all__ = ["ReadJob", "pread_jobs", "submit_reads", "READ_PIECE"]
+__all__ = ["ReadJob", "pread_jobs", "submit_reads", "reader_pool", "READ_PIECE"]
 
 
 class ReadJob(NamedTuple):
@@ -47,7 +47,7 @@ def submit_reads(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> li
     for p in pieces:
         groups[min(threads - 1, done * threads // max(total, 1))].append(p)
         done += _nbytes(p.buf)
-    pool = _reader_pool(threads)
+    pool = reader_pool(threads)
     return [pool.submit(_pread_all, fd, g, path) for g in groups if g]
 
 
@@ -69,7 +69,7 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _reader_pool(threads: int) -> ThreadPoolExecutor:
+def reader_pool(threads: int) -> ThreadPoolExecutor:
     """The process's reader threads, started once (starting threads per load cost milliseconds)."""
     global _pool
     with _pool_lock:

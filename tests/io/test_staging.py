@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import helpers
+import mmapckpt
 import lazy_dist
 from mmapckpt.io.staging import StagingPool, plan_blocks
 
@@ -196,46 +197,85 @@ def test_reads_fill_the_buffers_from_the_file(tmp_path):
     assert reads.reader_for(src[::2]) is None  # a strided region is gathered from the mapping instead
 
 
-@pytest.mark.parametrize("threads, piece", [(3, 4096), (2, 5000), (8, 1 << 20)])
-def test_a_cached_fill_is_shared_by_threads_and_lands_bitwise(tmp_path, monkeypatch, threads, piece):
-    """A staging fill from a cached file is cut into page-aligned pieces read by several threads; every
-    byte lands at its place, also for uneven cuts and fills that start inside the source."""
-    from mmapckpt.io import direct_reads
-    from mmapckpt.io import reads as io_reads
-    from mmapckpt.io.mapped import MappedFile
+class _Recorder:
+    """A staging reader over ``data`` that notes which thread read which range."""
 
-    monkeypatch.setattr(direct_reads, "_STAGE_READ_THREADS", threads)
-    monkeypatch.setattr(direct_reads, "_STAGE_PIECE", piece)
-    data = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
-    path = tmp_path / "f"
-    path.write_bytes(b"\1" * 4096 + data.numpy().tobytes())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        mapped = MappedFile(fd, str(path))
-    finally:
-        os.close(fd)
-    src = mapped.view(4096, torch.uint8, (100_003,))
-    reads = direct_reads.DirectReads(mapped, ranges=[(4096, 100_003)])
-    assert reads.cached  # just written
-    seen: set[str] = set()
-    real = direct_reads.pread_into
+    def __init__(self, data: torch.Tensor, parallel: bool) -> None:
+        self.data, self.parallel, self.calls = data, parallel, []
 
-    def spy(*a, **k):
-        seen.add(threading.current_thread().name)
-        return real(*a, **k)
+    def __call__(self, staged: torch.Tensor, start: int, nbytes: int) -> None:
+        self.calls.append((threading.current_thread().name, start, nbytes))
+        staged.copy_(self.data[start:start + nbytes])
 
-    monkeypatch.setattr(direct_reads, "pread_into", spy)  # one read on the caller's thread
-    monkeypatch.setattr(io_reads, "pread_into", spy)  # the reader threads' reads
-    read = reads.reader_for(src, "x")
-    try:
-        for start, nbytes in ((0, 100_003), (777, 50_000), (99_000, 1_003)):
-            staged = torch.zeros(nbytes, dtype=torch.uint8)
-            read(staged, start, nbytes)
-            assert torch.equal(staged, data[start:start + nbytes]), (start, nbytes)
-    finally:
-        reads.close()
-    parallel = min(threads, 100_003 // piece) >= 2
-    assert any(n.startswith("mmapckpt-pread") for n in seen) == parallel, seen
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40_000), min_size=1, max_size=6), threads=st.integers(1, 5),
+       piece=st.sampled_from([1000, 4096, 50_000]), parallel=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_a_buffers_reads_are_shared_by_threads_and_land_bitwise(sizes, threads, piece, parallel):
+    """The reads of a buffer run when the host leaves it: those of ``parallel`` readers are cut into about
+    equal shares for several threads, the others run whole on the caller's thread; every byte lands at its
+    place, each range is read exactly once, and the copies see the filled buffer."""
+    import unittest.mock
+
+    from mmapckpt.io import staging
+
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
+    readers = [_Recorder(s, p) for s, p in zip(srcs, parallel)]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    with unittest.mock.patch.object(staging, "FILL_THREADS", threads), \
+            unittest.mock.patch.object(staging, "_FILL_PIECE", piece):
+        with StagingPool("cpu", staging_bytes=64_000, staging_buffers=2) as pool:
+            for s, d, r in zip(srcs, dsts, readers):
+                pool.copy(torch.empty_like(s), d, read=r)  # the source's own bytes are never used
+    for s, d, r in zip(srcs, dsts, readers):
+        assert torch.equal(d, s)
+        covered = sorted((a, a + n) for _, a, n in r.calls)
+        assert sum(n for _, _, n in r.calls) == s.numel()  # every byte read once
+        at = 0
+        for a, b in covered:
+            assert a == at
+            at = b
+        if not r.parallel:
+            assert all(name == threading.current_thread().name for name, _, _ in r.calls)
+
+
+def test_reads_are_shared_out_only_for_a_parallel_reader_and_large_fills(monkeypatch):
+    from mmapckpt.io import staging
+
+    monkeypatch.setattr(staging, "FILL_THREADS", 4)
+    monkeypatch.setattr(staging, "_FILL_PIECE", 4096)
+    data = torch.randint(0, 256, (60_000,), dtype=torch.uint8)
+    for parallel in (True, False):
+        r = _Recorder(data, parallel)
+        out = torch.zeros_like(data)
+        with StagingPool("cpu", staging_bytes=64_000, staging_buffers=2) as pool:
+            pool.copy(torch.empty_like(data), out, read=r)
+        assert torch.equal(out, data)
+        names = {n for n, _, _ in r.calls}
+        assert len(r.calls) == (4 if parallel else 1) and (len(names) > 1) == parallel, r.calls
+
+
+def test_a_staged_load_reads_before_its_files_close(tmp_path, monkeypatch):
+    """The reads run late (when the host leaves a buffer), so each file's pending reads must run before its
+    descriptor closes: load_into and dcp.load through the pool (CPU targets), with one buffer larger than
+    the whole checkpoint, so that nothing is read until the end of the load."""
+    import torch.distributed.checkpoint as dcp
+
+    from mmapckpt.io import staging
+
+    monkeypatch.setattr(staging, "STAGE_CPU_TARGETS", True)
+    sd = {f"t{i}": torch.randn(1000 + i) for i in range(5)}
+    mmapckpt.save(sd, tmp_path / "a")
+    dcp.save(sd, storage_writer=mmapckpt.MmapWriter(tmp_path / "b"), no_dist=True)
+    big = 1 << 20
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    mmapckpt.load_into(out, tmp_path / "a", staging_bytes=big)
+    helpers.assert_tree_equal(out, sd)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    reader = mmapckpt.MmapReader(tmp_path / "b", staging_bytes=big)
+    reader._stage_cpu_targets = True
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    helpers.assert_tree_equal(out, sd)
 
 
 def test_deprecated_names_still_work_and_warn():
