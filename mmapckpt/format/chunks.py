@@ -9,13 +9,14 @@ and chunks it works from is the metadata's (``metafile.read_index_file``).
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from ..errors import FormatError, IncompleteCheckpointError, SizeMismatchError
 from ..io.files import open_inside
 from ..io.mapped import MappedFile
+from .dtypes import dtype_name
 from .entries import ChunkInfo, EntryInfo, numel
 from .metadata import missing_shard_error
 from .shard import Shard, check_size_unchanged, is_mmapckpt_shard
@@ -43,6 +44,30 @@ def check_coverage(info: EntryInfo, path: str) -> None:
         raise FormatError(f"chunks hold {total} of the tensor's {numel(shape)} elements", path=path, entry=info.name)
 
 
+def _records_by_file(entries: Mapping[str, EntryInfo]) -> dict[str, list[tuple[Any, ...]]]:
+    """Per file, its entries as the metadata places them, in its order (what ``Shard.agrees`` compares)."""
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    names: dict[Any, str | None] = {None: None}
+    for e in entries.values():
+        tensor = e.kind == "tensor"
+        dt = names[e.dtype] if e.dtype in names else names.setdefault(e.dtype, _stored_name(e.dtype))
+        for c in e.chunks:
+            rec = (e.name, c.offsets, "tensor", dt, c.sizes, c.file_offset, c.length) if tensor else (
+                e.name, None, "bytes", None, (), c.file_offset, c.length)
+            try:
+                out[c.file].append(rec)
+            except KeyError:
+                out[c.file] = [rec]
+    return out
+
+
+def _stored_name(dtype: torch.dtype) -> str | None:
+    try:
+        return dtype_name(dtype)
+    except ValueError:  # a stock checkpoint's dtype no shard can hold: no header agrees
+        return None
+
+
 class ChunkFiles:
     """The chunk backend of ``mmapckpt.open`` for DCP directories: mmapckpt shards mapped, stock files read per item.
 
@@ -54,19 +79,24 @@ class ChunkFiles:
     #: non-tensor entries are pickles (``object_bytes``): unpickling them needs the caller's consent
     pickled_objects = True
 
-    def __init__(self, root: str, rels: set[str], save_id: str | None, *, verify: bool = False) -> None:
+    def __init__(self, root: str, entries: Mapping[str, EntryInfo], save_id: str | None, *,
+                 verify: bool = False) -> None:
         self.root = root
         #: check each mmapckpt chunk's CRC-32 the first time it is read (stock items have none)
         self.verify = verify
         self._verified: set[tuple[str, tuple[int, ...] | None]] = set()
         self.shards: dict[str, Shard] = {}
         self.stock: dict[str, str] = {}
-        for rel in sorted(rels):
+        files = _records_by_file(entries)
+        for rel in sorted(files):
             full = open_inside(root, rel)
             if not os.path.isfile(full):
                 raise missing_shard_error(root, full, save_id)
             if is_mmapckpt_shard(full):
                 shard = Shard(full, check_entries=False)  # chunks are placed by the metadata: see chunk()
+                if shard.agrees(save_id, files[rel]):  # the usual case: no entry of the header to decode
+                    self.shards[rel] = shard
+                    continue
                 sid = shard.save_id
                 if None not in (sid, save_id) and sid != save_id:
                     raise IncompleteCheckpointError(

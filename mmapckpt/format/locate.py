@@ -212,7 +212,6 @@ def open_backend(path: str, *, verify: bool = False) -> Opened:
         return Opened(kind, os.path.dirname(path) or ".", entries, files, _no_metadata)
     meta = find_metadata(path)
     kind, entries, save_id = read_index_file(meta)
-    rels = {c.file for e in entries.values() for c in e.chunks}
     read: list[dict[str, str] | None] = []
 
     def user_metadata() -> dict[str, str] | None:  # read on first use: open() itself decodes the index only
@@ -220,4 +219,4 @@ def open_backend(path: str, *, verify: bool = False) -> Opened:
             read.append(read_user_metadata(meta))
         return None if read[0] is None else dict(read[0])
 
-    return Opened(kind, path, entries, ChunkFiles(path, rels, save_id, verify=verify), user_metadata)
+    return Opened(kind, path, entries, ChunkFiles(path, entries, save_id, verify=verify), user_metadata)

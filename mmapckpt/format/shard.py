@@ -65,9 +65,9 @@ class Shard:
             minor, order, hlen, hcrc = fmt.decode_preamble(pre, size, path)
             body = bytearray(hlen)
             pread_into(fd, body, fmt.PREAMBLE_SIZE, path=path)
-            self._body = bytes(body)
-            self._doc, self.save_id = fmt.decode_header_doc(self._body, header_crc=hcrc, path=path)
+            self._body, self._hcrc = bytes(body), hcrc
             self._order, self._minor = order, minor
+            self._agreed: str | None = None  # the save id, once the header is known to be the metadata's (agrees())
             self.data_start = fmt.PREAMBLE_SIZE + hlen
             self.size = size
             if check_entries:
@@ -83,6 +83,29 @@ class Shard:
     @property
     def ident(self) -> tuple[int, int]:
         return self.file.ident
+
+    @cached_property
+    def _decoded(self) -> tuple[dict[str, Any], str | None]:
+        return fmt.decode_header_doc(self._body, header_crc=self._hcrc, path=self.path)
+
+    @property
+    def _doc(self) -> dict[str, Any]:
+        return self._decoded[0]
+
+    @property
+    def save_id(self) -> str | None:
+        """The id of the save that wrote the shard, if its header records one."""
+        return self._agreed if self._agreed is not None else self._decoded[1]
+
+    def agrees(self, save_id: str | None, records: list[tuple[Any, ...]]) -> bool:
+        """Whether the header is exactly what the writer wrote for ``records`` (every entry of this file, as
+        the metadata of save ``save_id`` places them: fqn, chunk offsets, kind, dtype name, shape, offset,
+        length) and its checksum holds. Then :meth:`view` of those chunks checks only their bounds."""
+        if save_id is None or zlib.crc32(self._body) != self._hcrc or fmt.header_crcs(
+                self._body, save_id, records) is None:
+            return False
+        self._agreed = save_id
+        return True
 
     @cached_property
     def header(self) -> fmt.ShardHeader:
@@ -105,25 +128,6 @@ class Shard:
             self.header
             raise FormatError("header entries are malformed", path=self.path) from None
 
-    def _refuse_placed(self, key: tuple[str, tuple[int, ...] | None], want: tuple[Any, ...]) -> None:
-        """Raise for a header that does not describe ``key`` as the metadata does (``want``)."""
-        got = self._placed.get(key)
-        self.header  # a header that is itself invalid raises its own, more precise error
-        label = _label(key)
-        if got is None:
-            raise FormatError("entry is not in this shard's header", path=self.path, entry=label)
-        if len(got) == 5:  # KIND_ENCODED: its stored bytes are not the value's
-            raise FormatError(f"entry is stored through stream transforms {list(got[4])}, which only dcp.load with "
-                              "MmapReader(path, _extension_registry=...) undoes; this reader takes raw entries "
-                              "only", path=self.path, entry=label)
-        if got[:3] == want[:3]:
-            raise SizeMismatchError(f"stored chunk is {got[3]}, the metadata says {want[3]}", path=self.path,
-                                    entry=label)
-        if got[:2] == want[:2]:
-            raise FormatError(f"shard holds {got[2]} but the metadata says {want[2]}", path=self.path, entry=label)
-        raise FormatError(f"metadata says bytes [{want[0]}, +{want[1]}) but the shard header says "
-                          f"[{got[0]}, +{got[1]})", path=self.path, entry=label)
-
     def view(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
              shape: tuple[int, ...]) -> torch.Tensor:
         """The chunk ``key`` (fqn, chunk offsets), placed by the metadata at ``length`` bytes from ``offset``,
@@ -133,31 +137,25 @@ class Shard:
         decoding every entry of the header), and the bytes must lie after the header, inside
         the file, aligned, and be as long as the shape says.
         """
-        want = (offset, length, fmt.dtype_name(dtype), list(shape))
-        if self._placed.get(key) != want:
-            self._refuse_placed(key, want)
+        if self._agreed is None:
+            want = (offset, length, fmt.dtype_name(dtype), list(shape))
+            if self._placed.get(key) != want:
+                _refuse_placed(self, key, want)
         if not self._in_bounds(offset, length):
-            self._refuse_region(key, offset, length)
+            _refuse_region(self, key, offset, length)
         return self.file.view(offset, dtype, shape)
 
     def object_bytes(self, fqn: str, offset: int, length: int) -> bytes:
         """The bytes of the non-tensor entry ``fqn``, placed by the metadata (checked as in :meth:`view`)."""
         want = (offset, length, None, None)
-        if self._placed.get((fqn, None)) != want:
-            self._refuse_placed((fqn, None), want)
+        if self._agreed is None and self._placed.get((fqn, None)) != want:
+            _refuse_placed(self, (fqn, None), want)
         if not self._in_bounds(offset, length):
-            self._refuse_region((fqn, None), offset, length)
+            _refuse_region(self, (fqn, None), offset, length)
         return self.file.raw(offset, length).numpy().tobytes()
 
     def _in_bounds(self, offset: int, length: int) -> bool:
         return self.data_start <= offset and offset + length <= self.size and not offset % fmt.MIN_ALIGNMENT
-
-    def _refuse_region(self, key: tuple[str, Any], offset: int, length: int) -> None:
-        if offset + length > self.size:
-            raise TruncatedFileError(f"data [{offset}, {offset + length}) runs past the end of the "
-                                     f"{self.size}-byte file", path=self.path, entry=_label(key))
-        raise EntryBoundsError(f"data [{offset}, +{length}) is not an aligned region after the header",
-                               path=self.path, entry=_label(key))
 
     def address(self) -> int:
         """The address of the file's first byte in the mapping (0 for an empty file)."""
@@ -203,7 +201,7 @@ def encoded_bytes(shard: Shard, key: tuple[str, tuple[int, ...] | None], offset:
                           f"shard header has a {e.kind} entry at [{e.offset}, +{e.length})", path=shard.path,
                           entry=_label(key))
     if not shard._in_bounds(offset, length):
-        shard._refuse_region(key, offset, length)
+        _refuse_region(shard, key, offset, length)
     return memoryview(shard.file.raw(offset, length).numpy()), got[4]
 
 
@@ -216,6 +214,34 @@ def decode_entry(shard: Shard, e: fmt.Entry, transforms: StreamTransforms) -> to
     into = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(bytearray())
     transforms.decode(stored, e.transforms, path=shard.path, entry=e.label, into=into)
     return out
+
+
+def _refuse_placed(shard: Shard, key: tuple[str, tuple[int, ...] | None], want: tuple[Any, ...]) -> None:
+    """Raise for a header that does not describe ``key`` as the metadata does (``want``)."""
+    got = shard._placed.get(key)
+    shard.header  # a header that is itself invalid raises its own, more precise error
+    label = _label(key)
+    if got is None:
+        raise FormatError("entry is not in this shard's header", path=shard.path, entry=label)
+    if len(got) == 5:  # KIND_ENCODED: its stored bytes are not the value's
+        raise FormatError(f"entry is stored through stream transforms {list(got[4])}, which only dcp.load with "
+                          "MmapReader(path, _extension_registry=...) undoes; this reader takes raw entries "
+                          "only", path=shard.path, entry=label)
+    if got[:3] == want[:3]:
+        raise SizeMismatchError(f"stored chunk is {got[3]}, the metadata says {want[3]}", path=shard.path,
+                                entry=label)
+    if got[:2] == want[:2]:
+        raise FormatError(f"shard holds {got[2]} but the metadata says {want[2]}", path=shard.path, entry=label)
+    raise FormatError(f"metadata says bytes [{want[0]}, +{want[1]}) but the shard header says "
+                      f"[{got[0]}, +{got[1]})", path=shard.path, entry=label)
+
+
+def _refuse_region(shard: Shard, key: tuple[str, Any], offset: int, length: int) -> None:
+    if offset + length > shard.size:
+        raise TruncatedFileError(f"data [{offset}, {offset + length}) runs past the end of the "
+                                 f"{shard.size}-byte file", path=shard.path, entry=_label(key))
+    raise EntryBoundsError(f"data [{offset}, +{length}) is not an aligned region after the header",
+                           path=shard.path, entry=_label(key))
 
 
 def _label(key: tuple[str, tuple[int, ...] | None]) -> str:
