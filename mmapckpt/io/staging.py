@@ -184,17 +184,14 @@ class StagingPool:
         self._order: list[int] = []  # buffers holding copies not yet waited for, oldest first
         self._fills: list[_Fill] = []  # the current buffer's reads, run when the host leaves it
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # then its (target, staged) copies
-        self._cur: int | None = None
-        self._fill = 0
-        self._next = 0
+        self._cur: int | None = None  # the buffer being filled, how far, and the next one to take
+        self._fill, self._next = 0, 0
         self._lock = threading.RLock()
         self._mod: Any = torch.get_device_module(self.device) if accelerated else None
         # Devices whose module has no streams get synchronous copies (still through the pool).
         has_streams = accelerated and hasattr(self._mod, "Stream") and hasattr(self._mod, "stream")
         self._stream: Any = self._mod.Stream(device=self.device) if has_streams else None
-        #: how many blocks went through each buffer, and the most buffers ever in use at once
-        self.blocks_per_buffer = [0] * staging_buffers
-        self.max_in_use = 0
+        self.blocks_per_buffer, self.max_in_use = [0] * staging_buffers, 0  # blocks per buffer; most in use at once
 
     # ------------------------------------------------------------------ a load
     def __enter__(self) -> StagingPool:
@@ -223,17 +220,21 @@ class StagingPool:
                     for cb in callbacks:
                         cb()
 
-
     def seal(self, *, run: bool = True) -> None:
-        """Run the current buffer's reads and issue its copies now (or, with ``run=False`` after an error,
-        drop them): the reads given to :meth:`copy` run late, so call this before their files close."""
+        """The host leaves the current buffer: its reads run, its copies are issued, and they are the ones its
+        next reuse waits for. The reads given to :meth:`copy` run this late, so a loader seals before their
+        files close; ``run=False`` (after an error) drops them instead."""
         with self._lock:
-            if self._cur is None:
+            i, self._cur = self._cur, None
+            fills, copies, self._fills, self._copies = self._fills, self._copies, [], []
+            if i is None or not run:
                 return
-            if run:
-                self._seal(self._cur)
-            else:
-                self._fills, self._copies, self._cur = [], [], None
+            run_fills(fills, FILL_THREADS)
+            with self._mod.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                for target, typed in copies:
+                    target.copy_(typed, non_blocking=self._stream is not None)
+            if self._stream is not None:
+                self._events[i] = self._stream.record_event()
 
     def close(self) -> None:
         """Wait for the copies in flight and free the buffers (the pool cannot be used afterwards)."""
@@ -259,16 +260,14 @@ class StagingPool:
             last = None
             for b in plan_blocks(tuple(src.shape), src.element_size(), self.staging_bytes):
                 last = self._put(src, dst, b, read)
-            if done is not None:
-                if last is None:  # nothing to copy (an empty tensor): complete at once
-                    done()
-                else:
-                    self._done[last].append(done)
+            if done is not None and last is None:  # nothing to copy (an empty tensor): complete at once
+                done()
+            elif done is not None:
+                self._done[last].append(done)
 
     def _put(self, src: torch.Tensor, dst: torch.Tensor, b: Block, read: Reader | None) -> int:
         i, off = self._space(b.nbytes)
-        staged = self._bufs[i][off:off + b.nbytes]
-        piece = src[b.index]
+        staged, piece = self._bufs[i][off:off + b.nbytes], src[b.index]
         typed = staged.view(src.dtype).view(piece.shape)
         if read is not None:
             self._fills.append((read, staged, b.start, b.nbytes))
@@ -285,7 +284,7 @@ class StagingPool:
             if off + nbytes <= self.staging_bytes:
                 self._fill = off + nbytes
                 return self._cur, off
-            self._seal(self._cur)
+            self.seal()
         i = self._next
         self._next = (i + 1) % len(self._bufs)
         if i in self._order:
@@ -294,18 +293,6 @@ class StagingPool:
         self.max_in_use = max(self.max_in_use, len(self._order))
         self._cur, self._fill = i, nbytes
         return i, 0
-
-    def _seal(self, i: int) -> None:
-        """The host leaves buffer ``i``: its reads run, its copies are issued, and they are the ones its next
-        reuse must wait for."""
-        fills, copies, self._fills, self._copies = self._fills, self._copies, [], []
-        self._cur = None
-        run_fills(fills, FILL_THREADS)
-        with self._stream_ctx():
-            for target, typed in copies:
-                target.copy_(typed, non_blocking=self._stream is not None)
-        if self._stream is not None:
-            self._events[i] = self._stream.record_event()
 
     def _wait(self, i: int) -> None:
         """Wait for buffer ``i``'s copies (the oldest in use), then run their callbacks."""
@@ -320,8 +307,6 @@ class StagingPool:
             if j == i:
                 return
 
-    def _stream_ctx(self) -> contextlib.AbstractContextManager[Any]:
-        return self._mod.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
 
 def run_fills(fills: list[_Fill], threads: int) -> None:
