@@ -36,13 +36,17 @@ from ..format.metadata import KIND_MMAPCKPT, missing_shard_error
 from ..format.shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from ..format.stock import load_tensor, read_item
 from ..format.transforms import StreamTransforms
+from ..io import direct_reads
 from ..io.direct_reads import DirectReads
 from ..io.files import open_inside
 from ..io.staging import StagingPool, needs_staging, stage
 from .bytes_read import BytesRead
 from .encoded_reads import read_encoded, stock_decode_limit
 
-__all__ = ["FileReads", "label", "read_plan"]
+__all__ = ["FileReads", "Job", "label", "read_plan"]
+
+#: An item of a plan with its storage record.
+Job = tuple[ReadItem, _StorageInfo]
 
 
 def label(idx: MetadataIndex) -> str:
@@ -72,63 +76,67 @@ class FileReads:
             raise FormatError("metadata has no storage record for this entry", path=self.root,
                               entry=label(idx)) from None
 
-    def read_file(self, rel: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+    def read_file(self, rel: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
+        """Read the items of one shard file, each with its storage record (resolved once, by read_plan)."""
         path = open_inside(self.root, rel)
         if not os.path.exists(path):
-            raise missing_shard_error(self.root, path, self.save_id, label(reqs[0].storage_index))
+            raise missing_shard_error(self.root, path, self.save_id, label(reqs[0][0].storage_index))
         if self.metadata_kind == KIND_MMAPCKPT or is_mmapckpt_shard(path):
             return self._read_mmapckpt(path, reqs, planner)
         return self._read_stock(path, reqs, planner)
 
-    def _read_mmapckpt(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+    def _read_mmapckpt(self, path: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
         """Every chunk is placed by the metadata, agreeing with the shard header (Shard.view)."""
         shard = Shard(path, check_entries=False)
         if shard.save_id is not None and self.save_id not in (None, shard.save_id):
             raise IncompleteCheckpointError(
                 f"shard was written by save {shard.save_id}, but the metadata read belongs to save "
                 f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=path)
-        devices = []
-        ranges = [(self.storage_data[r.storage_index].offset, self.storage_data[r.storage_index].length)
-                  for r in reqs if r.type != LoadItemType.BYTE_IO and r.storage_index in self.storage_data
-                  and not getattr(self.storage_data[r.storage_index], "transform_descriptors", None)]
+        devices: list[torch.device] = []
+        ranges = [(info.offset, info.length) for r, info in reqs
+                  if r.type != LoadItemType.BYTE_IO and not getattr(info, "transform_descriptors", None)]
         # Reads straight into the targets (CPU; gathered and run at the end of the file) or into
         # the staging buffers (accelerators) instead of copying out of the mapping. Only for
         # planners whose commit_tensor does nothing: a planner of its own keeps the mapped path.
         defer = _defers_safely(planner)
         direct = DirectReads(shard.file, enabled=self.direct_reads and defer, ranges=ranges)
         accept_view = getattr(planner, "accept_view", None)
+        taken: list[tuple[int, int, int | None]] = []  # for the byte counter, under one lock at the end
         try:
-            for req in reqs:
-                idx, info = req.storage_index, self.storage_data[req.storage_index]
-                if self.verify:
-                    shard.verify(self._entry(shard, req, info))
-                    self.counter.take(path, info.offset, info.length)
-                if getattr(info, "transform_descriptors", None):
-                    self.counter.take(path, info.offset, info.length)
-                    dev = read_encoded(self, shard, req, info, planner, _load_bytes)
-                    if dev is not None:
-                        devices.append(dev)
-                    continue
-                if req.type == LoadItemType.BYTE_IO:
-                    _load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), path)
-                    self.counter.take(path, info.offset, info.length)
-                    continue
-                dtype, sizes = self._chunk(idx, path)
-                view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes)
-                # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
-                # may keep the mapped view of the whole stored chunk instead of having it copied.
-                if accept_view is not None and accept_view(req, view):
-                    continue  # not read here: the planner keeps the mapped view
-                self.counter.take(path, info.offset, info.length, _region_bytes(req, dtype))
-                dev = self._copy(view, req, planner, path, direct=direct, defer=defer)
+            for req, info in reqs:
+                dev = self._read_one(shard, req, info, planner, direct, defer, accept_view, taken)
                 if dev is not None:
                     devices.append(dev)
             for req, target in direct.run():
                 planner.commit_tensor(req, target)
         finally:
             direct.close()
+            self.counter.take_all(path, taken)
         check_size_unchanged(shard)
         return devices
+
+    def _read_one(self, shard: Shard, req: ReadItem, info: _StorageInfo, planner: LoadPlanner, direct: DirectReads,
+                  defer: bool, accept_view: Any, taken: list[tuple[int, int, int | None]]) -> torch.device | None:
+        """One item of an mmapckpt shard: checked, then copied (or queued, or staged, or kept as a view)."""
+        idx, path = req.storage_index, shard.path
+        if self.verify:
+            shard.verify(self._entry(shard, req, info))
+            taken.append((info.offset, info.length, None))
+        if getattr(info, "transform_descriptors", None):
+            taken.append((info.offset, info.length, None))
+            return read_encoded(self, shard, req, info, planner, _load_bytes)
+        if req.type == LoadItemType.BYTE_IO:
+            _load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), path)
+            taken.append((info.offset, info.length, None))
+            return None
+        dtype, sizes = self._chunk(idx, path)
+        view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes)
+        # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
+        # may keep the mapped view of the whole stored chunk instead of having it copied.
+        if accept_view is not None and accept_view(req, view):
+            return None  # not read here: the planner keeps the mapped view
+        taken.append((info.offset, info.length, _region_bytes(req, dtype)))
+        return self._copy(view, req, planner, path, direct=direct, defer=defer)
 
     def _chunk(self, idx: MetadataIndex, path: str) -> tuple[torch.dtype, torch.Size]:
         """dtype and shape of the stored chunk ``idx`` names, from the metadata."""
@@ -159,7 +167,11 @@ class FileReads:
                                         f"outside the stored chunk {list(src.shape)}: {e}", path=path,
                                         entry=label(req.storage_index)) from None
         if target is None:
-            target = planner.resolve_tensor(req).detach()
+            target = planner.resolve_tensor(req)
+            # As the stock reader, commit a detached target; DefaultLoadPlanner's commit_tensor
+            # ignores it, so there (defer) only a target that requires grad needs detaching.
+            if not defer or target.requires_grad:
+                target = target.detach()
         if target.size() != src.size():
             raise SizeMismatchError(f"stored region has shape {list(src.size())} but the target has "
                                     f"{list(target.size())}", path=path, entry=label(req.storage_index))
@@ -167,19 +179,19 @@ class FileReads:
             read = direct.reader_for(src, label(req.storage_index)) if direct is not None else None
             stage(self.pool_for(target.device), src, target, lambda: planner.commit_tensor(req, target), read)
             return target.device
-        if defer and direct is not None and direct.take(src, target, req, label(req.storage_index)):
+        if defer and direct is not None and _may_read(direct, src) and \
+                direct.take(src, target, req, label(req.storage_index)):
             return None  # read by direct.run(), then committed
         target.copy_(src)
         planner.commit_tensor(req, target)
         return None
 
-    def _read_stock(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+    def _read_stock(self, path: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
         """A stock (torch.save per item) shard: each item is loaded with weights_only=True."""
         devices = []
         fd = os.open(path, os.O_RDONLY)
         try:
-            for req in reqs:
-                info = self.storage_data[req.storage_index]
+            for req, info in reqs:
                 name = label(req.storage_index)
                 buf = read_item(fd, info.offset, info.length, path=path, entry=name)
                 self.counter.take(path, info.offset, info.length)
@@ -199,17 +211,28 @@ class FileReads:
 
 def read_plan(reads: FileReads, plan: LoadPlan, planner: LoadPlanner, thread_count: int) -> None:
     """Read every item of ``plan``, file by file in offset order (``thread_count`` files at a time)."""
-    per_file: dict[str, list[ReadItem]] = {}
-    for req in plan.items:
-        per_file.setdefault(reads.info(req.storage_index).relative_path, []).append(req)
-    jobs = [(rel, sorted(reqs, key=lambda r: reads.storage_data[r.storage_index].offset))
-            for rel, reqs in per_file.items()]
+    per_file: dict[str, list[Job]] = {}
+    info = reads.info
+    for req in plan.items:  # each record looked up once: hashing a MetadataIndex is not free
+        rec = info(req.storage_index)
+        per_file.setdefault(rec.relative_path, []).append((req, rec))
+    jobs = [(rel, sorted(reqs, key=_offset)) for rel, reqs in per_file.items()]
     if thread_count > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(thread_count, thread_name_prefix="mmapckpt-read") as threads:
             list(threads.map(lambda j: reads.read_file(j[0], j[1], planner), jobs))
     else:
         for rel, reqs in jobs:
             reads.read_file(rel, reqs, planner)
+
+
+def _offset(job: Job) -> int:
+    return job[1].offset
+
+
+def _may_read(direct: DirectReads, src: torch.Tensor) -> bool:
+    """False where ``direct.take`` would surely decline ``src`` (a small region of a cached file),
+    so that the entry's label, which it takes, need not be made."""
+    return direct.enabled and not (direct.cached and src.nbytes < direct_reads.SMALL_CACHED_COPY)
 
 
 def _region_bytes(req: ReadItem, dtype: torch.dtype) -> int:
