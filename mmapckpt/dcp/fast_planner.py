@@ -40,18 +40,15 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
     LoadPlan,
     ReadItem,
     SavePlan,
-    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
@@ -59,27 +56,11 @@ from torch.distributed.checkpoint.planner_helpers import _create_read_items, _cr
 from torch.distributed.tensor import DTensor
 
 from ..format.entries import paused_gc
+from .plan_items import metadata_index, read_item, tensor_write_item, write_item, zeros
 
 __all__ = ["FastLoadPlanner", "FastSavePlanner"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types: subclasses (DTensor...) take DCP's path
-_ZEROS: dict[int, torch.Size] = {}
-
-
-def _zeros(n: int) -> torch.Size:
-    z = _ZEROS.get(n)
-    if z is None:
-        z = _ZEROS[n] = torch.Size([0] * n)
-    return z
-
-
-def _read_item(fqn: str, local_offsets: torch.Size, stored_offsets: torch.Size, stored_idx: int,
-               sizes: torch.Size) -> ReadItem:
-    """The item DCP's sweep makes for a local chunk that is exactly one stored chunk."""
-    zeros = _zeros(len(sizes))
-    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, local_offsets, 0), dest_offsets=zeros,
-                    storage_index=MetadataIndex(fqn, stored_offsets, stored_idx), storage_offsets=zeros,
-                    lengths=torch.Size(sizes))
 
 
 def _dtensor_item(fqn: str, obj: DTensor, md: TensorStorageMetadata) -> ReadItem | None:
@@ -98,7 +79,7 @@ def _dtensor_item(fqn: str, obj: DTensor, md: TensorStorageMetadata) -> ReadItem
             if hit >= 0 or co != off or cs != sz:
                 return None  # resharding: DCP's sweep
             hit = i
-    return None if hit < 0 else _read_item(fqn, off, md.chunks[hit].offsets, hit, sz)
+    return None if hit < 0 else read_item(fqn, off, md.chunks[hit].offsets, hit, sz)
 
 
 def _load_items(state_dict: dict[str, Any], metadata: Metadata, strict: bool) -> list[ReadItem]:
@@ -118,8 +99,7 @@ def _load_items(state_dict: dict[str, Any], metadata: Metadata, strict: bool) ->
                 chunks = md.chunks
                 if md.size == size and len(chunks) == 1 and chunks[0].sizes == size and not any(chunks[0].offsets):
                     if 0 not in size:  # a zero-size dim overlaps nothing: DCP plans no read
-                        zeros = _zeros(len(size))
-                        items.append(_read_item(fqn, zeros, chunks[0].offsets, 0, size))
+                        items.append(read_item(fqn, zeros(len(size)), chunks[0].offsets, 0, size))
                     continue
             elif cls is DTensor and md.size == obj.size():
                 if obj.device_mesh.get_coordinate() is None:
@@ -222,23 +202,13 @@ class FastLoadPlanner(DefaultLoadPlanner):
         return super().transform_tensor(read_item, tensor)
 
 
-def _write_item(fqn: str, t: torch.Tensor) -> WriteItem:
-    """``_create_write_item_for_tensor``, built directly."""
-    size = t.size()
-    zeros = _zeros(len(size))
-    props = TensorProperties(dtype=t.dtype, layout=t.layout, requires_grad=t.requires_grad,
-                             memory_format=torch.contiguous_format, pin_memory=t.is_pinned())
-    return WriteItem(index=MetadataIndex(fqn, zeros), type=WriteItemType.TENSOR,
-                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=zeros, sizes=size),
-                                                 properties=props, size=size))
-
-
 def _save_items(state_dict: dict[str, Any]) -> list[WriteItem]:
     """``create_default_local_save_plan``'s items, plain tensors built directly."""
     items: list[WriteItem] = []
+    props: dict[tuple[Any, ...], TensorProperties] = {}  # equal values, one object per kind of tensor
     for fqn, obj in state_dict.items():
         if type(obj) in _PLAIN:
-            items.append(_write_item(fqn, obj))
+            items.append(tensor_write_item(fqn, obj, props))
         elif isinstance(obj, DTensor):
             if obj.device_mesh.get_coordinate() is not None:
                 items += _create_write_items(fqn, obj)
@@ -267,8 +237,8 @@ def _global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metada
             tmd = md.get(fqn)
             if tmd is None:
                 tmd = md[fqn] = TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[])
-            new_items.append(WriteItem(index=MetadataIndex(fqn, item.index.offset, len(tmd.chunks)), type=item.type,
-                                       bytes_io_data=item.bytes_io_data, tensor_data=td))
+            new_items.append(write_item(metadata_index(fqn, item.index.offset, len(tmd.chunks)), item.type,
+                                        item.bytes_io_data, td))
             if td.chunk is None:
                 raise AssertionError(f"Cannot create MD for tensor without bounds. FQN: {fqn}")
             tmd.chunks.append(td.chunk)
