@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_read_items, _cr
 from torch.distributed.tensor import DTensor
 
 from ..format.entries import paused_gc
+from .flatten import flatten_plain, fresh_lists
 from .plan_items import metadata_index, read_item, tensor_write_item, write_item, zeros
 
 __all__ = ["FastLoadPlanner", "FastSavePlanner"]
@@ -142,6 +143,17 @@ def _set_up_flat(planner: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
     return dict(state_dict) if planner.flatten_state_dict or planner.flatten_sharded_tensors else state_dict
 
 
+def _flatten_nested(planner: Any, state_dict: Any, *, load: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """What the default planner's set_up_planner makes of a nested state dict of plain parts
+    (flatten.py): the flat dict and the mappings, or None for DCP's own steps.
+
+    A load first replaces the lists in ``state_dict`` by copies, as ``_init_state_dict`` does.
+    """
+    if not planner.flatten_state_dict or type(state_dict) is not dict:
+        return None
+    return flatten_plain(fresh_lists(state_dict) if load else state_dict)
+
+
 def _plain_target(state_dict: dict[str, Any], index: MetadataIndex) -> torch.Tensor | None:
     """The plain tensor ``find_state_dict_object`` would return for ``index``, or None to ask it."""
     obj = state_dict.get(index.fqn)
@@ -164,12 +176,16 @@ class FastLoadPlanner(DefaultLoadPlanner):
     """
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
-        if not _flat_plain(state_dict):
+        if _flat_plain(state_dict):
+            self.state_dict = _set_up_flat(self, state_dict)
+        else:
             with paused_gc():
-                super().set_up_planner(state_dict, metadata, is_coordinator)
-            return
+                flat = _flatten_nested(self, state_dict, load=True)
+                if flat is None:
+                    super().set_up_planner(state_dict, metadata, is_coordinator)
+                    return
+            self.state_dict, self.mappings = flat
         self.original_state_dict = state_dict
-        self.state_dict = _set_up_flat(self, state_dict)
         self.metadata, self.is_coordinator = metadata, is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
@@ -270,11 +286,15 @@ class FastSavePlanner(DefaultSavePlanner):
     """
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
-        if not _flat_plain(state_dict):
+        if _flat_plain(state_dict):
+            self.state_dict = _set_up_flat(self, state_dict)
+        else:
             with paused_gc():
-                super().set_up_planner(state_dict, storage_meta, is_coordinator)
-            return
-        self.state_dict = _set_up_flat(self, state_dict)
+                flat = _flatten_nested(self, state_dict, load=False)
+                if flat is None:
+                    super().set_up_planner(state_dict, storage_meta, is_coordinator)
+                    return
+            self.state_dict, self.mappings = flat
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
