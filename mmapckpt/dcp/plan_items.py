@@ -1,9 +1,9 @@
-"""DCP plan items for a whole chunk, built directly: what the fast planners hand to DCP.
+"""DCP plan items for a whole chunk (and write results), built directly: what the fast planners hand to DCP.
 
 DCP's ``MetadataIndex``, ``ReadItem``, ``WriteItem`` and ``TensorWriteData`` are frozen
 dataclasses: their constructors set each field through ``object.__setattr__`` and
 ``MetadataIndex`` copies its offsets into a new ``torch.Size``, about 4 us for one
-``ReadItem`` and its two indexes. The builders here fill the instance dict instead
+``ReadItem`` and its two indexes (``WriteResult``, which MmapWriter returns per item, too). The builders here fill the instance dict instead
 (0.3 us an index), with the very values and types the constructors would store:
 offsets and sizes are ``torch.Size`` objects (shared, as immutable values may be), so
 the items equal, hash and pickle as constructed ones. Where a torch version makes these
@@ -25,8 +25,9 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 
-__all__ = ["DIRECT", "metadata_index", "read_item", "write_item", "zeros"]
+__all__ = ["DIRECT", "metadata_index", "read_item", "tensor_write_item", "write_item", "write_result", "zeros"]
 
 
 def _fields_in_dict(cls: type, names: tuple[str, ...]) -> bool:
@@ -40,7 +41,8 @@ DIRECT = (_fields_in_dict(MetadataIndex, ("fqn", "offset", "index"))
           and _fields_in_dict(ReadItem, ("type", "dest_index", "dest_offsets", "storage_index", "storage_offsets",
                                          "lengths"))
           and _fields_in_dict(WriteItem, ("index", "type", "bytes_io_data", "tensor_data"))
-          and _fields_in_dict(TensorWriteData, ("chunk", "properties", "size")))
+          and _fields_in_dict(TensorWriteData, ("chunk", "properties", "size"))
+          and _fields_in_dict(WriteResult, ("index", "size_in_bytes", "storage_data")))
 
 _new = object.__new__
 _ZEROS: dict[int, torch.Size] = {}
@@ -118,3 +120,15 @@ def tensor_write_item(fqn: str, t: torch.Tensor, props: dict[tuple[Any, ...], Te
     d["properties"] = p
     d["size"] = size
     return write_item(metadata_index(fqn, z, None), WriteItemType.TENSOR, None, td)
+
+
+def write_result(index: MetadataIndex, size_in_bytes: int, storage_data: Any) -> WriteResult:
+    """``WriteResult(index, size_in_bytes, storage_data)``."""
+    if not DIRECT:
+        return WriteResult(index=index, size_in_bytes=size_in_bytes, storage_data=storage_data)
+    r = _new(WriteResult)
+    d = r.__dict__
+    d["index"] = index
+    d["size_in_bytes"] = size_in_bytes
+    d["storage_data"] = storage_data
+    return r

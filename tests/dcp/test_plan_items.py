@@ -77,3 +77,14 @@ def test_read_item_is_dcps(direct: bool) -> None:
     assert _fields(got) == _fields(want)
     assert (got.dest_index.index, got.storage_index.index) == (0, 2)
     assert _fields(pickle.loads(pickle.dumps(got))) == _fields(want)
+
+
+def test_write_result_is_dcps(direct: bool) -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    info = _StorageInfo("__0_0.distcp", 4096, 64)
+    want = WriteResult(index=MetadataIndex("w", torch.Size([0])), size_in_bytes=64, storage_data=info)
+    got = plan_items.write_result(MetadataIndex("w", torch.Size([0])), 64, info)
+    assert _fields(got) == _fields(want) and got == want
+    assert _fields(pickle.loads(pickle.dumps(got))) == _fields(want)
