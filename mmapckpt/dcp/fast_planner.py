@@ -217,6 +217,18 @@ class FastLoadPlanner(DefaultLoadPlanner):
             return tensor  # what narrow_tensor_by_index returns: nothing to narrow
         return super().transform_tensor(read_item, tensor)
 
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        # lookup_tensor and transform_tensor above in one call, unless a subclass overrides either
+        cls = type(self)
+        if cls.lookup_tensor is _LOOKUP and cls.transform_tensor is _TRANSFORM:
+            t = _plain_target(self.state_dict, read_item.dest_index)
+            if t is not None and not any(read_item.dest_offsets) and read_item.lengths == t.size():
+                return t
+        return super().resolve_tensor(read_item)
+
+
+_LOOKUP, _TRANSFORM = FastLoadPlanner.lookup_tensor, FastLoadPlanner.transform_tensor
+
 
 def _save_items(state_dict: dict[str, Any]) -> list[WriteItem]:
     """``create_default_local_save_plan``'s items, plain tensors built directly."""
