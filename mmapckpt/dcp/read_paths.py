@@ -122,7 +122,7 @@ class FileReads:
         """One item of an mmapckpt shard: checked, then copied (or queued, or staged, or kept as a view)."""
         idx, path = req.storage_index, shard.path
         if self.verify:
-            shard.verify(self._entry(shard, req, info))
+            shard.verify(_header_entry(shard, req, info))
             taken.append((info.offset, info.length, None))
         if getattr(info, "transform_descriptors", None):
             taken.append((info.offset, info.length, None))
@@ -151,15 +151,6 @@ class FileReads:
                 if c.offsets == idx.offset:
                     return md.properties.dtype, c.sizes
         raise FormatError("the metadata describes no such stored chunk", path=path, entry=label(idx))
-
-    def _entry(self, shard: Shard, req: ReadItem, info: _StorageInfo) -> fmt.Entry:
-        """The shard header's entry for ``req``, which must agree with the metadata's record."""
-        idx = req.storage_index
-        e = shard.entry(idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
-        if (info.offset, info.length) != (e.offset, e.length):
-            raise FormatError(f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
-                              f"[{e.offset}, +{e.length})", path=shard.path, entry=e.label)
-        return e
 
     def _copy(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str,
               direct: DirectReads | None = None, defer: bool = False,
@@ -229,6 +220,16 @@ def read_plan(reads: FileReads, plan: LoadPlan, planner: LoadPlanner, thread_cou
     else:
         for rel, reqs in jobs:
             reads.read_file(rel, reqs, planner)
+
+
+def _header_entry(shard: Shard, req: ReadItem, info: _StorageInfo) -> fmt.Entry:
+    """The shard header's entry for ``req``, which must agree with the metadata's record."""
+    idx = req.storage_index
+    e = shard.entry(idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
+    if (info.offset, info.length) != (e.offset, e.length):
+        raise FormatError(f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
+                          f"[{e.offset}, +{e.length})", path=shard.path, entry=e.label)
+    return e
 
 
 def _offset(job: Job) -> int:
