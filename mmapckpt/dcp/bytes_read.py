@@ -26,12 +26,20 @@ class BytesRead:
     def take(self, path: str, offset: int, length: int, part: int | None = None) -> None:
         """Note bytes taken from the record at ``offset`` (``length`` bytes long) of ``path``: all of
         it (``part`` None) or ``part`` bytes of it."""
+        self.take_all(path, [(offset, length, part)])
+
+    def take_all(self, path: str, taken: list[tuple[int, int, int | None]]) -> None:
+        """:meth:`take` for each (offset, length, part) of ``taken``, under one lock."""
         with self._lock:
-            rec = self._records.setdefault((path, offset), [length, 0, 0])
-            if part is None:
-                rec[1] = 1
-            else:
-                rec[2] += part
+            records = self._records
+            for offset, length, part in taken:
+                rec = records.get((path, offset))
+                if rec is None:
+                    rec = records[(path, offset)] = [length, 0, 0]
+                if part is None:
+                    rec[1] = 1
+                else:
+                    rec[2] += part
 
     @property
     def total(self) -> int:

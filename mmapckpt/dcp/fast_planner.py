@@ -40,18 +40,15 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
     LoadPlan,
     ReadItem,
     SavePlan,
-    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
@@ -59,27 +56,12 @@ from torch.distributed.checkpoint.planner_helpers import _create_read_items, _cr
 from torch.distributed.tensor import DTensor
 
 from ..format.entries import paused_gc
+from .flatten import flatten_plain, fresh_lists
+from .plan_items import metadata_index, read_item, tensor_write_item, write_item, zeros
 
 __all__ = ["FastLoadPlanner", "FastSavePlanner"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types: subclasses (DTensor...) take DCP's path
-_ZEROS: dict[int, torch.Size] = {}
-
-
-def _zeros(n: int) -> torch.Size:
-    z = _ZEROS.get(n)
-    if z is None:
-        z = _ZEROS[n] = torch.Size([0] * n)
-    return z
-
-
-def _read_item(fqn: str, local_offsets: torch.Size, stored_offsets: torch.Size, stored_idx: int,
-               sizes: torch.Size) -> ReadItem:
-    """The item DCP's sweep makes for a local chunk that is exactly one stored chunk."""
-    zeros = _zeros(len(sizes))
-    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, local_offsets, 0), dest_offsets=zeros,
-                    storage_index=MetadataIndex(fqn, stored_offsets, stored_idx), storage_offsets=zeros,
-                    lengths=torch.Size(sizes))
 
 
 def _dtensor_item(fqn: str, obj: DTensor, md: TensorStorageMetadata) -> ReadItem | None:
@@ -98,7 +80,7 @@ def _dtensor_item(fqn: str, obj: DTensor, md: TensorStorageMetadata) -> ReadItem
             if hit >= 0 or co != off or cs != sz:
                 return None  # resharding: DCP's sweep
             hit = i
-    return None if hit < 0 else _read_item(fqn, off, md.chunks[hit].offsets, hit, sz)
+    return None if hit < 0 else read_item(fqn, off, md.chunks[hit].offsets, hit, sz)
 
 
 def _load_items(state_dict: dict[str, Any], metadata: Metadata, strict: bool) -> list[ReadItem]:
@@ -118,8 +100,7 @@ def _load_items(state_dict: dict[str, Any], metadata: Metadata, strict: bool) ->
                 chunks = md.chunks
                 if md.size == size and len(chunks) == 1 and chunks[0].sizes == size and not any(chunks[0].offsets):
                     if 0 not in size:  # a zero-size dim overlaps nothing: DCP plans no read
-                        zeros = _zeros(len(size))
-                        items.append(_read_item(fqn, zeros, chunks[0].offsets, 0, size))
+                        items.append(read_item(fqn, zeros(len(size)), chunks[0].offsets, 0, size))
                     continue
             elif cls is DTensor and md.size == obj.size():
                 if obj.device_mesh.get_coordinate() is None:
@@ -162,6 +143,17 @@ def _set_up_flat(planner: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
     return dict(state_dict) if planner.flatten_state_dict or planner.flatten_sharded_tensors else state_dict
 
 
+def _flatten_nested(planner: Any, state_dict: Any, *, load: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """What the default planner's set_up_planner makes of a nested state dict of plain parts
+    (flatten.py): the flat dict and the mappings, or None for DCP's own steps.
+
+    A load first replaces the lists in ``state_dict`` by copies, as ``_init_state_dict`` does.
+    """
+    if not planner.flatten_state_dict or type(state_dict) is not dict:
+        return None
+    return flatten_plain(fresh_lists(state_dict) if load else state_dict)
+
+
 def _plain_target(state_dict: dict[str, Any], index: MetadataIndex) -> torch.Tensor | None:
     """The plain tensor ``find_state_dict_object`` would return for ``index``, or None to ask it."""
     obj = state_dict.get(index.fqn)
@@ -184,12 +176,16 @@ class FastLoadPlanner(DefaultLoadPlanner):
     """
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
-        if not _flat_plain(state_dict):
+        if _flat_plain(state_dict):
+            self.state_dict = _set_up_flat(self, state_dict)
+        else:
             with paused_gc():
-                super().set_up_planner(state_dict, metadata, is_coordinator)
-            return
+                flat = _flatten_nested(self, state_dict, load=True)
+                if flat is None:
+                    super().set_up_planner(state_dict, metadata, is_coordinator)
+                    return
+            self.state_dict, self.mappings = flat
         self.original_state_dict = state_dict
-        self.state_dict = _set_up_flat(self, state_dict)
         self.metadata, self.is_coordinator = metadata, is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
@@ -221,24 +217,26 @@ class FastLoadPlanner(DefaultLoadPlanner):
             return tensor  # what narrow_tensor_by_index returns: nothing to narrow
         return super().transform_tensor(read_item, tensor)
 
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        # lookup_tensor and transform_tensor above in one call, unless a subclass overrides either
+        cls = type(self)
+        if cls.lookup_tensor is _LOOKUP and cls.transform_tensor is _TRANSFORM:
+            t = _plain_target(self.state_dict, read_item.dest_index)
+            if t is not None and not any(read_item.dest_offsets) and read_item.lengths == t.size():
+                return t
+        return super().resolve_tensor(read_item)
 
-def _write_item(fqn: str, t: torch.Tensor) -> WriteItem:
-    """``_create_write_item_for_tensor``, built directly."""
-    size = t.size()
-    zeros = _zeros(len(size))
-    props = TensorProperties(dtype=t.dtype, layout=t.layout, requires_grad=t.requires_grad,
-                             memory_format=torch.contiguous_format, pin_memory=t.is_pinned())
-    return WriteItem(index=MetadataIndex(fqn, zeros), type=WriteItemType.TENSOR,
-                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=zeros, sizes=size),
-                                                 properties=props, size=size))
+
+_LOOKUP, _TRANSFORM = FastLoadPlanner.lookup_tensor, FastLoadPlanner.transform_tensor
 
 
 def _save_items(state_dict: dict[str, Any]) -> list[WriteItem]:
     """``create_default_local_save_plan``'s items, plain tensors built directly."""
     items: list[WriteItem] = []
+    props: dict[tuple[Any, ...], TensorProperties] = {}  # equal values, one object per kind of tensor
     for fqn, obj in state_dict.items():
         if type(obj) in _PLAIN:
-            items.append(_write_item(fqn, obj))
+            items.append(tensor_write_item(fqn, obj, props))
         elif isinstance(obj, DTensor):
             if obj.device_mesh.get_coordinate() is not None:
                 items += _create_write_items(fqn, obj)
@@ -267,8 +265,8 @@ def _global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metada
             tmd = md.get(fqn)
             if tmd is None:
                 tmd = md[fqn] = TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[])
-            new_items.append(WriteItem(index=MetadataIndex(fqn, item.index.offset, len(tmd.chunks)), type=item.type,
-                                       bytes_io_data=item.bytes_io_data, tensor_data=td))
+            new_items.append(write_item(metadata_index(fqn, item.index.offset, len(tmd.chunks)), item.type,
+                                        item.bytes_io_data, td))
             if td.chunk is None:
                 raise AssertionError(f"Cannot create MD for tensor without bounds. FQN: {fqn}")
             tmd.chunks.append(td.chunk)
@@ -300,11 +298,15 @@ class FastSavePlanner(DefaultSavePlanner):
     """
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
-        if not _flat_plain(state_dict):
+        if _flat_plain(state_dict):
+            self.state_dict = _set_up_flat(self, state_dict)
+        else:
             with paused_gc():
-                super().set_up_planner(state_dict, storage_meta, is_coordinator)
-            return
-        self.state_dict = _set_up_flat(self, state_dict)
+                flat = _flatten_nested(self, state_dict, load=False)
+                if flat is None:
+                    super().set_up_planner(state_dict, storage_meta, is_coordinator)
+                    return
+            self.state_dict, self.mappings = flat
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:

@@ -36,13 +36,19 @@ from ..format.metadata import KIND_MMAPCKPT, missing_shard_error
 from ..format.shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from ..format.stock import load_tensor, read_item
 from ..format.transforms import StreamTransforms
+from ..io import direct_reads
 from ..io.direct_reads import DirectReads
 from ..io.files import open_inside
-from ..io.staging import StagingPool, needs_staging, stage
+from ..io import staging
+from ..io.staging import StagingPool, stage
 from .bytes_read import BytesRead
 from .encoded_reads import read_encoded, stock_decode_limit
+from .fast_planner import FastLoadPlanner
 
-__all__ = ["FileReads", "label", "read_plan"]
+__all__ = ["FileReads", "Job", "label", "read_plan"]
+
+#: An item of a plan with its storage record.
+Job = tuple[ReadItem, _StorageInfo]
 
 
 def label(idx: MetadataIndex) -> str:
@@ -62,8 +68,7 @@ class FileReads:
         #: undoes the stream transforms of encoded items (the reader's ``_extension_registry``)
         self.transforms = transforms or StreamTransforms()
         self.save_id, self.metadata_kind, self.verify, self.direct_reads = save_id, metadata_kind, verify, direct_reads
-        #: the reader's staging pool for an accelerator (one per device, kept across loads)
-        self.pool_for, self.stage_cpu = pool_for, stage_cpu
+        self.pool_for, self.stage_cpu = pool_for, stage_cpu  # the reader's staging pool, one per device
 
     def info(self, idx: MetadataIndex) -> _StorageInfo:
         try:
@@ -72,25 +77,25 @@ class FileReads:
             raise FormatError("metadata has no storage record for this entry", path=self.root,
                               entry=label(idx)) from None
 
-    def read_file(self, rel: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+    def read_file(self, rel: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
+        """Read the items of one shard file, each with its storage record (resolved once, by read_plan)."""
         path = open_inside(self.root, rel)
         if not os.path.exists(path):
-            raise missing_shard_error(self.root, path, self.save_id, label(reqs[0].storage_index))
+            raise missing_shard_error(self.root, path, self.save_id, label(reqs[0][0].storage_index))
         if self.metadata_kind == KIND_MMAPCKPT or is_mmapckpt_shard(path):
             return self._read_mmapckpt(path, reqs, planner)
         return self._read_stock(path, reqs, planner)
 
-    def _read_mmapckpt(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+    def _read_mmapckpt(self, path: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
         """Every chunk is placed by the metadata, agreeing with the shard header (Shard.view)."""
         shard = Shard(path, check_entries=False)
         if shard.save_id is not None and self.save_id not in (None, shard.save_id):
             raise IncompleteCheckpointError(
                 f"shard was written by save {shard.save_id}, but the metadata read belongs to save "
                 f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=path)
-        devices = []
-        ranges = [(self.storage_data[r.storage_index].offset, self.storage_data[r.storage_index].length)
-                  for r in reqs if r.type != LoadItemType.BYTE_IO and r.storage_index in self.storage_data
-                  and not getattr(self.storage_data[r.storage_index], "transform_descriptors", None)]
+        devices: list[torch.device] = []
+        ranges = [(info.offset, info.length) for r, info in reqs
+                  if r.type != LoadItemType.BYTE_IO and not getattr(info, "transform_descriptors", None)]
         # Reads straight into the targets (CPU; gathered and run at the end of the file) or into
         # the staging buffers (accelerators) instead of copying out of the mapping. Only for
         # planners whose commit_tensor does nothing: a planner of its own keeps the mapped path.
@@ -98,59 +103,56 @@ class FileReads:
         direct = DirectReads(shard.file, enabled=self.direct_reads and defer, ranges=ranges)
         accept_view = getattr(planner, "accept_view", None)
         ok = False
+        taken: list[tuple[int, int, int | None]] = []  # for the byte counter, under one lock at the end
         try:
-            for req in reqs:
-                idx, info = req.storage_index, self.storage_data[req.storage_index]
-                if self.verify:
-                    shard.verify(self._entry(shard, req, info))
-                    self.counter.take(path, info.offset, info.length)
-                if getattr(info, "transform_descriptors", None):
-                    self.counter.take(path, info.offset, info.length)
-                    dev = read_encoded(self, shard, req, info, planner, _load_bytes)
-                    if dev is not None:
-                        devices.append(dev)
-                    continue
-                if req.type == LoadItemType.BYTE_IO:
-                    _load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), path)
-                    self.counter.take(path, info.offset, info.length)
-                    continue
-                dtype, sizes = self._chunk(idx, path)
-                view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes)
-                # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
-                # may keep the mapped view of the whole stored chunk instead of having it copied.
-                if accept_view is not None and accept_view(req, view):
-                    continue  # not read here: the planner keeps the mapped view
-                self.counter.take(path, info.offset, info.length, _region_bytes(req, dtype))
-                dev = self._copy(view, req, planner, path, direct=direct, defer=defer)
+            for req, info in reqs:
+                dev = self._read_one(shard, req, info, planner, direct, defer, accept_view, taken)
                 if dev is not None:
                     devices.append(dev)
             for req, target in direct.run():
                 planner.commit_tensor(req, target)
             ok = True
         finally:
-            for dev in set(devices):  # staged reads run late: before this file's descriptor closes
-                self.pool_for(dev).seal(run=ok)
+            _seal_pools(self.pool_for, devices, ok)
             direct.close()
+            self.counter.take_all(path, taken)
         check_size_unchanged(shard)
         return devices
+
+    def _read_one(self, shard: Shard, req: ReadItem, info: _StorageInfo, planner: LoadPlanner, direct: DirectReads,
+                  defer: bool, accept_view: Any, taken: list[tuple[int, int, int | None]]) -> torch.device | None:
+        """One item of an mmapckpt shard: checked, then copied (or queued, or staged, or kept as a view)."""
+        idx, path = req.storage_index, shard.path
+        if self.verify:
+            shard.verify(_header_entry(shard, req, info))
+            taken.append((info.offset, info.length, None))
+        if getattr(info, "transform_descriptors", None):
+            taken.append((info.offset, info.length, None))
+            return read_encoded(self, shard, req, info, planner, _load_bytes)
+        if req.type == LoadItemType.BYTE_IO:
+            _load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), path)
+            taken.append((info.offset, info.length, None))
+            return None
+        dtype, sizes = self._chunk(idx, path)
+        view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes)
+        # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
+        # may keep the mapped view of the whole stored chunk instead of having it copied.
+        if accept_view is not None and accept_view(req, view):
+            return None  # not read here: the planner keeps the mapped view
+        taken.append((info.offset, info.length, _region_bytes(req, dtype)))
+        return self._copy(view, req, planner, path, direct=direct, defer=defer)
 
     def _chunk(self, idx: MetadataIndex, path: str) -> tuple[torch.dtype, torch.Size]:
         """dtype and shape of the stored chunk ``idx`` names, from the metadata."""
         md = self.state_dict_metadata.get(idx.fqn)
         if isinstance(md, TensorStorageMetadata) and idx.offset is not None:
+            hint = idx.index  # the chunk's place in the list, where the planner set it
+            if hint is not None and 0 <= hint < len(md.chunks) and md.chunks[hint].offsets == idx.offset:
+                return md.properties.dtype, md.chunks[hint].sizes
             for c in md.chunks:
                 if c.offsets == idx.offset:
                     return md.properties.dtype, c.sizes
         raise FormatError("the metadata describes no such stored chunk", path=path, entry=label(idx))
-
-    def _entry(self, shard: Shard, req: ReadItem, info: _StorageInfo) -> fmt.Entry:
-        """The shard header's entry for ``req``, which must agree with the metadata's record."""
-        idx = req.storage_index
-        e = shard.entry(idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
-        if (info.offset, info.length) != (e.offset, e.length):
-            raise FormatError(f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
-                              f"[{e.offset}, +{e.length})", path=shard.path, entry=e.label)
-        return e
 
     def _copy(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str,
               direct: DirectReads | None = None, defer: bool = False,
@@ -163,27 +165,32 @@ class FileReads:
                                         f"outside the stored chunk {list(src.shape)}: {e}", path=path,
                                         entry=label(req.storage_index)) from None
         if target is None:
-            target = planner.resolve_tensor(req).detach()
+            target = planner.resolve_tensor(req)
+            # As the stock reader, commit a detached target; DefaultLoadPlanner's commit_tensor
+            # ignores it, so there (defer) only a target that requires grad needs detaching.
+            if not defer or target.requires_grad:
+                target = target.detach()
         if target.size() != src.size():
             raise SizeMismatchError(f"stored region has shape {list(src.size())} but the target has "
                                     f"{list(target.size())}", path=path, entry=label(req.storage_index))
-        if self.stage_cpu or needs_staging(target):
+        # needs_staging(target), without the device object target.device makes (0.8 us)
+        if self.stage_cpu or not target.is_cpu or staging.STAGE_CPU_TARGETS:
             read = direct.reader_for(src, label(req.storage_index)) if direct is not None else None
             stage(self.pool_for(target.device), src, target, lambda: planner.commit_tensor(req, target), read)
             return target.device
-        if defer and direct is not None and direct.take(src, target, req, label(req.storage_index)):
+        if defer and direct is not None and _may_read(direct, src) and \
+                direct.take(src, target, req, label(req.storage_index)):
             return None  # read by direct.run(), then committed
         target.copy_(src)
         planner.commit_tensor(req, target)
         return None
 
-    def _read_stock(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[torch.device]:
+    def _read_stock(self, path: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
         """A stock (torch.save per item) shard: each item is loaded with weights_only=True."""
         devices = []
         fd = os.open(path, os.O_RDONLY)
         try:
-            for req in reqs:
-                info = self.storage_data[req.storage_index]
+            for req, info in reqs:
                 name = label(req.storage_index)
                 buf = read_item(fd, info.offset, info.length, path=path, entry=name)
                 self.counter.take(path, info.offset, info.length)
@@ -201,19 +208,47 @@ class FileReads:
         return devices
 
 
+def _seal_pools(pool_for: Callable[[torch.device], StagingPool], devices: list[torch.device], run: bool) -> None:
+    """Staged reads run late (when the host leaves a buffer): run them, or after an error drop them, before
+    the file they read closes."""
+    for dev in set(devices):
+        pool_for(dev).seal(run=run)
+
+
 def read_plan(reads: FileReads, plan: LoadPlan, planner: LoadPlanner, thread_count: int) -> None:
     """Read every item of ``plan``, file by file in offset order (``thread_count`` files at a time)."""
-    per_file: dict[str, list[ReadItem]] = {}
-    for req in plan.items:
-        per_file.setdefault(reads.info(req.storage_index).relative_path, []).append(req)
-    jobs = [(rel, sorted(reqs, key=lambda r: reads.storage_data[r.storage_index].offset))
-            for rel, reqs in per_file.items()]
+    per_file: dict[str, list[Job]] = {}
+    info = reads.info
+    for req in plan.items:  # each record looked up once: hashing a MetadataIndex is not free
+        rec = info(req.storage_index)
+        per_file.setdefault(rec.relative_path, []).append((req, rec))
+    jobs = [(rel, sorted(reqs, key=_offset)) for rel, reqs in per_file.items()]
     if thread_count > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(thread_count, thread_name_prefix="mmapckpt-read") as threads:
             list(threads.map(lambda j: reads.read_file(j[0], j[1], planner), jobs))
     else:
         for rel, reqs in jobs:
             reads.read_file(rel, reqs, planner)
+
+
+def _header_entry(shard: Shard, req: ReadItem, info: _StorageInfo) -> fmt.Entry:
+    """The shard header's entry for ``req``, which must agree with the metadata's record."""
+    idx = req.storage_index
+    e = shard.entry(idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
+    if (info.offset, info.length) != (e.offset, e.length):
+        raise FormatError(f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
+                          f"[{e.offset}, +{e.length})", path=shard.path, entry=e.label)
+    return e
+
+
+def _offset(job: Job) -> int:
+    return job[1].offset
+
+
+def _may_read(direct: DirectReads, src: torch.Tensor) -> bool:
+    """False where ``direct.take`` would surely decline ``src`` (a small region of a cached file),
+    so that the entry's label, which it takes, need not be made."""
+    return direct.enabled and not (direct.cached and src.nbytes < direct_reads.SMALL_CACHED_COPY)
 
 
 def _region_bytes(req: ReadItem, dtype: torch.dtype) -> int:
@@ -242,11 +277,11 @@ def _load_bytes(planner: LoadPlanner, req: ReadItem, data: bytes, path: str) -> 
 def _defers_safely(planner: LoadPlanner) -> bool:
     """Whether reads may be gathered and committed at the end of a file.
 
-    True for DefaultLoadPlanner and subclasses that keep its resolve_tensor and
-    commit_tensor: their targets are views of the state dict and committing does
+    True for DefaultLoadPlanner and subclasses that keep its resolve_tensor (or
+    FastLoadPlanner's, which resolves as it does) and commit_tensor: their targets are views of the state dict and committing does
     nothing. A planner of its own may hand out a staging buffer per item and move it
     in commit_tensor, so its items are copied one by one from the mapping, as before.
     """
     cls = type(planner)
-    return (isinstance(planner, DefaultLoadPlanner) and cls.resolve_tensor is DefaultLoadPlanner.resolve_tensor
-            and cls.commit_tensor is DefaultLoadPlanner.commit_tensor)
+    return (isinstance(planner, DefaultLoadPlanner) and cls.commit_tensor is DefaultLoadPlanner.commit_tensor
+            and cls.resolve_tensor in (DefaultLoadPlanner.resolve_tensor, FastLoadPlanner.resolve_tensor))

@@ -30,6 +30,7 @@ from ..io.files import fsync_dir, pwrite_all, unlink_quietly
 from ..format.transforms import StreamTransforms
 from ..io.odirect import DirectWriter, open_direct
 from .encoded_shard import write_encoded_entries
+from .plan_items import write_result
 
 __all__ = ["WriterOptions", "write_files", "write_shard", "chunk_nbytes"]
 
@@ -59,16 +60,24 @@ def chunk_nbytes(item: WriteItem) -> int:
     return n * torch._utils._element_size(td.properties.dtype)
 
 
-#: dtypes whose tensors numpy can view as they are (a CPU tensor's bytes without torch's view chain)
-_NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128))
+#: dtype -> the dtype numpy views its tensors' bytes as: itself (None), or an integer of its width for
+#: the dtypes numpy lacks (a CPU tensor's bytes without torch's view chain)
+_NUMPY_VIEW: dict[torch.dtype, torch.dtype | None] = {
+    **dict.fromkeys((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                     torch.uint8, torch.bool, torch.complex64, torch.complex128)),
+    torch.bfloat16: torch.int16, torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64,
+    **dict.fromkeys((getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                     if hasattr(torch, n)), torch.uint8),
+}
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's own bytes in C order, from its memory where it is contiguous."""
-    if (t.dtype in _NUMPY_DTYPES and t.device.type == "cpu" and t.numel() > 1 and t.is_contiguous()
-            and not t.requires_grad and not t.is_conj() and not t.is_neg()):
-        return memoryview(t.numpy()).cast("B")  # the common case, at a third of the steps below
+    view_as = _NUMPY_VIEW.get(t.dtype, t)  # t: not viewable
+    if (view_as is not t and t.is_cpu and t.is_contiguous() and t.numel() > 1 and not t.requires_grad
+            and not t.is_conj() and not t.is_neg()):
+        # the common case, at a third of the steps below
+        return memoryview((t if view_as is None else t.view(view_as)).numpy()).cast("B")
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
@@ -178,9 +187,8 @@ def _with_aliases(crcs: list[int], own: Any, alias_of: dict[int, int]) -> list[i
 
 
 def _results(name: str, done: list[fmt.Entry], items: list[WriteItem]) -> list[WriteResult]:
-    return [WriteResult(index=it.index, size_in_bytes=e.length, storage_data=_StorageInfo(
-        name, e.offset, e.length, transform_descriptors=list(e.transforms) if e.transforms else None))
-        for e, it in zip(done, items)]
+    return [write_result(it.index, e.length, _StorageInfo(
+        name, e.offset, e.length, list(e.transforms) if e.transforms else None)) for e, it in zip(done, items)]
 
 
 def _write_encoded(tmp: str, items: list[WriteItem], byte_payloads: dict[Any, bytes], planner: SavePlanner,

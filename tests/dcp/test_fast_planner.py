@@ -163,6 +163,31 @@ def test_load_planners_keep_the_readers_direct_reads() -> None:
         assert _defers_safely(cls()), cls
 
 
+def test_resolve_tensor_honours_a_subclass_lookup_or_transform(tmp_path) -> None:
+    """FastLoadPlanner.resolve_tensor resolves in one call only while lookup_tensor and
+    transform_tensor are its own: a subclass's override is still the one that decides."""
+    spare = torch.full((4,), 7.0)
+
+    class Redirect(FastLoadPlanner):
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            return spare
+
+    class Halve(FastLoadPlanner):
+        def transform_tensor(self, read_item: Any, tensor: torch.Tensor) -> Any:
+            return tensor[:2]
+
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=MmapWriter(str(tmp_path)), no_dist=True)
+    md = MmapReader(str(tmp_path)).read_metadata()
+    for cls, want in ((FastLoadPlanner, "w"), (Redirect, "spare"), (Halve, "half")):
+        sd = {"w": torch.zeros(4)}
+        planner = cls()
+        planner.set_up_planner(sd, md, True)
+        (item,) = planner.create_local_plan().items
+        got = planner.resolve_tensor(item)
+        expect = {"w": sd["w"], "spare": spare, "half": sd["w"][:2]}[want]
+        assert (got.data_ptr(), got.shape) == (expect.data_ptr(), expect.shape), cls
+
+
 # --------------------------------------------------------------------------- through dcp.save / dcp.load
 def _doc(path: str) -> dict[str, Any]:
     with open(os.path.join(path, METADATA_NAME), "rb") as f:
