@@ -4,7 +4,7 @@
 # Logs and the benchmark's JSON go to $OUT (default ./gpu_out). Exits non-zero if either fails.
 #
 #     bash benchmarks/gpu_check.sh                  # SIZE=2GB REPEATS=3 by default
-#     SIZE=8GB REPEATS=2 bash benchmarks/gpu_check.sh
+#     SIZE=8GB REPEATS=2 FILL=none bash benchmarks/gpu_check.sh   # FILL: the fill-thread sweep
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -24,7 +24,7 @@ set -o pipefail
 timeout "${TEST_TIMEOUT:-270}" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$out/gpu_tests.log"
 tests=$?
 timeout "${BENCH_TIMEOUT:-270}" python3 benchmarks/cuda_bench.py --size "${SIZE:-2GB}" --repeats "${REPEATS:-3}" \
-  --out "$out/cuda_bench.json" 2>&1 | tee "$out/cuda_bench.log"
+  --fill-threads "${FILL:-1,4,8,16}" --out "$out/cuda_bench.json" 2>&1 | tee "$out/cuda_bench.log"
 bench=$?
 echo "gpu_check: tests exit $tests, cuda_bench exit $bench"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
