@@ -1,8 +1,10 @@
 """Metadata decode against safetensors' header parse, side by side in one process.
 
-``python -m mmapckpt.bench.metadecode [--entries N] [--repeats R]`` saves N small tensors
-with ``mmapckpt.save`` and ``safetensors.torch.save_file``, then times, interleaved
-round-robin so that a noisy machine slows every operation alike:
+``python -m mmapckpt.bench.metadecode [--entries N] [--repeats R] [--mixed]`` saves N small
+tensors (four floats each; ``--mixed``: shapes (2, 2), (4,), (2, 2), (4,), () in turn, as a
+model's weights, biases and optimizer steps) with ``mmapckpt.save`` and
+``safetensors.torch.save_file``, then times, interleaved round-robin so that a noisy
+machine slows every operation alike:
 
 - ``safetensors``: ``safe_open(path, "pt")`` + ``keys()`` (the reference);
 - ``index``: ``read_index_file`` (what ``open``, ``load`` and ``load_into`` decode);
@@ -29,13 +31,18 @@ import torch
 __all__ = ["make_checkpoints", "operations", "measure", "main"]
 
 
-def make_checkpoints(root: str, entries: int) -> tuple[str, str]:
-    """An mmapckpt checkpoint and a safetensors file of ``entries`` four-float tensors; their paths."""
+#: the shapes of ``--mixed``, in turn
+MIXED_SHAPES = ((2, 2), (4,), (2, 2), (4,), ())
+
+
+def make_checkpoints(root: str, entries: int, *, mixed: bool = False) -> tuple[str, str]:
+    """An mmapckpt checkpoint and a safetensors file of ``entries`` small tensors; their paths."""
     from safetensors.torch import save_file
 
     from ..saving import save
 
-    sd = {f"layer{i // 8}.param{i % 8}": torch.full((4,), float(i)) for i in range(entries)}
+    shapes = MIXED_SHAPES if mixed else ((4,),)
+    sd = {f"layer{i // 8}.param{i % 8}": torch.full(shapes[i % len(shapes)], float(i)) for i in range(entries)}
     ck, st = os.path.join(root, "ckpt"), os.path.join(root, "model.safetensors")
     save(sd, ck)
     save_file(sd, st)
@@ -85,9 +92,10 @@ def measure(ops: dict[str, Callable[[], object]], repeats: int) -> dict[str, lis
     return times
 
 
-def render(times: dict[str, list[float]], entries: int) -> str:
+def render(times: dict[str, list[float]], entries: int, mixed: bool = False) -> str:
     ref = statistics.median(times["safetensors"])
-    lines = [f"{entries} entries, medians of {len(times['safetensors'])} interleaved rounds",
+    lines = [f"{entries} entries{' (mixed ranks)' if mixed else ''}, medians of {len(times['safetensors'])} "
+             "interleaved rounds",
              f"{'operation':<12} {'us/entry':>9} {'x safetensors':>14}"]
     for name, xs in times.items():
         m = statistics.median(xs)
@@ -99,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mmapckpt.bench.metadecode", description=__doc__.splitlines()[0])
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--mixed", action="store_true", help="tensors of ranks 0, 1 and 2 in turn")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
-        ck, st = make_checkpoints(root, args.entries)
-        print(render(measure(operations(ck, st), args.repeats), args.entries))
+        ck, st = make_checkpoints(root, args.entries, mixed=args.mixed)
+        print(render(measure(operations(ck, st), args.repeats), args.entries, args.mixed))
     return 0
 
 

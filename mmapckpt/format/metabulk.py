@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from functools import partial
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from math import prod
 from operator import add, itemgetter, mul
 from typing import Any
@@ -55,9 +55,9 @@ def bulk_index(names: list[str], files: list[str], dtypes: list[Any], rows: Any,
         return None
     if checked is None:
         return None
-    starts, codes = checked
+    starts, codes, name_set = checked
     if entries_only:
-        return TableEntries(names, starts, codes, rows, files, dtypes), set(), {}
+        return TableEntries(names, name_set, starts, codes, rows, files, dtypes), set(), {}
     return _build(names, starts, codes, rows, files, dtypes, True)
 
 
@@ -89,68 +89,85 @@ def _col(rows: list[Any], at: list[int], shift: int) -> list[Any]:
     return list(itemgetter(*map(add, at, repeat(shift)))(rows))
 
 
-def _within(col: list[int], lo: int) -> bool:
+def _within(col: list[int] | set[int], lo: int) -> bool:
     return not col or (min(col) >= lo and max(col) <= fmt.MAX_INT)
 
 
-def _sizes(get: Any, at: list[int], ends: list[int]) -> list[tuple[int, ...]]:
-    """Each tensor's size; ``ends`` is ``at`` plus the ndim."""
-    return list(map(tuple, map(get, map(slice, map(add, at, repeat(3)), map(add, ends, repeat(3))))))
+def _sizes(rows: list[Any], at: list[int], nds: list[int]) -> list[tuple[int, ...]]:
+    """Each tensor's size: for the tensors of each rank, ``zip`` of one column a dimension."""
+    ranks = set(nds)
+    by_rank = {}
+    for nd in ranks:
+        at_nd = at if len(ranks) == 1 else list(compress(at, map(nd.__eq__, nds)))
+        by_rank[nd] = list(zip(*(_col(rows, at_nd, 3 + k) for k in range(nd)))) if nd else [()] * len(at_nd)
+    if len(ranks) == 1:
+        return by_rank[nds[0]] if nds else []
+    its = {nd: iter(v) for nd, v in by_rank.items()}
+    return list(map(next, map(its.__getitem__, nds)))  # back in the table's order
 
 
-def _check(names: list[str], files: list[str], dtypes: list[Any], rows: list[Any]) -> tuple[list[int], list[int]] | None:
-    """(where each entry starts, each entry's dtype code) if every value is sound, else None."""
+def _check(names: list[str], files: list[str], dtypes: list[Any],
+           rows: list[Any]) -> tuple[list[int], list[int], frozenset[str]] | None:
+    """(where each entry starts, each entry's dtype code, the names) if every value is sound, else None."""
     starts = _starts(names, rows)
-    if starts is None or len(set(names)) != len(names):
+    name_set = frozenset(names)
+    if starts is None or len(name_set) != len(names):
         return None
     codes = _col(rows, starts, 0)
     in_files = frozenset(range(len(files)))
     if not set(codes) <= frozenset(range(-1, len(dtypes))):
         return None
-    at, tcodes = starts, codes
+    at = starts
     if min(codes) < 0:  # bytes items among the tensors: their file, file_offset, length and index
         is_bytes = list(map((-1).__eq__, codes))
         b = list(compress(starts, is_bytes))
         if not (set(_col(rows, b, 1)) <= in_files and _within(_col(rows, b, 2), 0) and _within(_col(rows, b, 3), 0)
                 and _within(_col(rows, b, 4), -1)):
             return None
-        is_tensor = list(map((-1).__lt__, codes))
-        at, tcodes = list(compress(starts, is_tensor)), list(compress(codes, is_tensor))
+        at = list(compress(starts, map((-1).__lt__, codes)))
     nds = _col(rows, at, 2)
-    if not (set(_col(rows, at, 1)) <= _FLAGS and set(nds) <= _NDIMS):
+    if not set(nds) <= _NDIMS:
         return None
-    ends = list(map(add, at, nds))  # each tensor's values after its size start at end + 3
-    if not (set(_col(rows, ends, 4)) <= in_files and _within(_col(rows, ends, 5), 0)
-            and _within(_col(rows, ends, 7), -1) and _lengths(rows, at, nds, tcodes, [t[1] for t in dtypes])):
-        return None
-    return starts, codes
+    itemsizes = [t[1] for t in dtypes]
+    for nd in set(nds):
+        if not _rank_sound(_rank_rows(rows, at, nds, nd, at is starts), nd, in_files, itemsizes):
+            return None
+    return starts, codes, name_set
 
 
-def _lengths(rows: list[Any], at: list[int], nds: list[int], codes: list[int], itemsizes: list[int]) -> bool:
-    """Whether every size is in range and every record's length is its tensor's byte count.
+def _rank_rows(rows: list[Any], at: list[int], nds: list[int], nd: int, all_tensors: bool) -> list[Any]:
+    """The values of the tensors of rank ``nd``, one after another: ``9 + nd`` each."""
+    if all_tensors and nds.count(nd) == len(nds):
+        return rows  # every entry a tensor of this rank: the rows are just that
+    at_nd = list(compress(at, map(nd.__eq__, nds)))
+    return list(chain.from_iterable(map(rows.__getitem__, map(slice, at_nd, map(add, at_nd, repeat(9 + nd))))))
 
-    Tensors of one rank at a time, so that each dimension is a column (no tuple per tensor).
+
+def _rank_sound(flat: list[Any], nd: int, in_files: frozenset[int], itemsizes: list[int]) -> bool:
+    """Whether the tensors of one rank (``flat``: their values, ``9 + nd`` each) are sound.
+
+    Each field is then a column ``flat[k::9 + nd]``, a slice made in C; the dtype codes and
+    ranks are already known to be in range, and the chunk count and whole flag to be 1.
     """
-    ranks = set(nds)
-    for nd in ranks:
-        pick = None if len(ranks) == 1 else list(map(nd.__eq__, nds))
-        at_nd = at if pick is None else list(compress(at, pick))
-        n = list(map(itemsizes.__getitem__, codes if pick is None else compress(codes, pick)))
-        for k in range(nd):
-            size = _col(rows, at_nd, 3 + k)
-            if not _within(size, 0):
-                return False
-            n = list(map(mul, n, size))
-        lns = _col(rows, at_nd, nd + 6)
-        if lns != n or not _within(lns, 0):
+    step = 9 + nd
+    n = list(map(itemsizes.__getitem__, flat[0::step]))
+    if not set(flat[1::step]) <= _FLAGS:
+        return False
+    for k in range(nd):
+        size = flat[3 + k::step]
+        if not _within(size, 0):
             return False
-    return True
+        n = list(map(mul, n, size))
+    lns = flat[6 + nd::step]
+    if lns != n or (n and max(n) > fmt.MAX_INT):  # each record's length is its byte count (n >= 0)
+        return False
+    return (set(flat[4 + nd::step]) <= in_files and _within(flat[5 + nd::step], 0)
+            and _within(set(flat[7 + nd::step]), -1))
 
 
 def _build(names: list[str], starts: list[int], codes: list[int], rows: list[Any], files: list[str],
            dtypes: list[Any], dcp: bool) -> Bulk:
     """The entries of a checked table, in its order; with ``dcp`` also the requires_grad names and hints."""
-    get = rows.__getitem__
     hints = []
     if min(codes) >= 0:
         tnames, at, tcodes = names, starts, codes
@@ -166,7 +183,7 @@ def _build(names: list[str], starts: list[int], codes: list[int], rows: list[Any
             hints.extend(compress(zip(zip(bnames, repeat(None)), bh), map((-1).__lt__, bh)))
     nds = _col(rows, at, 2)
     ends = list(map(add, at, nds))
-    sizes = _sizes(get, at, ends)
+    sizes = _sizes(rows, at, nds)
     zeros = list(map(_ZEROS.__getitem__, nds))
     fs, offs, lns, th = (_col(rows, ends, k) for k in (4, 5, 6, 7))
     dts = [t[0] for t in dtypes]
@@ -193,9 +210,9 @@ class TableEntries(Mapping[str, EntryInfo]):
 
     __slots__ = ("_names", "_set", "_table", "_built")
 
-    def __init__(self, names: list[str], starts: list[int], codes: list[int], rows: list[Any], files: list[str],
-                 dtypes: list[Any]) -> None:
-        self._names, self._set = names, frozenset(names)
+    def __init__(self, names: list[str], name_set: frozenset[str], starts: list[int], codes: list[int],
+                 rows: list[Any], files: list[str], dtypes: list[Any]) -> None:
+        self._names, self._set = names, name_set
         self._table: tuple[Any, ...] | None = (starts, codes, rows, files, dtypes)
         self._built: dict[str, EntryInfo] | None = None
 

@@ -276,8 +276,13 @@ def read_metadata_file(path: str | os.PathLike[str]) -> tuple[str, Metadata]:
     return kind, (decode_metadata(data, p) if kind == KIND_MMAPCKPT else decode_stock(data, p))
 
 
-def read_index_file(path: str | os.PathLike[str]) -> tuple[str, dict[str, EntryInfo], str | None]:
-    """Read a ``.metadata`` file of either kind; return (kind, entries by name, save id)."""
+def read_index_file(path: str | os.PathLike[str]) -> tuple[str, Mapping[str, EntryInfo], str | None]:
+    """Read a ``.metadata`` file of either kind; return (kind, entries by name, save id).
+
+    Every entry is checked before this returns. For a version-2 table of the common shape the
+    entries are a ``metabulk.TableEntries``: names, ``len`` and ``in`` come from the table's
+    names, and the ``EntryInfo`` records are built all at once on first access.
+    """
     p, kind, data = _read(path)
     if kind == KIND_MMAPCKPT:
         return (kind, *_decoding(data, p, lambda ix: (ix.entries, ix.save_id), entries_only=True))

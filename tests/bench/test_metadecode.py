@@ -23,3 +23,12 @@ def test_the_operations_read_the_checkpoint_they_were_given(tmp_path) -> None:
     ops = metadecode.operations(ck, st)
     assert ops["safetensors"]() == ops["open_keys"]() == [f"layer{i // 8}.param{i % 8}" for i in range(20)]
     assert len(ops["index"]()[1]) == 20 and len(ops["metadata"]()[1].state_dict_metadata) == 20
+
+
+def test_mixed_ranks(tmp_path, capsys) -> None:
+    pytest.importorskip("safetensors")
+    ck, st = metadecode.make_checkpoints(str(tmp_path), 10, mixed=True)
+    _, entries, _ = metadecode.operations(ck, st)["index"]()
+    assert [e.shape for e in entries.values()] == [*metadecode.MIXED_SHAPES, *metadecode.MIXED_SHAPES]
+    assert metadecode.main(["--entries", "10", "--repeats", "1", "--mixed"]) == 0
+    assert capsys.readouterr().out.startswith("10 entries (mixed ranks), medians of 1 interleaved rounds")

@@ -126,3 +126,41 @@ def test_a_document_with_true_false_or_a_float_in_it_is_still_read(tmp_path, nam
     path.write_bytes(metadata_with_doc(raw, doc))
     with pytest.raises(mmapckpt.FormatError, match="list of integers"):
         mf.read_index_file(path)
+
+
+@pytest.mark.parametrize("sd", [
+    {f"l{i}.w": torch.full((3,), float(i)) for i in range(5)},  # one rank: no regrouping
+    {"a": torch.ones(2, 2), "b": torch.ones(2, 3)},
+    {"s": torch.tensor(2.0), "t": torch.tensor(3, dtype=torch.int8)},  # rank 0 only
+    {"a": torch.ones(2, 2), "b": torch.ones(3), "c": torch.tensor(1.0), "d": torch.ones(1, 2, 1)},  # ranks 0-3
+])
+def test_tables_of_tensors_only_are_read_in_bulk_as_the_walk_reads_them(tmp_path, sd) -> None:
+    mmapckpt.save(sd, tmp_path / "c")
+    doc = json.loads((tmp_path / "c" / ".metadata").read_bytes()[24:])
+    assert _same(doc) == "ok"
+    _, entries, _ = mf.read_index_file(tmp_path / "c" / ".metadata")
+    assert isinstance(entries, metabulk.TableEntries)
+    assert {k: (e.dtype, e.shape) for k, e in entries.items()} == {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()}
+
+
+def test_a_table_of_bytes_items_only_is_read_in_bulk_as_the_walk_reads_it(tmp_path) -> None:
+    dcp.save({"a": 1, "b": "two", "c": [3]}, storage_writer=mmapckpt.MmapWriter(tmp_path / "c"), no_dist=True)
+    doc = json.loads((tmp_path / "c" / ".metadata").read_bytes()[24:])
+    assert set(doc["table"]["rows"][::5]) == {-1}
+    assert _same(doc) == "ok"
+
+
+@pytest.mark.parametrize("ndim", [64, 65])
+def test_a_tensor_of_more_than_64_dims_is_refused_as_the_walk_refuses_it(doc, ndim) -> None:
+    d = copy.deepcopy(doc)
+    t = d["table"]
+    f32 = t["dtypes"].index("float32")
+    # a well-formed tensor of ndim dims of size 1, one whole chunk of 4 bytes at offset 0 of the first file
+    t["names"].append("many")
+    t["rows"].extend([f32, 0, ndim, *[1] * ndim, 1, 0, 0, 4, -1, 1])
+    assert _same(d) == ("ok" if ndim == 64 else "refused")
+    for only in (False, True):  # tensors only, too: no bytes item before it
+        e = copy.deepcopy(d)
+        if only:
+            e["table"]["names"], e["table"]["rows"] = ["many"], e["table"]["rows"][-(9 + ndim):]
+        assert _same(e) == ("ok" if ndim == 64 else "refused")
