@@ -14,6 +14,7 @@ Nothing is refused here, so every message stays ``_walk``'s.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from functools import partial
 from itertools import chain, compress, repeat
@@ -208,20 +209,25 @@ class TableEntries(Mapping[str, EntryInfo]):
     raises nothing.
     """
 
-    __slots__ = ("_names", "_set", "_table", "_built")
+    __slots__ = ("_names", "_set", "_table", "_built", "_lock")
 
     def __init__(self, names: list[str], name_set: frozenset[str], starts: list[int], codes: list[int],
                  rows: list[Any], files: list[str], dtypes: list[Any]) -> None:
         self._names, self._set = names, name_set
         self._table: tuple[Any, ...] | None = (starts, codes, rows, files, dtypes)
         self._built: dict[str, EntryInfo] | None = None
+        self._lock = threading.Lock()  # get_tensor may be called from several threads at once
 
     def _all(self) -> dict[str, EntryInfo]:
-        if self._built is None:
-            with paused_gc():  # the decoder's pause is over by now
-                self._built = _build(self._names, *self._table, False)[0]  # type: ignore[misc]
-            self._table = None  # the document's integers are no longer needed
-        return self._built
+        built = self._built
+        if built is None:
+            with self._lock:
+                if self._built is None:
+                    with paused_gc():  # the decoder's pause is over by now
+                        self._built = _build(self._names, *self._table, False)[0]  # type: ignore[misc]
+                    self._table = None  # the document's integers are no longer needed
+                built = self._built
+        return built
 
     def __getitem__(self, name: str) -> EntryInfo:
         return self._all()[name]
@@ -240,6 +246,9 @@ class TableEntries(Mapping[str, EntryInfo]):
 
     def items(self) -> ItemsView[str, EntryInfo]:
         return self._all().items()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (self._all(),)  # pickled and copied as the plain dict it stands for (a lock does neither)
 
     def __repr__(self) -> str:
         return f"TableEntries({len(self._names)} entries)"

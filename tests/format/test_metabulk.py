@@ -164,3 +164,28 @@ def test_a_tensor_of_more_than_64_dims_is_refused_as_the_walk_refuses_it(doc, nd
         if only:
             e["table"]["names"], e["table"]["rows"] = ["many"], e["table"]["rows"][-(9 + ndim):]
         assert _same(e) == ("ok" if ndim == 64 else "refused")
+
+
+def test_table_entries_are_built_once_when_threads_ask_at_the_same_time(doc, monkeypatch) -> None:
+    import pickle
+    import threading
+    import time
+
+    calls = []
+    build = metabulk._build
+
+    def slow_build(*args: Any) -> Any:
+        calls.append(1)
+        time.sleep(0.2)  # every thread asks while the first one builds
+        return build(*args)
+
+    monkeypatch.setattr(metabulk, "_build", slow_build)
+    entries = metatable.index_table(copy.deepcopy(doc), "x/.metadata", ints_only=True, entries_only=True).entries
+    got: list[Any] = []
+    threads = [threading.Thread(target=lambda: got.append(entries["w"])) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 4 and all(g is got[0] for g in got)
+    assert pickle.loads(pickle.dumps(entries)) == dict(entries.items()) == copy.deepcopy(entries)
