@@ -197,13 +197,30 @@ def _body(data: bytes, path: str) -> bytes:
     return body
 
 
-def _decoding(data: bytes, path: str, build: Any) -> Any:
+def _json_ints_only(text: str, body: bytes) -> tuple[Any, bool]:
+    """The document, and whether all its numbers are integers and it holds no ``true``/``false``.
+
+    The hooks run only for floats, NaN and infinities, so the answer costs nothing an entry
+    beyond two scans of the text (a ``true`` inside a string also says False: only slower).
+    """
+    other: list[str] = []
+
+    def note(s: str) -> float:
+        other.append(s)
+        return float(s)
+
+    doc = json.loads(text, parse_float=note, parse_constant=note)
+    return doc, not other and b"true" not in body and b"false" not in body
+
+
+def _decoding(data: bytes, path: str, build: Any, *, entries_only: bool = False) -> Any:
     body = _body(data, path)
     v1 = _major(data) == 1
     try:
         with paused_gc():
-            doc = json.loads(body.decode("utf-8"))
-            out = build(index_doc(doc, path) if v1 else index_table(doc, path))
+            doc, ints_only = _json_ints_only(body.decode("utf-8"), body)
+            out = build(index_doc(doc, path) if v1 else
+                        index_table(doc, path, ints_only=ints_only, entries_only=entries_only))
             del doc  # freed before the collector resumes, so that it never walks the document
         return out
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -259,11 +276,16 @@ def read_metadata_file(path: str | os.PathLike[str]) -> tuple[str, Metadata]:
     return kind, (decode_metadata(data, p) if kind == KIND_MMAPCKPT else decode_stock(data, p))
 
 
-def read_index_file(path: str | os.PathLike[str]) -> tuple[str, dict[str, EntryInfo], str | None]:
-    """Read a ``.metadata`` file of either kind; return (kind, entries by name, save id)."""
+def read_index_file(path: str | os.PathLike[str]) -> tuple[str, Mapping[str, EntryInfo], str | None]:
+    """Read a ``.metadata`` file of either kind; return (kind, entries by name, save id).
+
+    Every entry is checked before this returns. For a version-2 table of the common shape the
+    entries are a ``metabulk.TableEntries``: names, ``len`` and ``in`` come from the table's
+    names, and the ``EntryInfo`` records are built all at once on first access.
+    """
     p, kind, data = _read(path)
     if kind == KIND_MMAPCKPT:
-        return (kind, *_decoding(data, p, lambda ix: (ix.entries, ix.save_id)))
+        return (kind, *_decoding(data, p, lambda ix: (ix.entries, ix.save_id), entries_only=True))
     md = decode_stock(data, p)
     return kind, stock_index(md, p), getattr(md.storage_meta, "save_id", None)
 

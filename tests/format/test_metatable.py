@@ -136,3 +136,20 @@ def test_files_outside_the_directory_are_refused(ckpt, rel) -> None:
 def test_a_chunk_without_a_storage_record_is_refused_naming_it(ckpt) -> None:
     err = _table_error(ckpt, _set(6, -1))
     assert "no storage record" in str(err) and err.entry == "w@[0, 0]"
+
+
+@pytest.mark.parametrize("pd, sdm_names", [
+    ({"a.b": ("a", "b"), "c": ("c",), "l.0": ("l", 0), "m.x": ("m", "x")}, ["a.b", "c", "l.0", "m.x"]),  # "dots"
+    ({"a.b": ("a.b",), "c.d": ("c.d",), "x": ("x",), "l.0": ("l", 0)}, ["a.b", "c.d", "x", "l.0"]),  # "whole"
+    ({"a.b": ("a", "b"), "extra": ("e", 1), "more.x": ("more", "x")}, ["a.b"]),  # names DCP plans but has no item of
+])
+def test_planner_data_is_expanded_to_what_was_saved(pd, sdm_names) -> None:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    from mmapckpt.format.metatable import encode_planner_data, planner_paths
+
+    md = Metadata(state_dict_metadata={k: BytesStorageMetadata() for k in sdm_names}, planner_data=pd)
+    raw = json.loads(json.dumps(encode_planner_data(md)))
+    got = planner_paths(raw, sdm_names)
+    assert got == pd and list(got) == list(pd)
+    assert all(type(v) is tuple for v in got.values())

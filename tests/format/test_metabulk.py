@@ -1,0 +1,191 @@
+"""The bulk check of the version-2 entry table (metabulk.py) against the per-entry walk it stands in for.
+
+Every table is decoded twice: with ``ints_only=True`` (the bulk check runs, and falls back to
+the walk when in doubt) and with ``ints_only=False`` (the walk alone, what every table got
+before). Both must refuse the same tables with the same message, and agree on the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import mmapckpt
+from helpers import metadata_with_doc
+from mmapckpt.format import metabulk, metatable
+from mmapckpt.format import metadata as mf
+from mmapckpt.format.metaindex import InvalidMetadata
+
+
+def _state() -> dict[str, Any]:
+    return {"w": torch.randn(5, 4), "b": torch.arange(3, dtype=torch.int16), "e": torch.empty(0, 2),
+            "s": torch.tensor(1.5, dtype=torch.bfloat16), "p": torch.nn.Parameter(torch.ones(2, 3, 2)),
+            "opt": {"step": 3, "lr": [0.1, 0.2]}, "v": torch.zeros(7, dtype=torch.float64)}
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory) -> dict[str, Any]:
+    """The body of a checkpoint with tensors of ranks 0 to 3, four dtypes, an empty tensor and bytes items."""
+    path = tmp_path_factory.mktemp("bulk") / "c"
+    dcp.save(_state(), storage_writer=mmapckpt.MmapWriter(path), no_dist=True)
+    return json.loads((path / ".metadata").read_bytes()[24:])
+
+
+def _decode(doc: dict[str, Any], ints_only: bool, entries_only: bool = False) -> tuple[str, Any]:
+    try:
+        ix = metatable.index_table(copy.deepcopy(doc), "x/.metadata", ints_only=ints_only, entries_only=entries_only)
+    except (InvalidMetadata, mmapckpt.CheckpointError) as e:
+        return "refused", f"{type(e).__name__}: {e}"
+    except (IndexError, ValueError):  # index_table's caller turns these into FormatError
+        return "refused", "cut short"
+    return "ok", (dict(ix.entries), ix.requires_grad, ix.record_index, ix.transforms)
+
+
+def _same(doc: dict[str, Any]) -> str:
+    walk = _decode(doc, ints_only=False)
+    assert _decode(doc, ints_only=True) == walk
+    bulk_entries = _decode(doc, ints_only=True, entries_only=True)
+    assert bulk_entries[0] == walk[0]
+    if walk[0] == "ok":
+        assert bulk_entries[1][0] == walk[1][0]  # the entries; grad and hints are left out
+    return walk[0]
+
+
+def test_the_bulk_check_takes_a_table_of_the_common_shape(doc) -> None:
+    t = doc["table"]
+    assert len(t["dtypes"]) >= 4 and -1 in t["rows"]  # several dtypes, bytes items among the tensors
+    got = metabulk.bulk_index(t["names"], t["files"], [mf.fmt.DTYPES[n] for n in t["dtypes"]], t["rows"],
+                              t["transforms"], True)
+    assert got is not None  # not a fallback: the bulk path itself is what is compared below
+    assert _same(doc) == "ok"
+    ok = _decode(doc, ints_only=True)[1]
+    assert ok[0]["p"].shape == (2, 3, 2) and ok[0]["p"].chunks[0].offsets == (0, 0, 0) and "p" in ok[1]
+    assert ok[0]["s"].shape == () and ok[0]["opt.step"].kind == "object"
+    assert ok[2][("w", (0, 0))] == 0 and ("opt.step", None) not in ok[2]  # DCP gives bytes items no index
+
+
+HOSTILE = [-3, -2, -1, 0, 1, 2, 3, 7, 64, 65, 79, 80, 2**63 - 1, 2**63, 2**70, "1", None, [1], {}]
+
+
+def test_every_value_of_the_rows_changed_is_judged_as_the_walk_judges_it(doc) -> None:
+    n = len(doc["table"]["rows"])
+    outcomes = set()
+    for i in range(n):
+        for v in HOSTILE:
+            d = copy.deepcopy(doc)
+            d["table"]["rows"][i] = v
+            outcomes.add(_same(d))
+    assert outcomes == {"ok", "refused"}
+
+
+@pytest.mark.parametrize("change", [
+    lambda t: t["rows"].append(0),
+    lambda t: t["rows"].pop(),
+    lambda t: t["rows"].__setitem__(slice(0, 0), [-1, 0, 0, 0, -1]),
+    lambda t: t["names"].__setitem__(1, t["names"][0]),
+    lambda t: t["names"].pop(),
+    lambda t: t["files"].append("__9_9.distcp"),
+    lambda t: t["files"].clear(),
+    lambda t: t["dtypes"].pop(),
+    lambda t: t["dtypes"].reverse(),
+    lambda t: t.update(transforms={"0": ["zstd/1"]}),
+    lambda t: t.update(rows=tuple(t["rows"])),
+])
+def test_other_changes_to_the_table_are_judged_as_the_walk_judges_them(doc, change) -> None:
+    d = copy.deepcopy(doc)
+    change(d["table"])
+    _same(d)
+
+
+def test_table_entries_are_built_on_first_use(doc) -> None:
+    ix = metatable.index_table(copy.deepcopy(doc), "x/.metadata", ints_only=True, entries_only=True)
+    entries = ix.entries
+    assert isinstance(entries, metabulk.TableEntries)
+    assert list(entries) == doc["table"]["names"] and len(entries) == len(doc["table"]["names"])
+    assert "w" in entries and "nope" not in entries and entries._built is None  # names alone
+    assert entries["w"].shape == (5, 4) and entries._built is not None
+    assert entries == _decode(doc, ints_only=False)[1][0] and entries.get("nope") is None
+
+
+@pytest.mark.parametrize("name", ["true", "a.false", "1.5"])
+def test_a_document_with_true_false_or_a_float_in_it_is_still_read(tmp_path, name) -> None:
+    sd = {name: torch.arange(4.0), "w": torch.ones(2, 2)}
+    mmapckpt.save(sd, tmp_path / "c")
+    path = tmp_path / "c" / ".metadata"
+    _, entries, _ = mf.read_index_file(path)
+    assert not isinstance(entries, metabulk.TableEntries)  # the walk read it
+    assert entries[name].shape == (4,) and list(entries) == [name, "w"]
+    raw = path.read_bytes()
+    doc = json.loads(raw[24:])
+    doc["table"]["rows"][2] = True  # rank True: refused, though true == 1
+    path.write_bytes(metadata_with_doc(raw, doc))
+    with pytest.raises(mmapckpt.FormatError, match="list of integers"):
+        mf.read_index_file(path)
+
+
+@pytest.mark.parametrize("sd", [
+    {f"l{i}.w": torch.full((3,), float(i)) for i in range(5)},  # one rank: no regrouping
+    {"a": torch.ones(2, 2), "b": torch.ones(2, 3)},
+    {"s": torch.tensor(2.0), "t": torch.tensor(3, dtype=torch.int8)},  # rank 0 only
+    {"a": torch.ones(2, 2), "b": torch.ones(3), "c": torch.tensor(1.0), "d": torch.ones(1, 2, 1)},  # ranks 0-3
+])
+def test_tables_of_tensors_only_are_read_in_bulk_as_the_walk_reads_them(tmp_path, sd) -> None:
+    mmapckpt.save(sd, tmp_path / "c")
+    doc = json.loads((tmp_path / "c" / ".metadata").read_bytes()[24:])
+    assert _same(doc) == "ok"
+    _, entries, _ = mf.read_index_file(tmp_path / "c" / ".metadata")
+    assert isinstance(entries, metabulk.TableEntries)
+    assert {k: (e.dtype, e.shape) for k, e in entries.items()} == {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()}
+
+
+def test_a_table_of_bytes_items_only_is_read_in_bulk_as_the_walk_reads_it(tmp_path) -> None:
+    dcp.save({"a": 1, "b": "two", "c": [3]}, storage_writer=mmapckpt.MmapWriter(tmp_path / "c"), no_dist=True)
+    doc = json.loads((tmp_path / "c" / ".metadata").read_bytes()[24:])
+    assert set(doc["table"]["rows"][::5]) == {-1}
+    assert _same(doc) == "ok"
+
+
+@pytest.mark.parametrize("ndim", [64, 65])
+def test_a_tensor_of_more_than_64_dims_is_refused_as_the_walk_refuses_it(doc, ndim) -> None:
+    d = copy.deepcopy(doc)
+    t = d["table"]
+    f32 = t["dtypes"].index("float32")
+    # a well-formed tensor of ndim dims of size 1, one whole chunk of 4 bytes at offset 0 of the first file
+    t["names"].append("many")
+    t["rows"].extend([f32, 0, ndim, *[1] * ndim, 1, 0, 0, 4, -1, 1])
+    assert _same(d) == ("ok" if ndim == 64 else "refused")
+    for only in (False, True):  # tensors only, too: no bytes item before it
+        e = copy.deepcopy(d)
+        if only:
+            e["table"]["names"], e["table"]["rows"] = ["many"], e["table"]["rows"][-(9 + ndim):]
+        assert _same(e) == ("ok" if ndim == 64 else "refused")
+
+
+def test_table_entries_are_built_once_when_threads_ask_at_the_same_time(doc, monkeypatch) -> None:
+    import pickle
+    import threading
+    import time
+
+    calls = []
+    build = metabulk._build
+
+    def slow_build(*args: Any) -> Any:
+        calls.append(1)
+        time.sleep(0.2)  # every thread asks while the first one builds
+        return build(*args)
+
+    monkeypatch.setattr(metabulk, "_build", slow_build)
+    entries = metatable.index_table(copy.deepcopy(doc), "x/.metadata", ints_only=True, entries_only=True).entries
+    got: list[Any] = []
+    threads = [threading.Thread(target=lambda: got.append(entries["w"])) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 4 and all(g is got[0] for g in got)
+    assert pickle.loads(pickle.dumps(entries)) == dict(entries.items()) == copy.deepcopy(entries)
