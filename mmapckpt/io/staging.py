@@ -308,7 +308,6 @@ class StagingPool:
                 return
 
 
-
 def run_fills(fills: list[_Fill], threads: int) -> None:
     """Run a buffer's reads: those of ``parallel`` readers cut into about equal shares for up to
     ``threads`` threads (this one included), the others in order on this thread."""
@@ -332,7 +331,8 @@ def run_fills(fills: list[_Fill], threads: int) -> None:
             groups[g].append((read, staged[done:done + take], start + done, take))
             done, room = done + take, room - take
             if room == 0 and g < k - 1:
-                g, room = g + 1, share
+                g += 1
+                room = share if g < k - 1 else total  # the last group takes whatever is left
     futures = [reader_pool(k).submit(_run_group, grp) for grp in groups[1:] if grp]
     try:
         _run_group(groups[0])
