@@ -86,8 +86,11 @@ def encode_planner_data(md: Metadata) -> Any:
     for k, v in pd.items():
         if not isinstance(k, str) or not all(type(x) in (str, int) for x in v):
             raise TypeError(f"planner_data path of {k!r} must hold only strings and integers, got {v!r}")
-    dots = sum(1 for k, v in pd.items() if tuple(v) == tuple(k.split(".")))
-    whole = sum(1 for k, v in pd.items() if tuple(v) == (k,))
+    whole = sum(1 for k, v in pd.items() if len(v) == 1 and v[0] == k)
+    if whole == len(pd):  # the usual flat dict: only names without a dot are also their dotted path
+        dots = sum(1 for k in pd if "." not in k)
+    else:
+        dots = sum(1 for k, v in pd.items() if tuple(v) == tuple(k.split(".")))
     rule = "dots" if dots >= whole else "whole"
     implied = (lambda k: tuple(k.split("."))) if rule == "dots" else (lambda k: (k,))
     return {"rule": rule, "names": [k for k in pd if k not in md.state_dict_metadata],

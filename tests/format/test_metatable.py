@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed.checkpoint as dcp
 
 import mmapckpt
@@ -153,3 +155,25 @@ def test_planner_data_is_expanded_to_what_was_saved(pd, sdm_names) -> None:
     got = planner_paths(raw, sdm_names)
     assert got == pd and list(got) == list(pd)
     assert all(type(v) is tuple for v in got.values())
+
+
+_KEY = st.text(alphabet="ab.", min_size=1, max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pd=st.dictionaries(_KEY, st.one_of(_KEY.map(lambda k: None), st.lists(st.one_of(_KEY, st.integers(0, 3)),
+                                                                            min_size=1, max_size=3)), max_size=6))
+def test_the_planner_data_rule_is_the_majority_rule(pd) -> None:
+    """``encode_planner_data`` picks "dots" when at least as many paths are the name split at its dots as are the
+    name whole (counted the plain way here), also through its shortcut for all-whole dicts."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from mmapckpt.format.metatable import encode_planner_data, planner_paths
+
+    pd = {k: (k,) if v is None else tuple(v) for k, v in pd.items()}  # None: the usual whole-name path
+    md = Metadata(state_dict_metadata={}, planner_data=pd)
+    enc = encode_planner_data(md)
+    dots = sum(1 for k, v in pd.items() if v == tuple(k.split(".")))
+    whole = sum(1 for k, v in pd.items() if v == (k,))
+    assert enc["rule"] == ("dots" if dots >= whole else "whole")
+    assert planner_paths(json.loads(json.dumps(enc)), []) == pd
