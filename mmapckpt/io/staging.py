@@ -16,8 +16,8 @@ of its own, faulting pages in the middle of the transfer. So every host-to-devic
   which may be a strided, narrowed region of a stored chunk (resharding);
 - the reads of a buffer run together when the host leaves it: from a cached file, whose
   reader says ``parallel``, they are cut into about equal shares for ``FILL_THREADS``
-  threads (one thread copies out of the page cache at a fraction of a PCIe 5 link: 7.6 GB/s
-  against 55 on an H200 host, where 8 threads reached 29); from a cold one, in order on
+  threads (one thread copies out of the page cache at a fraction of a PCIe 5 link: 5-10 GB/s
+  against 55 on an H200 host, where 8 threads reached 22-49); from a cold one, in order on
   this thread (one stream suits the disk's readahead);
 - then the buffer's copies are issued ``non_blocking`` on a side stream and an event is
   recorded; before refilling a buffer the host waits for that buffer's event, so reading
@@ -56,8 +56,8 @@ DEFAULT_STAGING_BYTES = 32 << 20
 #: Three buffers: one being filled by the host, one being copied by the device, one spare so
 #: that a slow read or copy does not stall the other side. 96 MiB of pinned memory in all.
 DEFAULT_STAGING_BUFFERS = 3
-#: Threads that fill a buffer from cached files. On the H200 host (16 cores) the fill moved
-#: 7.6 GB/s with 1 thread, 21 with 4, 29 with 8 and 23 with 16 (benchmarks/cuda_bench.py).
+#: Threads that fill a buffer from cached files. On H200 hosts (16 cores), three runs of
+#: benchmarks/cuda_bench.py moved 4.7-9.9 GB/s with 1 thread, 15-21 with 4, 22-49 with 8 and 19-23 with 16.
 FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
 #: A buffer's reads are shared out only in pieces of at least this many bytes (a smaller piece
 #: costs more to hand to a thread than to read).
