@@ -36,7 +36,6 @@ from ..format.metadata import KIND_MMAPCKPT, missing_shard_error
 from ..format.shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from ..format.stock import load_tensor, read_item
 from ..format.transforms import StreamTransforms
-from ..io import direct_reads
 from ..io.direct_reads import DirectReads
 from ..io.files import open_inside
 from ..io import staging
@@ -178,7 +177,7 @@ class FileReads:
             read = direct.reader_for(src, label(req.storage_index)) if direct is not None else None
             stage(self.pool_for(target.device), src, target, lambda: planner.commit_tensor(req, target), read)
             return target.device
-        if defer and direct is not None and _may_read(direct, src) and \
+        if defer and direct is not None and direct.worth_reading(src) and \
                 direct.take(src, target, req, label(req.storage_index)):
             return None  # read by direct.run(), then committed
         target.copy_(src)
@@ -243,12 +242,6 @@ def _header_entry(shard: Shard, req: ReadItem, info: _StorageInfo) -> fmt.Entry:
 
 def _offset(job: Job) -> int:
     return job[1].offset
-
-
-def _may_read(direct: DirectReads, src: torch.Tensor) -> bool:
-    """False where ``direct.take`` would surely decline ``src`` (a small region of a cached file),
-    so that the entry's label, which it takes, need not be made."""
-    return direct.enabled and not (direct.cached and src.nbytes < direct_reads.SMALL_CACHED_COPY)
 
 
 def _region_bytes(req: ReadItem, dtype: torch.dtype) -> int:

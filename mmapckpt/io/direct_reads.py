@@ -69,6 +69,11 @@ class DirectReads:
             lo = min(o for o, _ in ranges)
             os.posix_fadvise(fd, lo, max(o + n for o, n in ranges) - lo, os.POSIX_FADV_WILLNEED)
 
+    def worth_reading(self, src: torch.Tensor) -> bool:
+        """Whether a read may stand in for a copy of ``src`` out of the mapping: not for a few pages of a
+        cached file, which cost less to copy than to queue (a caller can ask before making a label)."""
+        return self.enabled and not (self.cached and src.nbytes < SMALL_CACHED_COPY)
+
     def take(self, src: torch.Tensor, target: torch.Tensor, token: Any, label: str) -> bool:
         """Queue the copy of ``src`` (a view of the mapping) into ``target`` if a read can do it.
 
@@ -78,8 +83,8 @@ class DirectReads:
                 and target.is_contiguous() and src.is_contiguous() and not target.is_conj()
                 and not target.is_neg()):
             return False
-        if self.cached and src.numel() * src.element_size() < SMALL_CACHED_COPY:
-            return False  # a few cached pages: copying them from the mapping costs less than queueing a read
+        if not self.worth_reading(src):
+            return False
         if self._base is None:
             self._base = self.file.address()
         offset = src.data_ptr() - self._base
