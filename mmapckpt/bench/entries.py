@@ -21,7 +21,8 @@ __all__ = ["adam_state_dict", "flatten_tensors", "targets_like", "same_values", 
            "TARGETS", "PHASE_LABELS"]
 
 #: phase -> what it is, in the table and the chart
-PHASE_LABELS = {"save": "save (fsync)", "warm": "warm load into targets", "lazy": "load the whole state dict",
+PHASE_LABELS = {"save": "save (fsync)", "plan_save": "dcp.save planning only", "warm": "warm load into targets",
+                "plan": "dcp.load planning only", "lazy": "load the whole state dict",
                 "open": "open + every get_tensor"}
 #: (method, phase, reference method, reference phase, the most the ratio may be, wording): the issue's targets
 TARGETS: tuple[tuple[str, str, str, str, float, str], ...] = (
@@ -126,7 +127,23 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if a is not None and b:
                 targets.append({"case": case, "tensors": n, "target": text, "ratio": a / b, "at_most": most,
                                 "met": a / b <= most})
-    return {"ratios": ratios, "targets": targets}
+    return {"ratios": ratios, "targets": targets, "readers": _readers(rows, by)}
+
+
+def _readers(rows: list[dict[str, Any]], by: dict[tuple[Any, ...], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per DCP method, point and direction: the storage layer's own cost (the operation less its
+    planning-only run) and its ratio to the API's counterpart (``load_into``, ``mmapckpt.save``)."""
+    out = []
+    for r in rows:
+        for op, ph, plan_ph in (("load", "warm", "plan"), ("save", "save", "plan_save")):
+            total, plan = r.get(f"{ph}_us_per_entry"), r.get(f"{plan_ph}_us_per_entry")
+            if total is None or plan is None:
+                continue
+            api = by.get((r["case"], r["tensors"], "mmapckpt-api"), {}).get(f"{ph}_us_per_entry")
+            out.append({"case": r["case"], "tensors": r["tensors"], "method": r["method"], "op": op,
+                        "us_per_entry": total, "plan_us_per_entry": plan, "own_us_per_entry": total - plan,
+                        "own_ratio_to_api": (total - plan) / api if api else None})
+    return out
 
 
 def _fmt(x: float) -> str:
@@ -157,6 +174,17 @@ def render(doc: dict[str, Any]) -> list[str]:
                 x = q["ratio_to_safetensors"]
                 row += f"{_fmt(q['us_per_entry']) + (f' ({x:.2f}x)' if x is not None else ''):>{w}}"
         lines.append(row)
+    if s.get("readers"):
+        lines += ["", "dcp.load and dcp.save apart, us per entry: planning (through a reader that resolves and "
+                  "commits without copying, a writer that writes nothing: DCP's own code, the planner, the "
+                  "metadata decode) and the storage layer's own cost (the operation less its planning; x: its "
+                  "ratio to mmapckpt.load_into, mmapckpt.save)"]
+        for q in s["readers"]:
+            x = q["own_ratio_to_api"]
+            own = "reader" if q["op"] == "load" else "writer"
+            lines.append(f"  {q['case']:<12}{q['tensors']:>8} t  {q['method']:<15}{q['op']:<5} planning "
+                         f"{_fmt(q['plan_us_per_entry'])}, {own} {_fmt(q['own_us_per_entry'])}"
+                         + (f" ({x:.2f}x)" if x is not None else ""))
     lines += ["", "targets (per-entry ratios):"]
     for t in s["targets"]:
         lines.append(f"  {t['case']:<12}{t['tensors']:>8} t  {t['target']:<52} {t['ratio']:.2f} "

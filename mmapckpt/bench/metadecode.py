@@ -10,7 +10,10 @@ machine slows every operation alike:
 - ``index``: ``read_index_file`` (what ``open``, ``load`` and ``load_into`` decode);
 - ``open_keys``: ``mmapckpt.open(path)`` + ``keys()``;
 - ``index_all``: ``read_index_file`` and a look at every entry's first chunk;
-- ``metadata``: ``read_metadata_file`` (DCP ``Metadata``, what ``dcp.load`` plans with);
+- ``metadata``: ``read_metadata_file`` (DCP ``Metadata`` with every record built, what DCP's
+  default planners plan with);
+- ``metadata_lazy``: ``read_metadata_file(lazy=True)`` (what ``MmapReader.read_metadata``
+  returns: the records built on first request, which ``FastLoadPlanner`` does not make);
 - ``json``: ``json.loads`` of the body alone (the floor of the standard-library decode).
 
 It prints microseconds per entry (median of R) and each one's ratio to safetensors.
@@ -75,7 +78,8 @@ def operations(ck: str, st: str) -> dict[str, Callable[[], object]]:
             return json.loads(f.read()[_META_PRE.size:])
 
     return {"safetensors": st_keys, "index": lambda: read_index_file(meta), "open_keys": open_keys,
-            "index_all": index_all, "metadata": lambda: read_metadata_file(meta), "json": body_json}
+            "index_all": index_all, "metadata": lambda: read_metadata_file(meta),
+            "metadata_lazy": lambda: read_metadata_file(meta, lazy=True), "json": body_json}
 
 
 def measure(ops: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:

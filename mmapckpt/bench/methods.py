@@ -14,6 +14,9 @@ from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from ..dcp.reader import MmapReader
 from ..dcp.writer import MmapWriter
@@ -109,6 +112,81 @@ def _fast_load(targets: StateDict, path: str) -> None:
     from ..dcp.fast_planner import FastLoadPlanner
 
     _quiet(lambda: dcp.load(targets, storage_reader=MmapReader(path), planner=FastLoadPlanner(), no_dist=True))
+
+
+class _PlanningOnly(MmapReader):
+    """MmapReader whose ``read_data`` resolves and commits every item without reading or copying.
+
+    A ``dcp.load`` through it costs DCP's own work, the planner's and the metadata decode,
+    and nothing of the reader's copies: the scan's "plan" phase, which it reports apart from
+    the reader's own cost (the warm load's time less this).
+    """
+
+    def read_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                continue  # a stored value: nothing to resolve without reading it
+            planner.commit_tensor(item, planner.resolve_tensor(item))
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+class _NoWrites(StorageWriter):
+    """A storage writer that writes nothing: ``dcp.save`` through it costs DCP's own work and the planner's.
+
+    The scan's "plan" phase of a save (resolving each item's data included, as a writer must),
+    reported apart from the writer's own cost (the save's time less this).
+    """
+
+    def reset(self, checkpoint_id=None):  # type: ignore[no-untyped-def]
+        pass
+
+    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):  # type: ignore[no-untyped-def]
+        pass
+
+    def prepare_local_plan(self, plan):  # type: ignore[no-untyped-def]
+        return plan
+
+    def prepare_global_plan(self, plans):  # type: ignore[no-untyped-def]
+        return plans
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        results = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            n = data.nbytes if isinstance(data, torch.Tensor) else len(data.getbuffer())
+            results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=None))
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata, results):  # type: ignore[no-untyped-def]
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):  # type: ignore[no-untyped-def]
+        return True
+
+
+def _mmap_plan_save(sd: StateDict, path: str) -> None:
+    _quiet(lambda: dcp.save(sd, storage_writer=_NoWrites(), no_dist=True))
+
+
+def _fast_plan_save(sd: StateDict, path: str) -> None:
+    from ..dcp.fast_planner import FastSavePlanner
+
+    _quiet(lambda: dcp.save(sd, storage_writer=_NoWrites(), planner=FastSavePlanner(), no_dist=True))
+
+
+def _mmap_plan(targets: StateDict, path: str) -> None:
+    _quiet(lambda: dcp.load(targets, storage_reader=_PlanningOnly(path), no_dist=True))
+
+
+def _fast_plan(targets: StateDict, path: str) -> None:
+    from ..dcp.fast_planner import FastLoadPlanner
+
+    _quiet(lambda: dcp.load(targets, storage_reader=_PlanningOnly(path), planner=FastLoadPlanner(), no_dist=True))
 
 
 # ---------------------------------------------------------------- stock DCP
@@ -219,7 +297,10 @@ class ScanOps:
     """What the tensor-count scan times for one method: phase -> (label, callable).
 
     Phases: ``save`` (durable), ``warm`` (a warm load into existing targets), ``lazy``
-    (the whole state dict as new tensors) and ``open`` (open, then every ``get_tensor``).
+    (the whole state dict as new tensors), ``open`` (open, then every ``get_tensor``) and,
+    for ``dcp.load``, ``plan`` (the warm load through a reader that resolves and commits
+    without copying: DCP's planning, the planner's and the metadata decode) and for
+    ``dcp.save``, ``plan_save`` (the save through a writer that writes nothing).
     ``nested``: the method takes the nested state dict (DCP); otherwise a flat
     ``{name: tensor}`` dict of its tensors only (safetensors and mmapckpt.save hold no other values).
     """
@@ -236,9 +317,13 @@ _SCAN_OPS: tuple[ScanOps, ...] = (
                                     "lazy": ("mmapckpt.load", _mmap_lazy),
                                     "open": ("mmapckpt.open + get_tensor", _api_open_all)}),
     ScanOps("mmapckpt-fast", True, {"save": ("dcp.save, MmapWriter, FastSavePlanner", _fast_save),
-                                    "warm": ("dcp.load, MmapReader, FastLoadPlanner", _fast_load)}),
+                                    "warm": ("dcp.load, MmapReader, FastLoadPlanner", _fast_load),
+                                    "plan": ("dcp.load, no-copy reader, FastLoadPlanner", _fast_plan),
+                                    "plan_save": ("dcp.save, no-write writer, FastSavePlanner", _fast_plan_save)}),
     ScanOps("mmapckpt", True, {"save": ("dcp.save, MmapWriter", _mmap_save),
-                               "warm": ("dcp.load, MmapReader", _mmap_load)}),
+                               "warm": ("dcp.load, MmapReader", _mmap_load),
+                               "plan": ("dcp.load, no-copy reader", _mmap_plan),
+                               "plan_save": ("dcp.save, no-write writer", _mmap_plan_save)}),
     ScanOps("dcp", True, {"save": ("dcp.save, FileSystemWriter", _dcp_save),
                           "warm": ("dcp.load, FileSystemReader", _dcp_load)}),
 )

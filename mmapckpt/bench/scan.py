@@ -29,7 +29,7 @@ from .system import files_under, warm_up
 
 __all__ = ["scan", "render", "DCP_MAX_ENTRIES"]
 
-_PHASES = ("save", "warm", "lazy", "open")
+_PHASES = ("save", "plan_save", "warm", "plan", "lazy", "open")
 #: Above this many entries the stock DCP is skipped in the tensor scan by default (about 0.5 ms an entry).
 DCP_MAX_ENTRIES = 20_000
 Ops = dict[str, tuple[str, Callable]]
@@ -54,8 +54,12 @@ def _point(ops: Ops, sd: Any, path: str, repeats: int) -> tuple[dict[str, float]
     """Median seconds of each operation in ``ops`` on ``sd``; and whether the warm load was bitwise right."""
     targets = entries.targets_like(sd)
     out = {"save": _median_time(lambda: ops["save"][1](sd, path), repeats, lambda: _clear(path))}
+    if ops.get("plan_save") is not None:  # as the save, writing nothing
+        out["plan_save"] = _median_time(lambda: ops["plan_save"][1](sd, path), repeats)
     out["warm"] = _median_time(lambda: ops["warm"][1](targets, path), repeats, lambda: warm_up(files_under(path)))
     correct = entries.same_values(sd, targets)
+    if ops.get("plan") is not None:  # as the warm load, without the reader's copies
+        out["plan"] = _median_time(lambda: ops["plan"][1](targets, path), repeats, lambda: warm_up(files_under(path)))
     for ph in ("lazy", "open"):
         if ops.get(ph) is not None:
             out[ph] = _median_time(lambda: ops[ph][1](path), repeats)  # noqa: B023 - called at once
@@ -165,7 +169,7 @@ def render(doc: dict[str, Any]) -> str:
     if doc["kind"] == "tensors":
         lines.append("least-squares slope of seconds against tensor count (transformer points), us per tensor:")
     for k, v in doc["summary"].items():
-        if k in ("ratios", "targets"):
+        if k in ("ratios", "targets", "readers"):
             continue
         val = ", ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else f"{v:.2f}"
         lines.append(f"  {k}: {val}")

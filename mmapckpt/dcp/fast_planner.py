@@ -7,7 +7,9 @@ its time on without its general machinery, producing the very same plans:
 
 - load: a plain tensor (or ``nn.Parameter``) stored as one whole chunk gets its one
   ``ReadItem`` directly (the default runs a sweep over the stored and local chunks and
-  builds the item from lists); a DTensor whose one local shard is exactly one stored
+  builds the item from lists), read from the entry index itself when the metadata is
+  MmapReader's (format/lazymeta.py: DCP's records are then never built for it); a DTensor
+  whose one local shard is exactly one stored
   chunk (saved and loaded with the same sharding) likewise; everything else (resharding,
   several chunks, size mismatches and their errors) goes through DCP's own code.
   ``lookup_tensor``/``transform_tensor`` return plain targets without the Protocol and
@@ -56,6 +58,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_read_items, _cr
 from torch.distributed.tensor import DTensor
 
 from ..format.entries import paused_gc
+from ..format.lazymeta import StateDictRecords
 from .flatten import flatten_plain, fresh_lists
 from .plan_items import metadata_index, read_item, tensor_write_item, write_item, zeros
 
@@ -86,14 +89,25 @@ def _dtensor_item(fqn: str, obj: DTensor, md: TensorStorageMetadata) -> ReadItem
 def _load_items(state_dict: dict[str, Any], metadata: Metadata, strict: bool) -> list[ReadItem]:
     """``create_default_local_load_plan``'s items, with the common cases built directly."""
     sdm = metadata.state_dict_metadata
+    entry_of = sdm.entry if type(sdm) is StateDictRecords else None  # MmapReader's: the index, no DCP records
     items: list[ReadItem] = []
     for fqn, obj in state_dict.items():
+        cls = type(obj)
+        if entry_of is not None and cls in _PLAIN:
+            e = entry_of(fqn)
+            if e is not None and e.kind == "tensor" and len(e.chunks) == 1:
+                size = obj.size()
+                c = e.chunks[0]
+                if e.shape == size and c.sizes == size and not any(c.offsets):
+                    if 0 not in size:  # a zero-size dim overlaps nothing: DCP plans no read
+                        z = zeros(len(size))
+                        items.append(read_item(fqn, z, z, 0, size))
+                    continue
         md = sdm.get(fqn)
         if md is None and fqn not in sdm:
             if strict:
                 raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
             continue
-        cls = type(obj)
         if type(md) is TensorStorageMetadata:
             if cls in _PLAIN:
                 size = obj.size()

@@ -32,6 +32,7 @@ from ..errors import (
     SizeMismatchError,
 )
 from ..format import layout as fmt
+from ..format.lazymeta import StorageRecords
 from ..format.metadata import KIND_MMAPCKPT, missing_shard_error
 from ..format.shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from ..format.stock import load_tensor, read_item
@@ -70,11 +71,11 @@ class FileReads:
         self.pool_for, self.stage_cpu = pool_for, stage_cpu  # the reader's staging pool, one per device
 
     def info(self, idx: MetadataIndex) -> _StorageInfo:
-        try:
-            return self.storage_data[idx]
-        except KeyError:
-            raise FormatError("metadata has no storage record for this entry", path=self.root,
-                              entry=label(idx)) from None
+        sd = self.storage_data
+        found = sd.info(idx) if type(sd) is StorageRecords else sd.get(idx)  # MmapReader's: no other record built
+        if found is None:
+            raise FormatError("metadata has no storage record for this entry", path=self.root, entry=label(idx))
+        return found
 
     def read_file(self, rel: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
         """Read the items of one shard file, each with its storage record (resolved once, by read_plan)."""
@@ -141,17 +142,12 @@ class FileReads:
         taken.append((info.offset, info.length, _region_bytes(req, dtype)))
         return self._copy(view, req, planner, path, direct=direct, defer=defer)
 
-    def _chunk(self, idx: MetadataIndex, path: str) -> tuple[torch.dtype, torch.Size]:
+    def _chunk(self, idx: MetadataIndex, path: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """dtype and shape of the stored chunk ``idx`` names, from the metadata."""
-        md = self.state_dict_metadata.get(idx.fqn)
-        if isinstance(md, TensorStorageMetadata) and idx.offset is not None:
-            hint = idx.index  # the chunk's place in the list, where the planner set it
-            if hint is not None and 0 <= hint < len(md.chunks) and md.chunks[hint].offsets == idx.offset:
-                return md.properties.dtype, md.chunks[hint].sizes
-            for c in md.chunks:
-                if c.offsets == idx.offset:
-                    return md.properties.dtype, c.sizes
-        raise FormatError("the metadata describes no such stored chunk", path=path, entry=label(idx))
+        found = _stored_chunk(self.storage_data, self.state_dict_metadata, idx) if idx.offset is not None else None
+        if found is None:
+            raise FormatError("the metadata describes no such stored chunk", path=path, entry=label(idx))
+        return found
 
     def _copy(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str,
               direct: DirectReads | None = None, defer: bool = False,
@@ -212,6 +208,23 @@ def _seal_pools(pool_for: Callable[[torch.device], StagingPool], devices: list[t
     the file they read closes."""
     for dev in set(devices):
         pool_for(dev).seal(run=run)
+
+
+def _stored_chunk(storage_data: Any, sdm: Any, idx: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]] | None:
+    """(dtype, shape) of the stored tensor chunk ``idx`` names, or None: from MmapReader's index
+    (format/lazymeta.py, no DCP record built) or from DCP's records."""
+    if type(storage_data) is StorageRecords:
+        found = storage_data.chunk(idx)
+        return None if found is None or found[0].kind != "tensor" else (found[0].dtype, found[1].sizes)
+    md = sdm.get(idx.fqn)
+    if isinstance(md, TensorStorageMetadata):
+        hint = idx.index  # the chunk's place in the list, where the planner set it
+        if hint is not None and 0 <= hint < len(md.chunks) and md.chunks[hint].offsets == idx.offset:
+            return md.properties.dtype, md.chunks[hint].sizes
+        for c in md.chunks:
+            if c.offsets == idx.offset:
+                return md.properties.dtype, c.sizes
+    return None
 
 
 def read_plan(reads: FileReads, plan: LoadPlan, planner: LoadPlanner, thread_count: int) -> None:

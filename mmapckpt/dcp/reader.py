@@ -99,7 +99,7 @@ class MmapReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
-            kind, md = read_metadata_file(find_metadata(self.path, kwargs.get("rank")))
+            kind, md = read_metadata_file(find_metadata(self.path, kwargs.get("rank")), lazy=True)
         except CheckpointError as e:
             # dcp.load turns this into an AssertionError holding only the message (then tries the
             # rank-local metadata): keep the typed error of the first attempt for checkpoint_error().

@@ -38,6 +38,7 @@ from ..errors import (
 from ..io.files import refuse_url
 from . import layout as fmt
 from .entries import EntryInfo, paused_gc
+from .lazymeta import lazy_dcp
 from .metaindex import InvalidMetadata, MetaIndex, index_doc, to_dcp
 from .metatable import encode_planner_data, encode_table, index_table, planner_paths
 from .stockmeta import decode_stock, stock_index
@@ -51,6 +52,7 @@ __all__ = [
     "MetaIndex",
     "decode_index",
     "decode_metadata",
+    "decode_metadata_lazy",
     "read_metadata_file",
     "read_index_file",
     "metadata_kind",
@@ -241,11 +243,17 @@ def decode_metadata(data: bytes, path: str) -> Metadata:
     return _decoding(data, path, _to_dcp)
 
 
-def _to_dcp(ix: MetaIndex) -> Metadata:
+def decode_metadata_lazy(data: bytes, path: str) -> Metadata:
+    """As :func:`decode_metadata`, with the entries' records built on demand (format/lazymeta.py)."""
+    return _decoding(data, path, lambda ix: _to_dcp(ix, lazy=True))
+
+
+def _to_dcp(ix: MetaIndex, *, lazy: bool = False) -> Metadata:
     """DCP ``Metadata`` of an index of either version (version 2 keeps planner_data compact)."""
     if "table" in ix.doc:
-        return to_dcp(ix, planner_paths(ix.doc.get("planner_data"), ix.entries))
-    return to_dcp(ix)
+        pd = planner_paths(ix.doc.get("planner_data"), ix.entries)
+        return lazy_dcp(ix, pd) if lazy else to_dcp(ix, pd)
+    return lazy_dcp(ix) if lazy else to_dcp(ix)
 
 
 def metadata_kind(head: bytes) -> str | None:
@@ -270,10 +278,17 @@ def _read(path: str | os.PathLike[str]) -> tuple[str, str, bytes]:
     return p, kind, data
 
 
-def read_metadata_file(path: str | os.PathLike[str]) -> tuple[str, Metadata]:
-    """Read a ``.metadata`` file of either kind; return (kind, DCP Metadata)."""
+def read_metadata_file(path: str | os.PathLike[str], *, lazy: bool = False) -> tuple[str, Metadata]:
+    """Read a ``.metadata`` file of either kind; return (kind, DCP Metadata).
+
+    ``lazy``: an mmapckpt file's ``state_dict_metadata`` and ``storage_data`` are read-only
+    mappings whose records are built on first access (format/lazymeta.py); every entry is
+    checked before this returns either way.
+    """
     p, kind, data = _read(path)
-    return kind, (decode_metadata(data, p) if kind == KIND_MMAPCKPT else decode_stock(data, p))
+    if kind != KIND_MMAPCKPT:
+        return kind, decode_stock(data, p)
+    return kind, (decode_metadata_lazy(data, p) if lazy else decode_metadata(data, p))
 
 
 def read_index_file(path: str | os.PathLike[str]) -> tuple[str, Mapping[str, EntryInfo], str | None]:

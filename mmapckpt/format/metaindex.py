@@ -29,7 +29,7 @@ from ..io.files import safe_relative_path
 from . import layout as fmt
 from .entries import ChunkInfo, EntryInfo
 
-__all__ = ["InvalidMetadata", "MetaIndex", "index_doc", "to_dcp"]
+__all__ = ["InvalidMetadata", "MetaIndex", "dcp_record", "dcp_top", "index_doc", "to_dcp"]
 
 
 class InvalidMetadata(Exception):
@@ -243,6 +243,41 @@ def _storage_meta(raw: Any) -> StorageMeta | None:
                        save_id=_opt_str(raw.get("save_id"), "save_id"), modules=list(mods))
 
 
+def dcp_record(ix: MetaIndex, name: str, e: EntryInfo, zeros: dict[int, torch.Size]
+               ) -> tuple[Any, list[tuple[MetadataIndex, _StorageInfo]]]:
+    """One entry's DCP records: its ``state_dict_metadata`` value and its ``storage_data`` items.
+
+    ``zeros`` holds the all-zero offsets by rank, shared between calls (``torch.Size`` is immutable).
+    """
+    hints = ix.record_index
+    if e.kind == "object":
+        c = e.chunks[0]
+        return BytesStorageMetadata(), [(MetadataIndex(name, None, hints.get((name, None))), _StorageInfo(
+            c.file, c.file_offset, c.length, transform_descriptors=_descriptors(ix, (name, None))))]
+    size = torch.Size(e.shape)
+    chunks = []
+    records = []
+    for c in e.chunks:
+        off = zeros.get(len(c.offsets)) if not any(c.offsets) else None
+        if off is None:
+            off = torch.Size(c.offsets)
+            if not any(c.offsets):
+                zeros[len(c.offsets)] = off
+        chunks.append(ChunkStorageMetadata(offsets=off, sizes=size if c.sizes == e.shape else torch.Size(c.sizes)))
+        records.append((MetadataIndex(name, off, hints.get((name, c.offsets))), _StorageInfo(
+            c.file, c.file_offset, c.length,
+            transform_descriptors=_descriptors(ix, (name, c.offsets)) if ix.transforms else None)))
+    return TensorStorageMetadata(TensorProperties(dtype=e.dtype, requires_grad=name in ix.requires_grad),
+                                 size, chunks), records
+
+
+def dcp_top(ix: MetaIndex, planner_data: Any = _V1) -> dict[str, Any]:
+    """The fields of DCP's ``Metadata`` other than the entries' records (planner_data, storage_meta, version)."""
+    pd = _planner_data(ix.doc.get("planner_data")) if planner_data is _V1 else planner_data
+    return {"planner_data": pd, "storage_meta": _storage_meta(ix.doc.get("storage_meta")),
+            "version": _opt_str(ix.doc.get("version"), "version")}
+
+
 def to_dcp(ix: MetaIndex, planner_data: Any = _V1) -> Metadata:
     """DCP's ``Metadata`` for an index (what ``dcp.load`` plans with).
 
@@ -252,32 +287,10 @@ def to_dcp(ix: MetaIndex, planner_data: Any = _V1) -> Metadata:
     """
     sdm: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    hints = ix.record_index
     zeros: dict[int, torch.Size] = {}
     for name, e in ix.entries.items():
-        if e.kind == "object":
-            sdm[name] = BytesStorageMetadata()
-            c = e.chunks[0]
-            storage[MetadataIndex(name, None, hints.get((name, None)))] = _StorageInfo(
-                c.file, c.file_offset, c.length, transform_descriptors=_descriptors(ix, (name, None)))
-            continue
-        size = torch.Size(e.shape)
-        chunks = []
-        for c in e.chunks:
-            off = zeros.get(len(c.offsets)) if not any(c.offsets) else None
-            if off is None:
-                off = torch.Size(c.offsets)
-                if not any(c.offsets):
-                    zeros[len(c.offsets)] = off
-            chunks.append(ChunkStorageMetadata(offsets=off, sizes=size if c.sizes == e.shape else torch.Size(c.sizes)))
-            storage[MetadataIndex(name, off, hints.get((name, c.offsets)))] = _StorageInfo(
-                c.file, c.file_offset, c.length,
-                transform_descriptors=_descriptors(ix, (name, c.offsets)) if ix.transforms else None)
-        sdm[name] = TensorStorageMetadata(TensorProperties(dtype=e.dtype, requires_grad=name in ix.requires_grad),
-                                          size, chunks)
-    pd = _planner_data(ix.doc.get("planner_data")) if planner_data is _V1 else planner_data
-    return Metadata(state_dict_metadata=sdm, planner_data=pd,
-                    storage_data=storage, storage_meta=_storage_meta(ix.doc.get("storage_meta")),
-                    version=_opt_str(ix.doc.get("version"), "version"))
+        sdm[name], records = dcp_record(ix, name, e, zeros)
+        storage.update(records)
+    return Metadata(state_dict_metadata=sdm, storage_data=storage, **dcp_top(ix, planner_data))
 
 

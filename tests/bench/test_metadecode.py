@@ -13,7 +13,8 @@ def test_it_times_each_operation_beside_safetensors(capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "40 entries, medians of 2 interleaved rounds"
     rows = {ln.split()[0]: ln.split()[1:] for ln in lines[2:]}
-    assert set(rows) == {"safetensors", "index", "open_keys", "index_all", "metadata", "json"}
+    assert set(rows) == {"safetensors", "index", "open_keys", "index_all", "metadata", "metadata_lazy",
+                         "json"}
     assert rows["safetensors"][1] == "1.00" and all(float(us) > 0 for us, _ in rows.values())
 
 
@@ -23,6 +24,7 @@ def test_the_operations_read_the_checkpoint_they_were_given(tmp_path) -> None:
     ops = metadecode.operations(ck, st)
     assert ops["safetensors"]() == ops["open_keys"]() == [f"layer{i // 8}.param{i % 8}" for i in range(20)]
     assert len(ops["index"]()[1]) == 20 and len(ops["metadata"]()[1].state_dict_metadata) == 20
+    assert ops["metadata_lazy"]()[1] == ops["metadata"]()[1]
 
 
 def test_mixed_ranks(tmp_path, capsys) -> None:

@@ -209,7 +209,15 @@ class _Saver:
         while True:
             line = self._line()
             if line.startswith("DONE"):
-                done = json.loads(line[4:])
+                try:
+                    done = json.loads(line[4:])
+                except ValueError:
+                    # killed while writing DONE after its save (a long line takes several writes):
+                    # the server's EXIT follows on the same line, after the cut-off record
+                    _, sep, tail = line.rpartition("EXIT ")
+                    if not sep:
+                        raise
+                    return int(tail.split()[0]), None
             elif line.startswith("EXIT"):
                 return int(line.split()[1]), done
 
