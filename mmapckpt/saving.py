@@ -14,15 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
+from .dcp.plan_items import tensor_write_item
 from .dcp.writer import MmapWriter
 from .format.aliases import exact_aliases
 from .format.entries import paused_gc
@@ -101,22 +96,15 @@ def _steps(writer: MmapWriter, tensors: dict[str, torch.Tensor]) -> None:
 
 def _items(tensors: dict[str, torch.Tensor]) -> tuple[list[WriteItem], dict[str, TensorStorageMetadata]]:
     """One whole-tensor WriteItem and state-dict entry per tensor, as DCP's default planner makes them
-    (their properties and zero offsets shared between tensors of one kind: DCP's values, built once)."""
+    (built directly: dcp/plan_items.py; their properties and zero offsets shared between tensors of one
+    kind: DCP's values, built once)."""
     items, sdm = [], {}
     props: dict[tuple[Any, ...], TensorProperties] = {}
-    zeros: dict[int, torch.Size] = {}
     for fqn, t in tensors.items():
-        size = t.size()
-        p = props.get(key := (t.dtype, t.layout, t.requires_grad))
-        if p is None:
-            p = props[key] = TensorProperties.create_from_tensor(t)
-        z = zeros.get(len(size))
-        if z is None:
-            z = zeros[len(size)] = torch.Size([0] * len(size))
-        chunk = ChunkStorageMetadata(offsets=z, sizes=size)
-        items.append(WriteItem(index=MetadataIndex(fqn, z, 0), type=WriteItemType.TENSOR,
-                               tensor_data=TensorWriteData(chunk=chunk, properties=p, size=size)))
-        sdm[fqn] = TensorStorageMetadata(properties=p, size=size, chunks=[chunk])
+        item = tensor_write_item(fqn, t, props, 0)
+        td = item.tensor_data
+        items.append(item)
+        sdm[fqn] = TensorStorageMetadata(td.properties, td.size, [td.chunk])  # type: ignore[union-attr]
     return items, sdm
 
 

@@ -101,8 +101,10 @@ def write_item(index: MetadataIndex, kind: WriteItemType, bytes_io_data: Any, te
     return w
 
 
-def tensor_write_item(fqn: str, t: torch.Tensor, props: dict[tuple[Any, ...], TensorProperties]) -> WriteItem:
-    """``_create_write_item_for_tensor(fqn, t)`` for a plain tensor, its properties shared through ``props``."""
+def tensor_write_item(fqn: str, t: torch.Tensor, props: dict[tuple[Any, ...], TensorProperties],
+                      index: int | None = None) -> WriteItem:
+    """``_create_write_item_for_tensor(fqn, t)`` for a plain tensor, its properties shared through ``props``
+    (``index``: the chunk index hint, which DCP's global plan sets to 0 for a whole tensor)."""
     size = t.size()
     z = zeros(len(size))
     key = (t.dtype, t.layout, t.requires_grad, t.is_pinned())
@@ -112,14 +114,14 @@ def tensor_write_item(fqn: str, t: torch.Tensor, props: dict[tuple[Any, ...], Te
                                           memory_format=torch.contiguous_format, pin_memory=key[3])
     chunk = ChunkStorageMetadata(offsets=z, sizes=size)
     if not DIRECT:
-        return WriteItem(index=MetadataIndex(fqn, z), type=WriteItemType.TENSOR,
+        return WriteItem(index=MetadataIndex(fqn, z, index), type=WriteItemType.TENSOR,
                          tensor_data=TensorWriteData(chunk=chunk, properties=p, size=size))
     td = _new(TensorWriteData)
     d = td.__dict__
     d["chunk"] = chunk
     d["properties"] = p
     d["size"] = size
-    return write_item(metadata_index(fqn, z, None), WriteItemType.TENSOR, None, td)
+    return write_item(metadata_index(fqn, z, index), WriteItemType.TENSOR, None, td)
 
 
 def write_result(index: MetadataIndex, size_in_bytes: int, storage_data: Any) -> WriteResult:
