@@ -20,6 +20,7 @@ from torch.futures import Future
 
 from ..dcp.reader import MmapReader
 from ..dcp.writer import MmapWriter
+from ..format.entries import paused_gc
 from .system import fsync_path
 
 __all__ = ["Method", "METHODS", "EXTRA_METHODS", "method_by_key", "lazy_note", "ScanOps", "SCAN_METHODS", "scan_ops"]
@@ -123,10 +124,11 @@ class _PlanningOnly(MmapReader):
     """
 
     def read_data(self, plan, planner):  # type: ignore[no-untyped-def]
-        for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                continue  # a stored value: nothing to resolve without reading it
-            planner.commit_tensor(item, planner.resolve_tensor(item))
+        with paused_gc():  # as MmapReader.read_data
+            for item in plan.items:
+                if item.type == LoadItemType.BYTE_IO:
+                    continue  # a stored value: nothing to resolve without reading it
+                planner.commit_tensor(item, planner.resolve_tensor(item))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -59,7 +59,12 @@ _NUMPY_COPY_MIN = 1 << 20
 #: 1.2 ms), which was most of a small save's time. At most _KEEP of them (48 MiB by default).
 _spare: list[mmap.mmap] = []
 _spare_lock = threading.Lock()
-_KEEP = 3
+_KEEP = 12
+#: The bounce buffers of a writer: the disk gets the first buffer's bytes once they are copied
+#: and checksummed, while the next are filled, so a small file's write overlaps its copies too
+#: (4 MiB O_DIRECT writes ran as fast as 16 MiB ones here: 1.95 and 1.82 GB/s, 256 MB).
+BUFFER_SIZE = 4 << 20
+BUFFERS = 12
 
 
 def _take_buffer(size: int) -> mmap.mmap:
@@ -98,7 +103,7 @@ class DirectWriter:
     buffered write of the same puts would leave.
     """
 
-    def __init__(self, fd: int, head_size: int, *, buffer_size: int = 16 << 20, buffers: int = 3) -> None:
+    def __init__(self, fd: int, head_size: int, *, buffer_size: int = BUFFER_SIZE, buffers: int = BUFFERS) -> None:
         import numpy as np  # only here: the rest of _io needs no numpy
 
         self._np = np
