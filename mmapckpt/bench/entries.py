@@ -32,6 +32,10 @@ TARGETS: tuple[tuple[str, str, str, str, float, str], ...] = (
     ("mmapckpt-api", "warm", "safetensors", "warm", 1.0, "mmapckpt.load_into <= load_file+copy_"),
     ("mmapckpt-fast", "warm", "mmapckpt-api", "warm", 2.0, "dcp.load, FastLoadPlanner <= 2x mmapckpt.load_into"),
     ("mmapckpt-fast", "save", "mmapckpt-api", "save", 2.0, "dcp.save, FastSavePlanner <= 2x mmapckpt.save"),
+    ("mmapckpt-fast-model", "warm", "mmapckpt-api", "warm", 2.0,
+     "dcp.load {model: sd}, FastLoadPlanner <= 2x load_into"),
+    ("mmapckpt-fast-model", "save", "mmapckpt-api", "save", 2.0,
+     "dcp.save {model: sd}, FastSavePlanner <= 2x mmapckpt.save"),
 )
 
 
@@ -158,14 +162,14 @@ def render(doc: dict[str, Any]) -> list[str]:
         return []
     heads = [f"{n} t" if c == "transformer" else f"{c} {n} t" for c, n in points]
     w = max(16, *(len(h) + 2 for h in heads))
-    head = f"{'phase':<27}{'method':<15}{'operation':<40}" + "".join(f"{h:>{w}}" for h in heads)
+    head = f"{'phase':<27}{'method':<20}{'operation':<44}" + "".join(f"{h:>{w}}" for h in heads)
     lines = ["", "per entry: us per tensor entry, median; (x): its ratio to safetensors' counterpart at the point",
              head, "-" * len(head)]
     cells = {(q["case"], q["tensors"], q["method"], q["phase"]): q for q in s["ratios"]}
     ops = list(dict.fromkeys((q["phase"], q["method"], q["op"]) for q in s["ratios"]))
     ops.sort(key=lambda o: list(PHASE_LABELS).index(o[0]))
     for ph, m, op in ops:
-        row = f"{PHASE_LABELS[ph]:<27}{m:<15}{op:<40}"
+        row = f"{PHASE_LABELS[ph]:<27}{m:<20}{op:<44}"
         for c, n in points:
             q = cells.get((c, n, m, ph))
             if q is None:
@@ -182,12 +186,12 @@ def render(doc: dict[str, Any]) -> list[str]:
         for q in s["readers"]:
             x = q["own_ratio_to_api"]
             own = "reader" if q["op"] == "load" else "writer"
-            lines.append(f"  {q['case']:<12}{q['tensors']:>8} t  {q['method']:<15}{q['op']:<5} planning "
+            lines.append(f"  {q['case']:<12}{q['tensors']:>8} t  {q['method']:<20}{q['op']:<5} planning "
                          f"{_fmt(q['plan_us_per_entry'])}, {own} {_fmt(q['own_us_per_entry'])}"
                          + (f" ({x:.2f}x)" if x is not None else ""))
     lines += ["", "targets (per-entry ratios):"]
     for t in s["targets"]:
-        lines.append(f"  {t['case']:<12}{t['tensors']:>8} t  {t['target']:<52} {t['ratio']:.2f} "
+        lines.append(f"  {t['case']:<12}{t['tensors']:>8} t  {t['target']:<60} {t['ratio']:.2f} "
                      f"(at most {t['at_most']:g}): {'met' if t['met'] else 'MISSED'}")
     return lines
 

@@ -181,6 +181,12 @@ def _fast_plan_save(sd: StateDict, path: str) -> None:
     _quiet(lambda: dcp.save(sd, storage_writer=_NoWrites(), planner=FastSavePlanner(), no_dist=True))
 
 
+def _under_model(fn: Callable[[StateDict, str], object]) -> Callable[[StateDict, str], object]:
+    """``fn`` given ``{"model": sd}``: one top-level key, as DCP is usually called (DCP's own
+    per-key work, a logging wrapper and ``Stateful`` checks, runs once per top-level key)."""
+    return lambda sd, path: fn({"model": sd}, path)  # type: ignore[dict-item]
+
+
 def _mmap_plan(targets: StateDict, path: str) -> None:
     _quiet(lambda: dcp.load(targets, storage_reader=_PlanningOnly(path), no_dist=True))
 
@@ -284,6 +290,8 @@ METHODS: tuple[Method, ...] = (
 EXTRA_METHODS: tuple[Method, ...] = (
     Method("mmapckpt-base", "mmapckpt, buffered writes and mapped copies", _base_save, _base_load, None),
     Method("mmapckpt-fast", "mmapckpt with FastSavePlanner/FastLoadPlanner", _fast_save, _fast_load, None),
+    Method("mmapckpt-fast-model", "mmapckpt with the fast planners, the state dict as {'model': sd}",
+           _under_model(_fast_save), _under_model(_fast_load), None),
 )
 
 
@@ -322,6 +330,11 @@ _SCAN_OPS: tuple[ScanOps, ...] = (
                                     "warm": ("dcp.load, MmapReader, FastLoadPlanner", _fast_load),
                                     "plan": ("dcp.load, no-copy reader, FastLoadPlanner", _fast_plan),
                                     "plan_save": ("dcp.save, no-write writer, FastSavePlanner", _fast_plan_save)}),
+    ScanOps("mmapckpt-fast-model", True, {
+        "save": ("dcp.save {model: sd}, FastSavePlanner", _under_model(_fast_save)),
+        "warm": ("dcp.load {model: sd}, FastLoadPlanner", _under_model(_fast_load)),
+        "plan": ("dcp.load {model: sd}, no-copy reader", _under_model(_fast_plan)),
+        "plan_save": ("dcp.save {model: sd}, no-write writer", _under_model(_fast_plan_save))}),
     ScanOps("mmapckpt", True, {"save": ("dcp.save, MmapWriter", _mmap_save),
                                "warm": ("dcp.load, MmapReader", _mmap_load),
                                "plan": ("dcp.load, no-copy reader", _mmap_plan),

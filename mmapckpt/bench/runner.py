@@ -301,8 +301,7 @@ def _run_scan(args: argparse.Namespace, cfg: dict, bench_dir: str) -> int:
         fixed = args.tensors or _DEFAULTS["tensors"]
     else:
         fixed = parse_size(args.size or _SCAN_TENSORS_SIZE)
-    scanned = ("mmapckpt", "mmapckpt-fast", "mmapckpt-api", "safetensors", "dcp")
-    methods = [m.key for m in cfg["methods"] if m.key in scanned] or ["mmapckpt"]
+    methods = [m.key for m in cfg["methods"] if m.key in SCAN_METHODS] or ["mmapckpt"]
     cap = _bench_scan.DCP_MAX_ENTRIES if args.dcp_max_entries is None else (args.dcp_max_entries or None)
     doc = _bench_scan.scan(args.scan, points, fixed=fixed, dtype=cfg["dtype"], repeats=cfg["repeats"],
                            methods=methods, bench_dir=bench_dir, log=lambda s: print(s, file=sys.stderr, flush=True),

@@ -175,7 +175,7 @@ def test_tensor_scan_reports_every_operation_per_entry_with_ratios_and_targets(t
     # dcp.load and dcp.save with planning set apart: the storage layer's own cost is the rest
     by = {(r["case"], r["tensors"], r["method"]): r for r in doc["rows"]}
     planned = [m for m in SCAN_METHODS if {"plan", "plan_save"} <= set(scan_ops(m).ops)]
-    assert set(planned) == {"mmapckpt", "mmapckpt-fast"}
+    assert set(planned) == {"mmapckpt", "mmapckpt-fast", "mmapckpt-fast-model"}
     apart = doc["summary"]["readers"]
     assert {(q["case"], q["tensors"], q["method"], q["op"]) for q in apart} == {
         (c, n, m, op) for c, n in points for m in planned for op in ("load", "save")}
