@@ -183,10 +183,11 @@ class FastLoadPlanner(DefaultLoadPlanner):
 
     The recommended load planner with :class:`~mmapckpt.MmapReader`: same arguments,
     same plans (each ``ReadItem`` equal to the default planner's, index hints included),
-    several times less planning per tensor.
+    several times less planning per tensor. ``dcp.load`` itself checks every top-level
+    key against ``Stateful`` twice: load many tensors under one key, as they were saved.
 
     Example:
-        >>> dcp.load(sd, storage_reader=MmapReader(path), planner=FastLoadPlanner())
+        >>> dcp.load({"model": sd}, storage_reader=MmapReader(path), planner=FastLoadPlanner())
     """
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
@@ -306,9 +307,11 @@ class FastSavePlanner(DefaultSavePlanner):
     The recommended save planner with :class:`~mmapckpt.MmapWriter`: same arguments,
     same plans and metadata as the default planner (index hints and ``planner_data``
     included). With ``enable_plan_caching=True`` it plans as the default planner does.
+    ``dcp.save`` itself wraps every top-level key in a logging decorator: pass a model's
+    many tensors under one key (``{"model": sd}``), not as a flat dict (docs/benchmarks.md).
 
     Example:
-        >>> dcp.save(sd, storage_writer=MmapWriter(path), planner=FastSavePlanner())
+        >>> dcp.save({"model": sd}, storage_writer=MmapWriter(path), planner=FastSavePlanner())
     """
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
