@@ -62,7 +62,7 @@ class _Records:
 
 
 class StateDictRecords(Mapping[str, Any]):
-    """``Metadata.state_dict_metadata`` of an mmapckpt index: each value built on first access."""
+    """``Metadata.state_dict_metadata`` of an mmapckpt index: names from the index, values built on first access."""
 
     __slots__ = ("_r",)
 
@@ -105,7 +105,7 @@ class StateDictRecords(Mapping[str, Any]):
 
 
 class StorageRecords(Mapping[MetadataIndex, _StorageInfo]):
-    """``Metadata.storage_data`` of an mmapckpt index: each entry's records built on first access."""
+    """``Metadata.storage_data`` of an mmapckpt index: built on first access (:meth:`info` builds one alone)."""
 
     __slots__ = ("_r",)
 
