@@ -137,7 +137,7 @@ class _PlanningOnly(MmapReader):
 class _NoWrites(StorageWriter):
     """A storage writer that writes nothing: ``dcp.save`` through it costs DCP's own work and the planner's.
 
-    The scan's "plan" phase of a save (resolving each item's data included, as a writer must),
+    The scan's "plan_save" phase (resolving each item's data included, as a writer must),
     reported apart from the writer's own cost (the save's time less this).
     """
 
