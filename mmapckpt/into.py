@@ -17,7 +17,6 @@ from typing import Any, Mapping
 import torch
 
 from .errors import SizeMismatchError
-from .format.chunks import check_coverage
 from .format.entries import EntryInfo, paused_gc
 from .format.stager import chunk_stager
 from .io.direct_reads import DirectReads
@@ -133,8 +132,6 @@ def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, Entr
         try:
             with pool, chunk_stager(ckpt._open_files(), [info for _, _, info in items]) as stage_chunk:
                 for name, t, info in items:
-                    if info.whole is None:
-                        check_coverage(info, ckpt.path)
                     for c in info.chunks:
                         region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
                         stage_chunk(pool, info, c, t.detach()[region])

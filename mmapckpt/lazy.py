@@ -28,7 +28,7 @@ import torch
 
 from .errors import CheckpointError, FormatError
 from .format.aliases import shared_names
-from .format.chunks import ChunkInfo, EntryInfo, check_coverage
+from .format.chunks import ChunkInfo, EntryInfo
 from .format.entries import paused_gc
 from .format.locate import open_backend
 from .format.regions import copy_selection, normalize_index
@@ -100,7 +100,6 @@ class LazyCheckpoint:
         opened = open_backend(self.path, verify=verify)
         self.kind, self._entries, self._user_metadata = opened.kind, opened.entries, opened.user_metadata
         self._files: Any = opened.files
-        self._covered: set[str] = set()
 
     # ------------------------------------------------------------------ safe_open-like surface
     def __enter__(self) -> LazyCheckpoint:
@@ -215,10 +214,7 @@ class LazyCheckpoint:
 
     def _assemble(self, info: EntryInfo, sel: list[tuple[int, int, int]]) -> torch.Tensor:
         """A new tensor holding the selection (start, step, count per dim) across all chunks."""
-        files = self._open_files()
-        if info.name not in self._covered:
-            check_coverage(info, self.path)
-            self._covered.add(info.name)
+        files = self._open_files()  # the chunks tile the tensor: the index was checked (format/tiling.py)
         out = copy_selection(files, info, sel)
         files.check_unchanged(info.chunks)
         return out
@@ -362,8 +358,6 @@ def _load_to_device(ckpt: LazyCheckpoint, names: list[str], pool: StagingPool) -
     with chunk_stager(ckpt._open_files(), [ckpt.info(n) for n in names]) as stage_chunk:
         for n in names:
             info = ckpt.info(n)
-            if info.whole is None:
-                check_coverage(info, ckpt.path)
             t = torch.empty(info.shape or (), dtype=info.dtype, device=pool.device)
             for c in info.chunks:
                 region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))

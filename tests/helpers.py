@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -100,9 +101,10 @@ def dcp_load(targets: Any, reader: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- rewriting headers (hostile files)
-def shard_with_header(data: bytes, doc: Any) -> bytes:
-    """A shard's bytes with its header replaced by ``doc`` (checksum and length made to match)."""
-    body = json.dumps(doc).encode()
+def shard_with_header(data: bytes, doc: Any, *, compact: bool = False) -> bytes:
+    """A shard's bytes with its header replaced by ``doc`` (checksum and length made to match);
+    ``compact``: JSON without spaces, as the writer writes it (so that the same header still fits)."""
+    body = json.dumps(doc, separators=(",", ":") if compact else None).encode()
     pre = bytearray(data[:32])
     pre[16:24] = struct.pack("<Q", len(body))
     pre[24:28] = struct.pack("<I", zlib.crc32(body))
@@ -221,3 +223,55 @@ def invert_registry() -> Any:
     reg = ExtensionRegistry()
     reg.register(Invert)
     return reg
+
+
+# --------------------------------------------------------------------------- chunk layouts of one's choosing
+Chunk = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
+
+
+def chunk_planner(layouts: dict[str, list[Chunk]]) -> Any:
+    """A DefaultSavePlanner that stores each tensor named in ``layouts`` as exactly those chunks
+    (each holding the tensor's values at its place), with DCP's check of the global plan skipped,
+    so that gaps, overlaps and out-of-order layouts reach the files as a buggy or hostile writer
+    would leave them. Tensors not named are stored as DCP stores them."""
+    from torch.distributed.checkpoint.default_planner import (DefaultSavePlanner,
+                                                              create_default_global_save_plan)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    class ChunkPlanner(DefaultSavePlanner):
+        def __init__(self) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
+
+        def create_local_plan(self):  # type: ignore[override]
+            plan = super().create_local_plan()
+            items = [i for i in plan.items if i.index.fqn not in layouts]
+            for fqn, chunks in layouts.items():
+                t = self.state_dict[fqn]
+                for off, sz in chunks:
+                    items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
+                                           tensor_data=TensorWriteData(
+                                               chunk=ChunkStorageMetadata(torch.Size(off), torch.Size(sz)),
+                                               properties=TensorProperties.create_from_tensor(t), size=t.size())))
+            self.plan = dataclasses.replace(plan, items=items)
+            return self.plan
+
+        def _create_global_plan(self, all_plans):  # type: ignore[override]
+            return create_default_global_save_plan(self._dedup_save_plans(all_plans))
+
+        def resolve_data(self, item):  # type: ignore[override]
+            if item.index.fqn not in layouts:
+                return super().resolve_data(item)
+            t = self.state_dict[item.index.fqn]
+            for d, (o, s) in enumerate(zip(item.index.offset, item.tensor_data.chunk.sizes)):
+                t = t.narrow(d, o, s)
+            return t.contiguous()
+
+    return ChunkPlanner()
+
+
+def save_chunked(sd: dict[str, torch.Tensor], layouts: dict[str, list[Chunk]], writer: Any) -> None:
+    """``dcp.save`` of ``sd`` with the tensors of ``layouts`` stored as exactly those chunks (one process)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sd, storage_writer=writer, planner=chunk_planner(layouts), no_dist=True)

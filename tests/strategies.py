@@ -205,3 +205,60 @@ def fresh_like(sd: Any, fill_byte: int = 0) -> Any:
     if isinstance(sd, list):
         return [fresh_like(v, fill_byte) for v in sd]
     return None
+
+
+# --------------------------------------------------------------------------- chunk layouts (format/tiling.py)
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+@st.composite
+def tilings(draw: st.DrawFn, *, max_rank: int = 4, max_dim: int = 6) -> tuple[tuple[int, ...], list[Box]]:
+    """(shape, chunks) where the chunks tile the shape exactly: boxes cut recursively in two along
+    any dimension (guillotine cuts, so grids and staircases both occur), some empty chunks added."""
+    shape = tuple(draw(st.lists(st.integers(0, max_dim), min_size=0, max_size=max_rank)))
+    boxes: list[Box] = [((0,) * len(shape), shape)]
+    for _ in range(draw(st.integers(0, 12))):
+        i = draw(st.integers(0, len(boxes) - 1))
+        off, sz = boxes[i]
+        cuttable = [d for d in range(len(shape)) if sz[d] > 1]
+        if not cuttable:
+            continue
+        d = draw(st.sampled_from(cuttable))
+        at = draw(st.integers(1, sz[d] - 1))
+        a_sz = sz[:d] + (at,) + sz[d + 1:]
+        b_off, b_sz = off[:d] + (off[d] + at,) + off[d + 1:], sz[:d] + (sz[d] - at,) + sz[d + 1:]
+        boxes[i:i + 1] = [(off, a_sz), (b_off, b_sz)]
+    if shape and draw(st.booleans()):  # a chunk with nothing in it, somewhere inside the tensor
+        d = draw(st.integers(0, len(shape) - 1))
+        boxes.append((tuple(draw(st.integers(0, g)) if k == d else 0 for k, g in enumerate(shape)),
+                      tuple(0 if k == d else g for k, g in enumerate(shape))))
+    return shape, draw(st.permutations(boxes))
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Box]]:
+    """(shape, chunks): a tiling, often damaged (a chunk moved, resized, dropped, duplicated or added)."""
+    shape, boxes = draw(tilings())
+    boxes = list(boxes)
+    nd = len(shape)
+    for _ in range(draw(st.integers(0, 2))):
+        how = draw(st.sampled_from(["move", "resize", "drop", "duplicate", "add"]))
+        if how == "add" or not boxes:
+            off = tuple(draw(st.integers(0, g)) for g in shape)
+            boxes.append((off, tuple(draw(st.integers(0, g - o)) for o, g in zip(off, shape))))
+            continue
+        i = draw(st.integers(0, len(boxes) - 1))
+        off, sz = boxes[i]
+        if how == "drop":
+            del boxes[i]
+        elif how == "duplicate":
+            boxes.append(boxes[i])
+        elif nd:
+            d = draw(st.integers(0, nd - 1))
+            if how == "move":
+                o = draw(st.integers(0, shape[d] - sz[d]))
+                boxes[i] = (off[:d] + (o,) + off[d + 1:], sz)
+            else:
+                s = draw(st.integers(0, shape[d] - off[d]))
+                boxes[i] = (off, sz[:d] + (s,) + sz[d + 1:])
+    return shape, boxes

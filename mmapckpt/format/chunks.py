@@ -13,35 +13,16 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..errors import FormatError, IncompleteCheckpointError, SizeMismatchError
+from ..errors import IncompleteCheckpointError, SizeMismatchError
 from ..io.files import open_inside
 from ..io.mapped import MappedFile
 from .dtypes import dtype_name
-from .entries import ChunkInfo, EntryInfo, numel
+from .entries import ChunkInfo, EntryInfo
 from .metadata import missing_shard_error
 from .shard import Shard, check_size_unchanged, is_mmapckpt_shard
 from .stock import load_tensor, read_item
 
-__all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles", "check_coverage"]
-
-
-def check_coverage(info: EntryInfo, path: str) -> None:
-    """The chunks must tile the tensor: inside it, disjoint, volumes adding up to it."""
-    shape = info.shape or ()
-    total = 0
-    for c in info.chunks:
-        if len(c.offsets) != len(shape) or any(o + s > g for o, s, g in zip(c.offsets, c.sizes, shape)):
-            raise FormatError(f"chunk {list(c.offsets)}+{list(c.sizes)} lies outside the tensor {list(shape)}",
-                              path=path, entry=info.name)
-        total += numel(c.sizes)
-    live = [c for c in info.chunks if numel(c.sizes)]
-    for i, a in enumerate(live):
-        for b in live[i + 1:]:
-            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
-                raise FormatError(f"chunks at {list(a.offsets)} and {list(b.offsets)} overlap", path=path,
-                                  entry=info.name)
-    if total != numel(shape):
-        raise FormatError(f"chunks hold {total} of the tensor's {numel(shape)} elements", path=path, entry=info.name)
+__all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles"]
 
 
 def _records_by_file(entries: Mapping[str, EntryInfo]) -> dict[str, list[tuple[Any, ...]]]:

@@ -30,15 +30,10 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _quote
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from ..errors import (
-    BadMagicError,
-    ByteOrderError,
-    EntryBoundsError,
-    FormatError,
-    TruncatedFileError,
-    UnsupportedVersionError,
-)
+from ..errors import (BadMagicError, ByteOrderError, EntryBoundsError, FormatError, TruncatedFileError,
+                      UnsupportedVersionError)
 from .dtypes import _DTYPE_TABLE, DTYPES, dtype_from_name, dtype_name  # noqa: F401 - the format's names
+from .tiling import shape_problem
 
 __all__ = [
     "MAGIC", "FORMAT_MAJOR", "FORMAT_MINOR", "PREAMBLE_SIZE", "MAX_HEADER_SIZE", "MIN_ALIGNMENT", "DTYPES",
@@ -313,10 +308,10 @@ def _decode_entry(raw: object, path: str, i: int) -> Entry:
     if kind != KIND_TENSOR:
         raise FormatError(f"unknown entry kind {kind!r}", path=path, entry=label)
     chunk, shape, dtype, label = _chunk_fields(raw, fqn, path)
-    numel = math.prod(shape)
-    if numel * DTYPES[dtype][1] != length:  # type: ignore[index]
-        raise FormatError(f"length {length} does not match shape {list(shape)} of {dtype} ({numel * DTYPES[dtype][1]}"
-                          " bytes)", path=path, entry=label)  # type: ignore[index]
+    numel, bad = math.prod(shape), shape_problem(shape)  # a zero-element shape can still overflow torch's strides
+    if bad or numel * DTYPES[dtype][1] != length:  # type: ignore[index]
+        raise FormatError(bad or f"length {length} does not match shape {list(shape)} of {dtype} "
+                          f"({numel * DTYPES[dtype][1]} bytes)", path=path, entry=label)  # type: ignore[index]
     if offset % MIN_ALIGNMENT:
         raise EntryBoundsError(f"data offset {offset} is not a multiple of {MIN_ALIGNMENT}", path=path, entry=label)
     return Entry(fqn, chunk, kind, dtype, shape, offset, length, int(crc_s, 16))  # type: ignore[arg-type]
@@ -385,7 +380,7 @@ def decode_header(body: bytes, *, header_crc: int, byte_order: int, minor: int, 
         if e.key in seen:
             raise EntryBoundsError("duplicate entry", path=path, entry=e.label)
         seen.add(e.key)
-        alias = prev is not None and e.kind == prev.kind == KIND_TENSOR and (  # rule 6: tied weights
+        alias = prev is not None and e.kind == prev.kind == KIND_TENSOR and e.fqn != prev.fqn and (  # rule 6
             e.offset, e.length, e.dtype, e.shape, e.crc32) == (prev.offset, prev.length, prev.dtype, prev.shape,
                                                                prev.crc32)
         if e.offset < prev_end and e.length and not alias:

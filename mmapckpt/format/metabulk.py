@@ -18,12 +18,14 @@ import threading
 from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from functools import partial
 from itertools import chain, compress, repeat
-from math import prod
 from operator import add, itemgetter, mul
 from typing import Any
 
+import numpy as np
+
 from . import layout as fmt
 from .entries import ChunkInfo, EntryInfo, paused_gc
+from .tiling import shape_fits
 
 __all__ = ["bulk_index", "TableEntries"]
 
@@ -119,21 +121,60 @@ def _check(names: list[str], files: list[str], dtypes: list[Any],
     if not set(codes) <= frozenset(range(-1, len(dtypes))):
         return None
     at = starts
+    records: list[tuple[list[int], list[int], list[int]]] = []  # (files, offsets, lengths) of each group
     if min(codes) < 0:  # bytes items among the tensors: their file, file_offset, length and index
         is_bytes = list(map((-1).__eq__, codes))
         b = list(compress(starts, is_bytes))
-        if not (set(_col(rows, b, 1)) <= in_files and _within(_col(rows, b, 2), 0) and _within(_col(rows, b, 3), 0)
-                and _within(_col(rows, b, 4), -1)):
+        fs, offs, lns = (_col(rows, b, k) for k in (1, 2, 3))
+        if not (set(fs) <= in_files and _within(offs, 0) and _within(lns, 0) and _within(_col(rows, b, 4), -1)):
             return None
+        records.append((fs, offs, lns))
         at = list(compress(starts, map((-1).__lt__, codes)))
     nds = _col(rows, at, 2)
     if not set(nds) <= _NDIMS:
         return None
     itemsizes = [t[1] for t in dtypes]
     for nd in set(nds):
-        if not _rank_sound(_rank_rows(rows, at, nds, nd, at is starts), nd, in_files, itemsizes):
+        if not _rank_sound(_rank_rows(rows, at, nds, nd, at is starts), nd, in_files, itemsizes, records):
             return None
+    if not _disjoint(records, rows, starts, codes):
+        return None
     return starts, codes, name_set
+
+
+def _disjoint(records: list[tuple[list[int], list[int], list[int]]], rows: list[Any], starts: list[int],
+              codes: list[int]) -> bool:
+    """Whether no two records share bytes but as tied weights (format/tiling.py's rule), as columns:
+    sorted by file and offset, each record must end where the next begins, or be the same range
+    as the next, both of tensors of one dtype and shape (here every tensor is one whole chunk)."""
+    def column(k: int, dtype: Any) -> Any:
+        return np.fromiter(chain.from_iterable(r[k] for r in records), dtype=dtype)
+
+    lns = column(2, np.uint64)
+    fs, offs = column(0, np.int64), column(1, np.uint64)
+    if len(fs) > 1 and not ((fs[1:] == fs[:-1]) & (offs[1:] >= offs[:-1]) | (fs[1:] > fs[:-1])).all():
+        order = np.lexsort((offs, fs))  # a table's own order is usually already this one
+        fs, offs, lns = fs[order], offs[order], lns[order]
+    live = lns > 0  # empty records hold no bytes
+    fs, offs, stop = fs[live], offs[live], offs[live] + lns[live]  # offset and length < 2**63: no wrap
+    clash = (fs[1:] == fs[:-1]) & (offs[1:] < stop[:-1])
+    if not clash.any():
+        return True
+    if (clash & ~((offs[1:] == offs[:-1]) & (stop[1:] == stop[:-1]))).any():
+        return False
+    return _tied(rows, starts, codes, {(int(fs[k]), int(offs[k])) for k in np.flatnonzero(clash).tolist()})
+
+
+def _tied(rows: list[Any], starts: list[int], codes: list[int], shared: set[tuple[int, int]]) -> bool:
+    """Whether the records at ``shared`` places are all tensors' and each place's tensors have one
+    dtype and shape (tied weights); a walk over every entry, taken only when a table has such places."""
+    seen: dict[tuple[int, int], list[Any]] = {}
+    for p, code in zip(starts, codes):
+        q = p + 1 if code < 0 else p + 4 + rows[p + 2]
+        key = (rows[q], rows[q + 1])
+        if key in shared and rows[q + 2]:
+            seen.setdefault(key, []).append(None if code < 0 else rows[p:p + 1] + rows[p + 2:p + 3 + rows[p + 2]])
+    return all(None not in v and all(x == v[0] for x in v) for v in seen.values())
 
 
 def _rank_rows(rows: list[Any], at: list[int], nds: list[int], nd: int, all_tensors: bool) -> list[Any]:
@@ -144,7 +185,8 @@ def _rank_rows(rows: list[Any], at: list[int], nds: list[int], nd: int, all_tens
     return list(chain.from_iterable(map(rows.__getitem__, map(slice, at_nd, map(add, at_nd, repeat(9 + nd))))))
 
 
-def _rank_sound(flat: list[Any], nd: int, in_files: frozenset[int], itemsizes: list[int]) -> bool:
+def _rank_sound(flat: list[Any], nd: int, in_files: frozenset[int], itemsizes: list[int],
+                records: list[tuple[list[int], list[int], list[int]]]) -> bool:
     """Whether the tensors of one rank (``flat``: their values, ``9 + nd`` each) are sound.
 
     Each field is then a column ``flat[k::9 + nd]``, a slice made in C; the dtype codes and
@@ -154,16 +196,20 @@ def _rank_sound(flat: list[Any], nd: int, in_files: frozenset[int], itemsizes: l
     n = list(map(itemsizes.__getitem__, flat[0::step]))
     if not set(flat[1::step]) <= _FLAGS:
         return False
-    for k in range(nd):
-        size = flat[3 + k::step]
+    sizes = [flat[3 + k::step] for k in range(nd)]
+    for size in sizes:
         if not _within(size, 0):
             return False
         n = list(map(mul, n, size))
     lns = flat[6 + nd::step]
     if lns != n or (n and max(n) > fmt.MAX_INT):  # each record's length is its byte count (n >= 0)
         return False
-    return (set(flat[4 + nd::step]) <= in_files and _within(flat[5 + nd::step], 0)
-            and _within(set(flat[7 + nd::step]), -1))
+    if 0 in n:  # a zero-element tensor's other dimensions can still overflow torch's strides
+        if not all(shape_fits([s[i] for s in sizes]) for i in compress(range(len(n)), map((0).__eq__, n))):
+            return False
+    fs, offs = flat[4 + nd::step], flat[5 + nd::step]
+    records.append((fs, offs, lns))
+    return set(fs) <= in_files and _within(offs, 0) and _within(set(flat[7 + nd::step]), -1)
 
 
 def _build(names: list[str], starts: list[int], codes: list[int], rows: list[Any], files: list[str],

@@ -28,6 +28,7 @@ from ..errors import FormatError
 from ..io.files import safe_relative_path
 from . import layout as fmt
 from .entries import ChunkInfo, EntryInfo
+from .tiling import check_entries
 
 __all__ = ["InvalidMetadata", "MetaIndex", "dcp_record", "dcp_top", "index_doc", "to_dcp"]
 
@@ -139,9 +140,6 @@ def _tensor_chunks(fqn: str, v: dict[str, Any], size: tuple[int, ...], itemsize:
         if rec[2] != n and (fqn, off) not in transforms:  # an encoded chunk's stored length is its own
             raise InvalidMetadata(f"storage record of {fqn!r}@{list(off)} is {rec[2]} bytes, its chunk holds {n}")
         chunks.append(ChunkInfo(off, sz, *rec))
-    held, whole_n = sum(math.prod(c.sizes) for c in chunks), math.prod(size)
-    if held < whole_n and not missing:  # a part stored nowhere would load as whatever the target held
-        raise InvalidMetadata(f"the chunks of {fqn!r} hold {held} of its {whole_n} elements")
     return tuple(chunks)
 
 
@@ -211,6 +209,7 @@ def index_doc(doc: Any, path: str) -> MetaIndex:
         raise InvalidMetadata(f"storage record of {fqn!r}@{list(off)} matches no chunk")
     if missing:
         raise FormatError("metadata has no storage record for this entry", path=path, entry=missing[0])
+    check_entries(entries.values(), path)  # shapes torch can make, exact tiling, no aliasing but tied weights
     sm = doc.get("storage_meta")
     _need(sm is None or type(sm) is dict, "'storage_meta' must be an object")
     save_id = None if sm is None else _opt_str(sm.get("save_id"), "save_id")

@@ -28,6 +28,7 @@ from . import layout as fmt
 from .entries import ChunkInfo, EntryInfo
 from .metabulk import bulk_index
 from .metaindex import InvalidMetadata, MetaIndex
+from .tiling import check_entries
 
 __all__ = ["encode_table", "index_table", "planner_paths", "encode_planner_data"]
 
@@ -255,7 +256,7 @@ def _walk(names: list[str], files: list[str], dtypes: list[Any], rows: list[int]
         p += 4 + nd
         if len(size) != nd or not 0 <= nc <= 1 << 24 or min(size, default=0) < 0:
             raise InvalidMetadata(f"{name!r} is cut short or has too many chunks")
-        chunks, held, whole_n = [], 0, 1
+        chunks, whole_n = [], 1
         for s in size:
             whole_n *= s
         z = zeros.get(nd)
@@ -294,10 +295,7 @@ def _walk(names: list[str], files: list[str], dtypes: list[Any], rows: list[int]
             if ln != n * itemsize and enc is None:
                 raise InvalidMetadata(f"storage record of {name!r}@{list(o)} is {ln} bytes, its chunk holds "
                                       f"{n * itemsize}")
-            held += n
             chunks.append(ChunkInfo(o, sz, files[f], off, ln))
-        if held < whole_n and not missing:  # a part stored nowhere would load as whatever the target held
-            raise InvalidMetadata(f"the chunks of {name!r} hold {held} of its {whole_n} elements")
         entries[name] = EntryInfo(name, "tensor", dtype, size, tuple(chunks))
         if flags:
             grad.add(name)
@@ -305,4 +303,5 @@ def _walk(names: list[str], files: list[str], dtypes: list[Any], rows: list[int]
         raise InvalidMetadata("'rows' holds more than the entries it describes")
     if missing:
         raise FormatError("metadata has no storage record for this entry", path=path, entry=missing[0])
+    check_entries(entries.values(), path)  # shapes torch can make, exact tiling, no aliasing but tied weights
     return MetaIndex(entries, save_id, top, grad, hints, transforms)

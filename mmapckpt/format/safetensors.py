@@ -35,6 +35,7 @@ from ..errors import CheckpointError, FormatError, TruncatedFileError, UnknownDt
 from ..io.files import pread_into
 from ..io.mapped import MappedFile, open_regular
 from .entries import ChunkInfo, EntryInfo, numel
+from .tiling import shape_problem
 
 __all__ = [
     "MAX_HEADER_SIZE",
@@ -111,6 +112,9 @@ def _entry(name: str, doc: Any, data_size: int, path: str) -> SafetensorsEntry:
                                 f"{', '.join(SAFETENSORS_DTYPES)})", path=path, entry=name)
     if type(shape) is not list or not all(_is_int(s) for s in shape):
         raise FormatError(f"'shape' must be a list of non-negative integers, not {shape!r:.80}", path=path, entry=name)
+    bad = shape_problem(shape)  # e.g. [0, 2**63]: no elements, but no tensor torch can make either
+    if bad is not None:
+        raise FormatError(bad, path=path, entry=name)
     if type(offsets) is not list or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
         raise FormatError(f"'data_offsets' must be [begin, end] (non-negative integers), not {offsets!r:.80}",
                           path=path, entry=name)

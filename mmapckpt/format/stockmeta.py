@@ -31,6 +31,7 @@ from ..errors import FormatError, UnsafePickleError
 from ..io.files import safe_relative_path
 from . import layout as fmt
 from .entries import ChunkInfo, EntryInfo
+from .tiling import check_entries
 
 __all__ = ["decode_stock", "stock_index"]
 
@@ -109,6 +110,7 @@ def decode_stock(data: bytes, path: str) -> Metadata:
         _check_stock(md, path)
     except (AttributeError, TypeError) as e:  # objects built by the pickle with odd fields
         raise FormatError(f"stock DCP metadata has malformed objects: {type(e).__name__}: {e}", path=path) from None
+    check_entries(stock_index(md, path).values(), path)  # as every mmapckpt index is checked (format/tiling.py)
     return md
 
 

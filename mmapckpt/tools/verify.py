@@ -42,7 +42,7 @@ from ..format.locate import (
     index_file,
     safetensors_files,
 )
-from ..format.metadata import KIND_MMAPCKPT, find_metadata, read_metadata_file
+from ..format.metadata import KIND_MMAPCKPT, find_metadata, read_metadata_file, read_user_metadata
 from ..format.safetensors import SafetensorsFile, entry_infos
 from ..format.shard import Shard, check_size_unchanged, decode_entry
 from ..format.torchfile import flat_torch_file
@@ -241,7 +241,8 @@ def _verify_torch(p: str, report: VerifyReport, bar: Progress) -> None:
 def _check_metadata(p: str, report: VerifyReport) -> Metadata | None:
     try:
         meta = find_metadata(p)
-        kind, md = read_metadata_file(meta)
+        kind, md = read_metadata_file(meta)  # shapes, chunk tiling and stored ranges checked (format/tiling.py)
+        read_user_metadata(meta)  # {str: str} or absent, as convert demands
     except CheckpointError as e:
         report.problems.append(Problem.of(e, p))
         return None
@@ -258,42 +259,35 @@ def _check_metadata(p: str, report: VerifyReport) -> Metadata | None:
 
 
 def _check_coverage(p: str, md: Metadata, report: VerifyReport) -> None:
-    """Every chunk and non-tensor entry has a storage record; chunks cover their tensor exactly."""
+    """Every chunk and non-tensor entry has a storage record (the decoder checked that they tile their tensor)."""
     before = len(report.problems)
     for fqn, item in md.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             if MetadataIndex(fqn) not in md.storage_data:
                 report.problems.append(Problem(p, fqn, "non-tensor entry has no storage record (its data is missing)"))
             continue
-        volume, numel = 0, 1
-        for s in item.size:
-            numel *= s
         for c in item.chunks:
             if MetadataIndex(fqn, c.offsets) not in md.storage_data:
                 report.problems.append(Problem(p, f"{fqn}@{list(c.offsets)}", "chunk has no storage record"))
-            v = 1
-            for s in c.sizes:
-                v *= s
-            volume += v
-        if volume != numel:
-            report.problems.append(Problem(p, fqn, f"chunks hold {volume} elements but the tensor has {numel}"))
     for idx in md.storage_data:
         if idx.fqn not in md.state_dict_metadata:
             report.problems.append(Problem(p, _label(idx), "storage record for an entry the metadata does not list"))
     if len(report.problems) == before:
         report.checked.append("metadata: every chunk and non-tensor entry has a storage record; "
-                              "chunks cover every tensor")
+                              "chunks tile every tensor exactly, stored byte ranges shared only by tied weights")
 
 
-def _expect(md: Metadata, idx: MetadataIndex) -> tuple[str, str | None, tuple[int, ...] | None]:
-    """(kind, dtype name, chunk shape) the metadata promises for ``idx``."""
+def _expect(md: Metadata, idx: MetadataIndex,
+            sizes: dict[str, dict[tuple[int, ...], tuple[int, ...]]]) -> tuple[str, str | None, tuple[int, ...] | None]:
+    """(kind, dtype name, chunk shape) the metadata promises for ``idx``; ``sizes`` caches each tensor's
+    chunk shapes by offsets, so that a tensor of many chunks is looked up in constant time."""
     item = md.state_dict_metadata.get(idx.fqn)
     if not isinstance(item, TensorStorageMetadata):
         return fmt.KIND_BYTES, None, None
-    for c in item.chunks:
-        if tuple(c.offsets) == tuple(idx.offset or ()):
-            return fmt.KIND_TENSOR, fmt.dtype_name(item.properties.dtype), tuple(c.sizes)
-    return fmt.KIND_TENSOR, fmt.dtype_name(item.properties.dtype), None
+    by_offsets = sizes.get(idx.fqn)
+    if by_offsets is None:
+        by_offsets = sizes[idx.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in item.chunks}
+    return fmt.KIND_TENSOR, fmt.dtype_name(item.properties.dtype), by_offsets.get(tuple(idx.offset or ()))
 
 
 def _check_shard(p: str, rel: str, records: list[MetadataIndex], md: Metadata, report: VerifyReport,
@@ -313,11 +307,11 @@ def _check_shard(p: str, rel: str, records: list[MetadataIndex], md: Metadata, r
     if shard.header.save_id is not None and save_id is not None and shard.header.save_id != save_id:
         report.problems.append(Problem(full, None, f"shard was written by save {shard.header.save_id}, the metadata "
                                        f"by save {save_id}: a shard of another checkpoint was mixed in"))
-    used = set()
+    used, keys, sizes = set(), shard.header.by_key(), {}  # type: ignore[var-annotated]
     for idx in records:
-        kind, dtype, shape = _expect(md, idx)
+        kind, dtype, shape = _expect(md, idx, sizes)
         info = md.storage_data[idx]
-        e = shard.header.by_key().get((idx.fqn, None if kind == fmt.KIND_BYTES else tuple(idx.offset or ())))
+        e = keys.get((idx.fqn, None if kind == fmt.KIND_BYTES else tuple(idx.offset or ())))
         if e is None:
             report.problems.append(Problem(full, _label(idx), "metadata names this entry but the shard header lacks it"))
             continue

@@ -154,7 +154,7 @@ def test_a_tensor_described_with_no_chunks_is_refused(tmp_path):
     (path / ".metadata").write_bytes(metadata_with_doc(raw, doc))
     for load in (lambda: mmapckpt.load(path), lambda: mmapckpt.load_into({"w": torch.zeros(2, 3)}, path),
                  lambda: mmapckpt.MmapReader(path).read_metadata()):
-        with pytest.raises(mmapckpt.FormatError, match="chunks of 'w' hold 0 of its 6 elements"):
+        with pytest.raises(mmapckpt.FormatError, match="entry 'w': the chunks hold 0 of the tensor's 6 elements"):
             load()
 
 

@@ -324,7 +324,7 @@ def test_chunks_that_do_not_cover_the_tensor_are_refused(tmp_path, small):
     md.state_dict_metadata["w"] = dataclasses.replace(w, size=torch.Size([12, 5]))  # the chunk is half of it
     with open(meta, "wb") as fh:
         fh.write(encode_metadata(md))
-    with pytest.raises(mmapckpt.FormatError, match="chunks of 'w' hold 30 of its 60 elements"):
+    with pytest.raises(mmapckpt.FormatError, match="entry 'w': the chunks hold 30 of the tensor's 60 elements"):
         mmapckpt.open(bad)  # refused with the metadata, for every reader (dcp.load would leave half the target)
 
 

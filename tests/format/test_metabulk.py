@@ -189,3 +189,44 @@ def test_table_entries_are_built_once_when_threads_ask_at_the_same_time(doc, mon
         t.join()
     assert len(calls) == 1 and len(got) == 4 and all(g is got[0] for g in got)
     assert pickle.loads(pickle.dumps(entries)) == dict(entries.items()) == copy.deepcopy(entries)
+
+
+def _rec_at(rows: list[Any], starts: list[int], i: int) -> int:
+    """Where the record (file, file_offset, length) of entry ``i`` begins in ``rows``."""
+    p = starts[i]
+    return p + 1 if rows[p] < 0 else p + 4 + rows[p + 2]
+
+
+def _layout(doc: dict[str, Any]) -> tuple[list[str], list[int]]:
+    t = doc["table"]
+    starts = metabulk._starts(t["names"], t["rows"])
+    assert starts is not None
+    return t["names"], starts
+
+
+@pytest.mark.parametrize("how, bulk_ok", [
+    ("tied", True),  # the same bytes under two names of one dtype and shape: tied weights
+    ("inside", False),  # a record starting inside another's bytes
+    ("other dtype", False),  # the same bytes as a tensor of another dtype and shape
+    ("bytes item", False),  # a pickled value's bytes also a tensor's
+])
+def test_records_sharing_bytes_are_judged_in_bulk_as_the_walk_judges_them(tmp_path, how, bulk_ok) -> None:
+    sd = {"a": torch.arange(16.0), "b": torch.ones(16), "c": torch.zeros(8, dtype=torch.int64), "o": {"k": 1}}
+    dcp.save(sd, storage_writer=mmapckpt.MmapWriter(tmp_path / "c"), no_dist=True)
+    doc = json.loads((tmp_path / "c" / ".metadata").read_bytes()[24:])
+    rows = doc["table"]["rows"]
+    names, starts = _layout(doc)
+    a, b, c, o = (_rec_at(rows, starts, names.index(n)) for n in ("a", "b", "c", "o.k"))
+    if how == "tied":
+        rows[b + 1] = rows[a + 1]
+    elif how == "inside":
+        rows[b + 1] = rows[a + 1] + 8
+    elif how == "other dtype":
+        rows[c + 1] = rows[a + 1]  # a's 64 bytes as 8 int64
+    else:
+        rows[o + 1], rows[o + 2] = rows[a + 1], rows[a + 2]
+    t = doc["table"]
+    bulk = metabulk.bulk_index(t["names"], t["files"], [mf.fmt.DTYPES[n] for n in t["dtypes"]], rows, t["transforms"],
+                               True)
+    assert (bulk is not None) == bulk_ok
+    assert _same(doc) == ("ok" if bulk_ok else "refused")

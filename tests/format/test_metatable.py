@@ -121,7 +121,7 @@ def test_chunks_that_do_not_cover_their_tensor_are_refused(ckpt) -> None:
         rows = doc["table"]["rows"]
         rows[8] = 64
         rows[10:11] = [0, 0, 0, 4, 4]
-    assert "hold 16 of its 20 elements" in str(_table_error(ckpt, mutate))
+    assert "hold 16 of the tensor's 20 elements" in str(_table_error(ckpt, mutate))
 
 
 def test_an_unknown_dtype_is_refused_by_name(ckpt) -> None:

@@ -360,11 +360,21 @@ def test_metadata_record_disagrees_with_header(ckpt: Path) -> None:
     def shift(d: dict[str, Any]) -> None:
         for r in d["storage_data"]:
             if r["fqn"] == "b":
-                r["file_offset"] += 64
+                r["file_offset"] = 64  # inside the file and no other record's bytes, but not b's (the header's)
     rewrite_metadata(ckpt / ".metadata", shift)
     err = load_failure(ckpt)
     assert isinstance(err, mmapckpt.FormatError) and "shard header says" in str(err)
     assert_names(err, ckpt / SHARD, "b@[0]")
+
+
+def test_metadata_record_overlapping_another_is_refused_with_the_metadata(ckpt: Path) -> None:
+    def shift(d: dict[str, Any]) -> None:
+        recs = sorted((r for r in d["storage_data"] if r["relative_path"] == SHARD), key=lambda r: r["file_offset"])
+        recs[1]["file_offset"] = recs[0]["file_offset"] + 8  # starts inside the record before it
+    rewrite_metadata(ckpt / ".metadata", shift)
+    with pytest.raises(mmapckpt.EntryBoundsError, match="overlaps that of") as e:
+        mmapckpt.load(ckpt, allow_unpickle=True)
+    assert e.value.path == os.fspath(ckpt / ".metadata") and e.value.entry
 
 
 # --------------------------------------------------------------------------- corrupted data

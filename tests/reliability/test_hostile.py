@@ -248,8 +248,8 @@ def test_stock_metadata_with_a_path_leaving_the_directory_is_refused(tmp_path):
 
 @pytest.mark.parametrize("kind", ["stock", "mmapckpt"])
 def test_a_stored_value_that_does_not_deserialize_is_a_format_error(tmp_path, kind):
-    """Stock metadata has no checksum: a record moved by one byte points at bytes torch.load cannot
-    read. (In an mmapckpt checkpoint only damaged data, caught by verify=True, can do that.)"""
+    """Stock metadata has no checksum: a record moved by one byte (inside its own bytes: overlapping
+    the next record would be refused with the metadata) points at bytes torch.load cannot read. (In an mmapckpt checkpoint only damaged data, caught by verify=True, can do that.)"""
     import torch.distributed.checkpoint as dcp
 
     path = str(tmp_path / "c")
@@ -259,7 +259,7 @@ def test_a_stored_value_that_does_not_deserialize_is_a_format_error(tmp_path, ki
         md = pickle.loads(_read(path, ".metadata"))  # our own file, just written by torch
         idx = next(i for i in md.storage_data if i.fqn == "cfg.lr")
         info = md.storage_data[idx]
-        md.storage_data[idx] = type(info)(info.relative_path, info.offset + 1, info.length)
+        md.storage_data[idx] = type(info)(info.relative_path, info.offset + 1, info.length - 1)  # inside its bytes
         _write(path, ".metadata", pickle.dumps(md))
     else:
         dcp_save(sd, MmapWriter(path))
