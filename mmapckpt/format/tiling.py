@@ -3,21 +3,22 @@ chunks that tile their tensor exactly, and stored byte ranges that never alias b
 
 **Tiling.** A tensor's chunks must cover every element exactly once: a gap would leave a
 target's old values in place (or, in a freshly allocated tensor, whatever memory held), an
-overlap would let one stored value win over another. The check is linear in the chunks (one
-dict update per chunk corner) rather than pairwise: the indicator function of a box
-``[a, b)`` in ``d`` dimensions is a signed sum of ``2**d`` orthants, one at each corner
-(``+`` or ``-`` by how many of its coordinates are ends)::
+overlap would let one stored value win over another. The check is linear in the chunks but
+for one sort, rather than pairwise: the indicator function of a box ``[a, b)`` in ``d``
+dimensions is a signed sum of ``2**d`` orthants, one at each corner (``+`` or ``-`` by how
+many of its coordinates are ends)::
 
     1[a <= x < b] = sum over corners c of sign(c) * H(x - c),   H(y) = 1 if every y_i >= 0
 
 Orthants at distinct points are linearly independent, so the chunks' indicators add up to
 the tensor's (every element covered exactly once) if and only if their signed corners,
 summed point by point, equal the tensor's own: ``+1`` or ``-1`` at its ``2**d`` corners and
-zero everywhere else. Only the dimensions some chunk does not span whole take part. Where
-``2**d`` times the chunk count would be too much work (many chunks split over many
-dimensions, which no DCP layout produces), a sweep over one dimension looks for an
-overlapping pair instead, within a bound on the comparisons it makes; past the bound the
-layout is refused as too complex to check rather than loaded unchecked.
+zero everywhere else. Only the dimensions some chunk does not span whole take part, and the
+sums are made with whole-array operations (one sort of the corners). Where ``2**d`` times
+the chunk count would be too much work (many chunks split over many dimensions, which no
+DCP layout produces), a sweep over one dimension looks for an overlapping pair instead,
+within a bound on the comparisons it makes; past the bound the layout is refused as too
+complex to check rather than loaded unchecked.
 
 **Aliasing.** Stored records (file, offset, length) may share bytes only as *exact aliases*:
 the same range under two names whose tensors are stored identically (same dtype, shape and
@@ -212,7 +213,8 @@ def check_entries(entries: Iterable[EntryInfo], path: str) -> None:
         FormatError: a shape or a tiling defect, naming ``path`` and the entry.
         EntryBoundsError: stored byte ranges that overlap, naming both entries.
     """
-    recs: list[tuple[str, int, int, EntryInfo, ChunkInfo]] = []
+    recs: list[tuple[str, int, int, int]] = []  # (file, start, end, number): sorted as plain tuples
+    owners: list[tuple[EntryInfo, ChunkInfo]] = []
     for e in entries:
         if e.kind == "tensor":
             shape = e.shape or ()
@@ -223,16 +225,18 @@ def check_entries(entries: Iterable[EntryInfo], path: str) -> None:
                 raise FormatError(bad, path=path, entry=e.name)
         for c in e.chunks:
             if c.length and c.file_offset >= 0:  # a torch.save file's negative offsets are torch's own layout
-                recs.append((c.file, c.file_offset, c.file_offset + c.length, e, c))
-    _check_ranges(recs, path)
+                recs.append((c.file, c.file_offset, c.file_offset + c.length, len(owners)))
+                owners.append((e, c))
+    _check_ranges(recs, owners, path)
 
 
-def _check_ranges(recs: list[tuple[str, int, int, EntryInfo, ChunkInfo]], path: str) -> None:
-    recs.sort(key=lambda r: (r[0], r[1], r[2]))
+def _check_ranges(recs: list[tuple[str, int, int, int]], owners: list[tuple[EntryInfo, ChunkInfo]],
+                  path: str) -> None:
+    recs.sort()
     prev = None
     for r in recs:
         if prev is not None and r[0] == prev[0] and r[1] < prev[2]:
-            e, c, pe, pc = r[3], r[4], prev[3], prev[4]
+            (e, c), (pe, pc) = owners[r[3]], owners[prev[3]]
             where = f"{r[0]} bytes [{r[1]}, {r[2]})"
             if (r[1], r[2]) != (prev[1], prev[2]):
                 raise EntryBoundsError(f"its stored data ({where}) overlaps that of {_label(pe, pc)!r}; the metadata "
