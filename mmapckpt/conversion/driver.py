@@ -9,6 +9,7 @@ checkpoint's (see :func:`previous_checkpoint_files`) are kept.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
@@ -16,10 +17,11 @@ import re
 import shutil
 import warnings
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..dcp.commit import SaveLock
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError
 from ..io.files import fsync_dir, refuse_url
 from ..io.progress import Progress
@@ -77,7 +79,7 @@ def parse_size(size: int | str) -> int:
     return n
 
 
-def _check_paths(src: str, dst: str, overwrite: bool) -> None:
+def _check_paths(src: str, dst: str, target: str, overwrite: bool) -> None:
     refuse_url(src, CheckpointNotFoundError)
     refuse_url(dst, CheckpointWriteError)
     rs, rd = os.path.realpath(src), os.path.realpath(dst)
@@ -85,9 +87,34 @@ def _check_paths(src: str, dst: str, overwrite: bool) -> None:
         raise CheckpointError("the destination would replace the source; choose another destination", path=dst)
     if os.path.lexists(dst) and not overwrite:
         raise CheckpointExistsError("destination exists; pass overwrite=True (--overwrite) to replace it", path=dst)
-    parent = os.path.dirname(os.path.abspath(dst))
+    parent = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(parent):
         raise CheckpointError("the destination's parent directory does not exist", path=parent)
+
+
+@contextlib.contextmanager
+def _directory_locks() -> Iterator[Callable[[str], None]]:
+    """``lock(path)`` takes the save lock (dcp/commit.py SaveLock) of the directory ``path`` until the block ends.
+
+    A conversion holds it on the directory it replaces and on the new one it swaps in, so that
+    no save commits into either while the conversion writes and replaces; a save or conversion
+    already holding it makes ``lock`` raise CheckpointWriteError.
+    """
+    held: dict[tuple[int, int], SaveLock] = {}
+
+    def lock(path: str) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if os.path.isdir(path) and not os.path.islink(path) and (st.st_dev, st.st_ino) not in held:
+            held[(st.st_dev, st.st_ino)] = SaveLock(path)
+
+    try:
+        yield lock
+    finally:
+        for h in held.values():
+            h.release()
 
 
 #: A DCP checkpoint's own files (mmapckpt and stock alike), with the temp files of its writers.
@@ -173,7 +200,7 @@ def _commit(tmp: str, dst: str, overwrite: bool) -> None:
         raise CheckpointExistsError("destination appeared during the conversion", path=dst) from e
     if kept:
         warnings.warn(f"{dst}: files that appeared in the old destination during the conversion and could not "
-                      f"be placed were kept in {kept[0]}", ConversionWarning, stacklevel=3)
+                      f"be placed were kept in {kept[0]}", ConversionWarning, stacklevel=4)
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, overwrite: bool = False,
@@ -199,7 +226,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         overwrite: replace an existing ``dst``: it holds the old or the new checkpoint at every
             instant, and a directory keeps every file that is not its checkpoint's
             (:func:`previous_checkpoint_files`). An interrupted earlier replacement of ``dst``
-            is finished or undone first (a ConversionWarning says which).
+            is finished or undone first (a ConversionWarning says which). While it writes and
+            replaces, the conversion holds the directory's save lock (as ``MmapWriter`` does).
         max_shard_size: for safetensors only: write HF-style shards of at most this size
             (bytes, or a string such as ``"5GB"``) plus ``model.safetensors.index.json``.
         progress: draw a progress bar on stderr when it is a terminal.
@@ -216,6 +244,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         CheckpointError: the source is missing or damaged, the destination exists, a
             tensor cannot be stored in the target format, or ``keys``/``strip_prefix`` select
             nothing or make two names one (all name the file and entry).
+        CheckpointWriteError: writing failed (disk full, permissions), or a save or another
+            conversion into ``dst`` is in progress (it holds the directory's lock).
 
     Example:
         >>> convert("ckpt/step100", "model.safetensors", to="safetensors")  # doctest: +SKIP
@@ -228,41 +258,58 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     src_s, dst_s = os.fspath(src), os.fspath(dst)
     dst_s = dst_s.rstrip("/" + os.sep) or dst_s  # "out/" names the entry "out" (its temp sibling is ".out.tmp-*")
-    _recover(dst_s)
-    if not os.path.lexists(src_s):
-        _recover(src_s)  # a source caught mid-replacement by a killed conversion comes back
-    _check_paths(src_s, dst_s, overwrite)
-    _check_replaceable(dst_s, to, limit)
-    tmp = temp_sibling(dst_s)
-    with open_source(src_s) as opened:
-        source = _selected(opened, keys, strip_prefix)
-        user = source.user_metadata()
-        tensors = [md for _, md in source.items() if isinstance(md, TensorStorageMetadata)]
-        total = sum(md.properties.dtype.itemsize * _numel(md.size) for md in tensors)
-        bar = Progress(total, f"{source.kind} -> {to}", enabled=progress)
-        as_dir = _writes_directory(dst_s, to, limit)
-        try:
-            with bar:
-                dropped = _write(source, tmp, to, limit, os.path.abspath(dst_s), bar, as_dir, user)
-            _commit(tmp, dst_s, overwrite)
-        except OSError as e:
-            _abandon(tmp, dst_s)
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointWriteError(f"conversion failed: {e}", path=dst_s) from e
-        except BaseException:
-            _abandon(tmp, dst_s)
+    target = dst_s
+    with _directory_locks() as lock:
+        lock(target)  # before recovery: a conversion still replacing it keeps its journal
+        _recover(target)
+        if not os.path.lexists(src_s):
+            _recover(src_s)  # a source caught mid-replacement by a killed conversion comes back
+        _check_paths(src_s, dst_s, target, overwrite)
+        _check_replaceable(target, to, limit)
+        lock(target)  # where the recovery put it back
+        with open_source(src_s) as opened:
+            source = _selected(opened, keys, strip_prefix)
+            user = source.user_metadata()
+            tensors = [md for _, md in source.items() if isinstance(md, TensorStorageMetadata)]
+            total = sum(md.properties.dtype.itemsize * _numel(md.size) for md in tensors)
+            bar = Progress(total, f"{source.kind} -> {to}", enabled=progress)
+            dropped = _convert(source, target, to, limit, os.path.abspath(dst_s), overwrite, bar, user, lock)
+    _warn_lost(dropped, to, user)
+    return ConvertResult(source.kind, to, dst_s, len(tensors), total, tuple(dropped))
+
+
+def _convert(source: Source, target: str, to: str, limit: int | None, final: str, overwrite: bool,
+             bar: Progress, user: dict[str, str] | None, lock: Callable[[str], None]) -> list[str]:
+    """Write ``source`` beside ``target``, then put it at ``target``; returns the entries left out."""
+    tmp = temp_sibling(target)
+    as_dir = _writes_directory(target, to, limit)
+    try:
+        with bar:
+            dropped = _write(source, tmp, to, limit, final, bar, as_dir, user)
+        lock(tmp)  # the new directory is locked before it is swapped in: no save slips in before we are done
+        _commit(tmp, target, overwrite)
+    except OSError as e:
+        _abandon(tmp, target)
+        if isinstance(e, CheckpointError):
             raise
+        raise CheckpointWriteError(f"conversion failed: {e}", path=target) from e
+    except BaseException:
+        _abandon(tmp, target)
+        raise
+    return dropped
+
+
+def _warn_lost(dropped: list[str], to: str, user: dict[str, str] | None) -> None:
+    """The ConversionWarnings for entries and user metadata the target format cannot hold."""
     if dropped:
         why = "safetensors holds only tensors" if to == "safetensors" else \
             "they cannot be unpickled safely (weights_only=True)"
         warnings.warn(f"{len(dropped)} non-tensor entries were not converted ({why}): {', '.join(dropped)}",
-                      ConversionWarning, stacklevel=2)
+                      ConversionWarning, stacklevel=3)
     lost = sorted(k for k, v in (user or {}).items() if (k, v) != ("format", "pt"))  # that marker carries nothing
     if lost and to in ("dcp", "torch"):
         warnings.warn(f"the user metadata ({', '.join(lost)}) was dropped: a {to} checkpoint cannot hold it "
-                      "(convert to mmapckpt or safetensors to keep it)", ConversionWarning, stacklevel=2)
-    return ConvertResult(source.kind, to, dst_s, len(tensors), total, tuple(dropped))
+                      "(convert to mmapckpt or safetensors to keep it)", ConversionWarning, stacklevel=3)
 
 
 def _selected(source: Source, keys: Sequence[str] | None, strip_prefix: str | None) -> Source:
