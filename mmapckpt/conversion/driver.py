@@ -87,9 +87,18 @@ def _check_paths(src: str, dst: str, target: str, overwrite: bool) -> None:
         raise CheckpointError("the destination would replace the source; choose another destination", path=dst)
     if os.path.lexists(dst) and not overwrite:
         raise CheckpointExistsError("destination exists; pass overwrite=True (--overwrite) to replace it", path=dst)
+    if os.path.islink(dst) and not os.path.lexists(target):
+        raise CheckpointWriteError(f"the destination is a symbolic link to {target}, which does not exist: create "
+                                   "it, or remove the link (convert writes through a link, never replaces it)",
+                                   path=dst)
     parent = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(parent):
         raise CheckpointError("the destination's parent directory does not exist", path=parent)
+
+
+def _through_link(path: str) -> str:
+    """``path``, or, where it is a symbolic link, the path it finally names: that is what is replaced."""
+    return os.path.realpath(path) if os.path.islink(path) else path
 
 
 @contextlib.contextmanager
@@ -222,6 +231,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
             directory with ``model.safetensors.index.json``, or a ``torch.save`` file.
         dst: where to write; a directory for mmapckpt, dcp and sharded safetensors, else a file
             (safetensors into an existing directory is written there as ``model.safetensors``).
+            A symbolic link is kept: what it names is replaced (a dangling link is refused).
         to: one of ``"mmapckpt"``, ``"dcp"``, ``"safetensors"``, ``"torch"``.
         overwrite: replace an existing ``dst``: it holds the old or the new checkpoint at every
             instant, and a directory keeps every file that is not its checkpoint's
@@ -258,12 +268,12 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     src_s, dst_s = os.fspath(src), os.fspath(dst)
     dst_s = dst_s.rstrip("/" + os.sep) or dst_s  # "out/" names the entry "out" (its temp sibling is ".out.tmp-*")
-    target = dst_s
+    target = _through_link(dst_s)  # a link is kept: what it names is replaced
     with _directory_locks() as lock:
         lock(target)  # before recovery: a conversion still replacing it keeps its journal
         _recover(target)
-        if not os.path.lexists(src_s):
-            _recover(src_s)  # a source caught mid-replacement by a killed conversion comes back
+        if not os.path.exists(src_s):
+            _recover(_through_link(src_s))  # a source caught mid-replacement by a killed conversion comes back
         _check_paths(src_s, dst_s, target, overwrite)
         _check_replaceable(target, to, limit)
         lock(target)  # where the recovery put it back

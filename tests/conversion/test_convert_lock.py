@@ -231,3 +231,17 @@ def test_the_save_lock_locks_the_directory_the_path_names_after_a_swap(tmp_path,
     lock.release()
     commit.SaveLock(path).release()
 
+
+@pytest.mark.timeout(300)
+def test_a_convert_through_a_link_takes_the_lock_of_the_linked_directory(tmp_path):
+    dst, src = _setup(tmp_path)
+    link = str(tmp_path / "latest")
+    os.symlink("dst", link)
+    with Child("save", SAVE_BEFORE_COMMIT, 3, dst) as child:
+        child.blocked()
+        with pytest.raises(CheckpointWriteError, match="in progress"):
+            _convert_api(src, link, "mmapckpt")
+        assert hidden_siblings(dst) == [] and hidden_siblings(link) == []
+        code, out = child.go()
+    assert code == 0 and "DONE" in out, out
+    assert holds(link, _state(3)) and os.path.islink(link)
