@@ -10,6 +10,7 @@ checkpoint's (see :func:`previous_checkpoint_files`) are kept.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import json
 import os
@@ -296,6 +297,16 @@ def _convert(source: Source, target: str, to: str, limit: int | None, final: str
     try:
         with bar:
             dropped = _write(source, tmp, to, limit, final, bar, as_dir, user)
+    except OSError as e:  # CheckpointNotFoundError and the like (a source file gone) are OSErrors too
+        _abandon(tmp, target)
+        failed = _write_failed(e, tmp, target)
+        if failed is e:
+            raise
+        raise failed from e
+    except BaseException:
+        _abandon(tmp, target)
+        raise
+    try:
         lock(tmp)  # the new directory is locked before it is swapped in: no save slips in before we are done
         _commit(tmp, target, overwrite)
     except OSError as e:
@@ -307,6 +318,24 @@ def _convert(source: Source, target: str, to: str, limit: int | None, final: str
         _abandon(tmp, target)
         raise
     return dropped
+
+
+def _write_failed(e: OSError, tmp: str, target: str) -> OSError:
+    """A failed write of the new checkpoint (at ``tmp``) as the user should see it: which file of it, what the
+    system said, and that ``target`` was left as it was. Other errors (a source file missing) are returned as
+    they are."""
+    if isinstance(e, CheckpointError) and not isinstance(e, CheckpointWriteError):
+        return e
+    where = e.path if isinstance(e, CheckpointError) else e.filename
+    reason = e.message.removeprefix("writing failed: ") if isinstance(e, CheckpointError) else str(e)
+    inside = isinstance(where, str) and where.startswith(tmp + os.sep)
+    cause = e.__cause__ if isinstance(e, CheckpointError) else e
+    full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    return CheckpointWriteError(
+        f"conversion failed{' writing ' + os.path.relpath(where, tmp) if inside else ''}: {reason}; "
+        f"{target} {'was left as it was' if os.path.lexists(target) else 'was not created'}" + (" (the new checkpoint is written beside it before it is replaced: "
+                                          "free room for both)" if full else ""),
+        path=target, entry=e.entry if isinstance(e, CheckpointError) else None)
 
 
 def _warn_lost(dropped: list[str], to: str, user: dict[str, str] | None) -> None:
