@@ -193,19 +193,23 @@ def write_shard(directory: str, name: str, items: list[WriteItem], planner: Save
         finally:
             os.close(fd)
         os.replace(tmp, final)
-    except CheckpointError:  # already names the entry
+    except BaseException as e:
         unlink_quietly(tmp)
-        raise
-    except OSError as e:
-        unlink_quietly(tmp)
-        raise CheckpointWriteError(f"writing shard failed: {e}", path=final) from e
-    except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:  # torch refusing a tensor's bytes
-        unlink_quietly(tmp)
-        raise CheckpointWriteError(f"writing shard failed: {type(e).__name__}: {e}", path=final) from e
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
+        typed = _shard_error(e, final)
+        if typed is e:
+            raise
+        raise typed from e
     return _results(name, plan.entries, items), write_path
+
+
+def _shard_error(e: BaseException, final: str) -> BaseException:
+    """``e`` as a failed shard write reports it: a CheckpointWriteError naming the shard for an OSError or for
+    torch refusing a tensor's bytes; a CheckpointError (it names its entry) and anything else as it is."""
+    if isinstance(e, CheckpointError) or not isinstance(e, (OSError, RuntimeError, NotImplementedError, TypeError,
+                                                             ValueError)):
+        return e
+    what = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+    return CheckpointWriteError(f"writing shard failed: {what}", path=final)
 
 
 def _with_aliases(crcs: list[int], own: Any, alias_of: dict[int, int]) -> list[int]:
