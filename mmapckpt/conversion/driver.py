@@ -330,12 +330,12 @@ def _write_failed(e: OSError, tmp: str, target: str) -> OSError:
     reason = e.message.removeprefix("writing failed: ") if isinstance(e, CheckpointError) else str(e)
     inside = isinstance(where, str) and where.startswith(tmp + os.sep)
     cause = e.__cause__ if isinstance(e, CheckpointError) else e
-    full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
-    return CheckpointWriteError(
-        f"conversion failed{' writing ' + os.path.relpath(where, tmp) if inside else ''}: {reason}; "
-        f"{target} {'was left as it was' if os.path.lexists(target) else 'was not created'}" + (" (the new checkpoint is written beside it before it is replaced: "
-                                          "free room for both)" if full else ""),
-        path=target, entry=e.entry if isinstance(e, CheckpointError) else None)
+    state = "was left as it was" if os.path.lexists(target) else "was not created"
+    if getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        state += " (the new checkpoint is written beside it before it is replaced: free room for both)"
+    what = f" writing {os.path.relpath(where, tmp)}" if inside else ""  # type: ignore[arg-type]
+    return CheckpointWriteError(f"conversion failed{what}: {reason}; {target} {state}", path=target,
+                                entry=e.entry if isinstance(e, CheckpointError) else None)
 
 
 def _warn_lost(dropped: list[str], to: str, user: dict[str, str] | None) -> None:
