@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
 from .dcp.plan_items import tensor_write_item
+from .dcp.storable import check_storable
 from .dcp.writer import MmapWriter
 from .format.aliases import exact_aliases
 from .format.entries import paused_gc
@@ -64,14 +65,16 @@ def save(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *
 
     Raises:
         TypeError: a value is not a tensor, or is a DTensor; ``metadata`` is not ``{str: str}``.
-        CheckpointWriteError, CheckpointExistsError: as ``MmapWriter``.
+        CheckpointWriteError: a tensor that cannot be stored (meta, sparse, nested, quantized, a
+            wrapper subclass: it names the entry, and nothing is written), or as ``MmapWriter``.
+        CheckpointExistsError: as ``MmapWriter``.
 
     Example:
         >>> mmapckpt.save(model.state_dict(), "/tmp/ckpt")
         >>> model.load_state_dict(mmapckpt.load("/tmp/ckpt"))
     """
     tensors = dict(state_dict)
-    _check_plain(tensors)
+    _check_plain(tensors, os.fspath(path))  # before anything is written
     writer = MmapWriter(path, overwrite=overwrite, metadata=metadata, **writer_options)
     with paused_gc():
         _steps(writer, tensors)  # returns having dropped every object it built: the collector never walks them
@@ -108,7 +111,7 @@ def _items(tensors: dict[str, torch.Tensor]) -> tuple[list[WriteItem], dict[str,
     return items, sdm
 
 
-def _check_plain(tensors: dict[str, Any]) -> None:
+def _check_plain(tensors: dict[str, Any], path: str) -> None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
@@ -117,3 +120,4 @@ def _check_plain(tensors: dict[str, Any]) -> None:
         if not isinstance(fqn, str) or not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
             raise TypeError(f"mmapckpt.save takes {{str: plain tensor}}; {fqn!r} is a {type(t).__name__} "
                             "(use dcp.save with MmapWriter for DTensors and other objects)")
+        check_storable(fqn, t, path)

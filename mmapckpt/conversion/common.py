@@ -18,12 +18,12 @@ from typing import Any, Iterator
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointWriteError
 from ..format.locate import FORMATS, SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..format.safetensors import SAFETENSORS_DTYPES
 
 __all__ = ["FORMATS", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "SAFETENSORS_SINGLE", "SINGLE_FILE", "Source", "label",
-           "tensor_chunk_sizes", "SelectedSource", "select_names"]
+           "tensor_chunk_sizes", "SelectedSource", "select_names", "RecordingFile", "Writing"]
 
 SINGLE_FILE = "__0_0.distcp"
 # FORMATS, the Hugging Face file names and the safetensors dtype table (codes <-> torch dtypes) are
@@ -189,3 +189,57 @@ class SelectedSource(Source):
 
     def close(self) -> None:
         self._inner.close()
+
+
+# --------------------------------------------------------------------------- write failures, typed (sinks)
+class RecordingFile:
+    """A binary file for ``torch.save`` that keeps the OSError a write met: torch turns it into a
+    RuntimeError that has lost the errno and the reason ("unexpected pos ...")."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error = f, None
+
+    def write(self, b: Any) -> int:
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+
+class Writing:
+    """``with Writing(path) as w:`` (``w.entry = name`` as it goes): an OSError, or torch.save's
+    RuntimeError, becomes a CheckpointWriteError naming ``path`` and the entry being written.
+
+    Enter it before opening the file, so that a failing flush when the file closes is caught too;
+    ``w.record(f)`` gives the file to hand to ``torch.save``.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path, self.entry = path, None
+        self.out: RecordingFile | None = None
+
+    def record(self, f: Any) -> RecordingFile:
+        self.out = RecordingFile(f)
+        return self.out
+
+    def __enter__(self) -> "Writing":
+        return self
+
+    def __exit__(self, kind: Any, e: BaseException | None, tb: Any) -> bool:
+        if e is None or isinstance(e, CheckpointError) or not isinstance(e, (OSError, RuntimeError)):
+            return False
+        reason: BaseException = e
+        if isinstance(e, RuntimeError) and self.out is not None and self.out.error is not None:
+            reason = self.out.error  # what the disk said, under torch.save's RuntimeError
+        inner: BaseException | None = e if isinstance(e, RuntimeError) else e.__context__
+        while inner is not None:  # torch.save's frames hold the tensors it was writing (mapped files):
+            inner.__traceback__ = None  # a failure kept for a while must not keep their pages
+            inner = inner.__cause__ or inner.__context__
+        raise CheckpointWriteError(f"writing failed: {reason}", path=self.path, entry=self.entry) from reason

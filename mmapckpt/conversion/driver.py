@@ -9,6 +9,8 @@ checkpoint's (see :func:`previous_checkpoint_files`) are kept.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fnmatch
 import json
 import os
@@ -16,10 +18,11 @@ import re
 import shutil
 import warnings
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..dcp.commit import SaveLock
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError
 from ..io.files import fsync_dir, refuse_url
 from ..io.progress import Progress
@@ -77,7 +80,7 @@ def parse_size(size: int | str) -> int:
     return n
 
 
-def _check_paths(src: str, dst: str, overwrite: bool) -> None:
+def _check_paths(src: str, dst: str, target: str, overwrite: bool) -> None:
     refuse_url(src, CheckpointNotFoundError)
     refuse_url(dst, CheckpointWriteError)
     rs, rd = os.path.realpath(src), os.path.realpath(dst)
@@ -85,9 +88,43 @@ def _check_paths(src: str, dst: str, overwrite: bool) -> None:
         raise CheckpointError("the destination would replace the source; choose another destination", path=dst)
     if os.path.lexists(dst) and not overwrite:
         raise CheckpointExistsError("destination exists; pass overwrite=True (--overwrite) to replace it", path=dst)
-    parent = os.path.dirname(os.path.abspath(dst))
+    if os.path.islink(dst) and not os.path.lexists(target):
+        raise CheckpointWriteError(f"the destination is a symbolic link to {target}, which does not exist: create "
+                                   "it, or remove the link (convert writes through a link, never replaces it)",
+                                   path=dst)
+    parent = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(parent):
         raise CheckpointError("the destination's parent directory does not exist", path=parent)
+
+
+def _through_link(path: str) -> str:
+    """``path``, or, where it is a symbolic link, the path it finally names: that is what is replaced."""
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
+@contextlib.contextmanager
+def _directory_locks() -> Iterator[Callable[[str], None]]:
+    """``lock(path)`` takes the save lock (dcp/commit.py SaveLock) of the directory ``path`` until the block ends.
+
+    A conversion holds it on the directory it replaces and on the new one it swaps in, so that
+    no save commits into either while the conversion writes and replaces; a save or conversion
+    already holding it makes ``lock`` raise CheckpointWriteError.
+    """
+    held: dict[tuple[int, int], SaveLock] = {}
+
+    def lock(path: str) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if os.path.isdir(path) and not os.path.islink(path) and (st.st_dev, st.st_ino) not in held:
+            held[(st.st_dev, st.st_ino)] = SaveLock(path)
+
+    try:
+        yield lock
+    finally:
+        for h in held.values():
+            h.release()
 
 
 #: A DCP checkpoint's own files (mmapckpt and stock alike), with the temp files of its writers.
@@ -173,7 +210,7 @@ def _commit(tmp: str, dst: str, overwrite: bool) -> None:
         raise CheckpointExistsError("destination appeared during the conversion", path=dst) from e
     if kept:
         warnings.warn(f"{dst}: files that appeared in the old destination during the conversion and could not "
-                      f"be placed were kept in {kept[0]}", ConversionWarning, stacklevel=3)
+                      f"be placed were kept in {kept[0]}", ConversionWarning, stacklevel=4)
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, overwrite: bool = False,
@@ -195,11 +232,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
             directory with ``model.safetensors.index.json``, or a ``torch.save`` file.
         dst: where to write; a directory for mmapckpt, dcp and sharded safetensors, else a file
             (safetensors into an existing directory is written there as ``model.safetensors``).
+            A symbolic link is kept: what it names is replaced (a dangling link is refused).
         to: one of ``"mmapckpt"``, ``"dcp"``, ``"safetensors"``, ``"torch"``.
         overwrite: replace an existing ``dst``: it holds the old or the new checkpoint at every
             instant, and a directory keeps every file that is not its checkpoint's
             (:func:`previous_checkpoint_files`). An interrupted earlier replacement of ``dst``
-            is finished or undone first (a ConversionWarning says which).
+            is finished or undone first (a ConversionWarning says which). While it writes and
+            replaces, the conversion holds the directory's save lock (as ``MmapWriter`` does).
         max_shard_size: for safetensors only: write HF-style shards of at most this size
             (bytes, or a string such as ``"5GB"``) plus ``model.safetensors.index.json``.
         progress: draw a progress bar on stderr when it is a terminal.
@@ -216,6 +255,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         CheckpointError: the source is missing or damaged, the destination exists, a
             tensor cannot be stored in the target format, or ``keys``/``strip_prefix`` select
             nothing or make two names one (all name the file and entry).
+        CheckpointWriteError: writing failed (disk full, permissions), or a save or another
+            conversion into ``dst`` is in progress (it holds the directory's lock).
 
     Example:
         >>> convert("ckpt/step100", "model.safetensors", to="safetensors")  # doctest: +SKIP
@@ -228,41 +269,86 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     src_s, dst_s = os.fspath(src), os.fspath(dst)
     dst_s = dst_s.rstrip("/" + os.sep) or dst_s  # "out/" names the entry "out" (its temp sibling is ".out.tmp-*")
-    _recover(dst_s)
-    if not os.path.lexists(src_s):
-        _recover(src_s)  # a source caught mid-replacement by a killed conversion comes back
-    _check_paths(src_s, dst_s, overwrite)
-    _check_replaceable(dst_s, to, limit)
-    tmp = temp_sibling(dst_s)
-    with open_source(src_s) as opened:
-        source = _selected(opened, keys, strip_prefix)
-        user = source.user_metadata()
-        tensors = [md for _, md in source.items() if isinstance(md, TensorStorageMetadata)]
-        total = sum(md.properties.dtype.itemsize * _numel(md.size) for md in tensors)
-        bar = Progress(total, f"{source.kind} -> {to}", enabled=progress)
-        as_dir = _writes_directory(dst_s, to, limit)
-        try:
-            with bar:
-                dropped = _write(source, tmp, to, limit, os.path.abspath(dst_s), bar, as_dir, user)
-            _commit(tmp, dst_s, overwrite)
-        except OSError as e:
-            _abandon(tmp, dst_s)
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointWriteError(f"conversion failed: {e}", path=dst_s) from e
-        except BaseException:
-            _abandon(tmp, dst_s)
+    target = _through_link(dst_s)  # a link is kept: what it names is replaced
+    with _directory_locks() as lock:
+        lock(target)  # before recovery: a conversion still replacing it keeps its journal
+        _recover(target)
+        if not os.path.exists(src_s):
+            _recover(_through_link(src_s))  # a source caught mid-replacement by a killed conversion comes back
+        _check_paths(src_s, dst_s, target, overwrite)
+        _check_replaceable(target, to, limit)
+        lock(target)  # where the recovery put it back
+        with open_source(src_s) as opened:
+            source = _selected(opened, keys, strip_prefix)
+            user = source.user_metadata()
+            tensors = [md for _, md in source.items() if isinstance(md, TensorStorageMetadata)]
+            total = sum(md.properties.dtype.itemsize * _numel(md.size) for md in tensors)
+            bar = Progress(total, f"{source.kind} -> {to}", enabled=progress)
+            dropped = _convert(source, target, to, limit, os.path.abspath(dst_s), overwrite, bar, user, lock)
+    _warn_lost(dropped, to, user)
+    return ConvertResult(source.kind, to, dst_s, len(tensors), total, tuple(dropped))
+
+
+def _convert(source: Source, target: str, to: str, limit: int | None, final: str, overwrite: bool,
+             bar: Progress, user: dict[str, str] | None, lock: Callable[[str], None]) -> list[str]:
+    """Write ``source`` beside ``target``, then put it at ``target``; returns the entries left out."""
+    tmp = temp_sibling(target)
+    as_dir = _writes_directory(target, to, limit)
+    try:
+        with bar:
+            dropped = _write(source, tmp, to, limit, final, bar, as_dir, user)
+    except OSError as e:  # CheckpointNotFoundError and the like (a source file gone) are OSErrors too
+        _abandon(tmp, target)
+        failed = _write_failed(e, tmp, target)
+        if failed is e:
             raise
+        raise failed from e
+    except BaseException:
+        _abandon(tmp, target)
+        raise
+    try:
+        lock(tmp)  # the new directory is locked before it is swapped in: no save slips in before we are done
+        _commit(tmp, target, overwrite)
+    except OSError as e:
+        _abandon(tmp, target)
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointWriteError(f"conversion failed: {e}", path=target) from e
+    except BaseException:
+        _abandon(tmp, target)
+        raise
+    return dropped
+
+
+def _write_failed(e: OSError, tmp: str, target: str) -> OSError:
+    """A failed write of the new checkpoint (at ``tmp``) as the user should see it: which file of it, what the
+    system said, and that ``target`` was left as it was. Other errors (a source file missing) are returned as
+    they are."""
+    if isinstance(e, CheckpointError) and not isinstance(e, CheckpointWriteError):
+        return e
+    where = e.path if isinstance(e, CheckpointError) else e.filename
+    reason = e.message.removeprefix("writing failed: ") if isinstance(e, CheckpointError) else str(e)
+    inside = isinstance(where, str) and where.startswith(tmp + os.sep)
+    cause = e.__cause__ if isinstance(e, CheckpointError) else e
+    state = "was left as it was" if os.path.lexists(target) else "was not created"
+    if getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        state += " (the new checkpoint is written beside it before it is replaced: free room for both)"
+    what = f" writing {os.path.relpath(where, tmp)}" if inside else ""  # type: ignore[arg-type]
+    return CheckpointWriteError(f"conversion failed{what}: {reason}; {target} {state}", path=target,
+                                entry=e.entry if isinstance(e, CheckpointError) else None)
+
+
+def _warn_lost(dropped: list[str], to: str, user: dict[str, str] | None) -> None:
+    """The ConversionWarnings for entries and user metadata the target format cannot hold."""
     if dropped:
         why = "safetensors holds only tensors" if to == "safetensors" else \
             "they cannot be unpickled safely (weights_only=True)"
         warnings.warn(f"{len(dropped)} non-tensor entries were not converted ({why}): {', '.join(dropped)}",
-                      ConversionWarning, stacklevel=2)
+                      ConversionWarning, stacklevel=3)
     lost = sorted(k for k, v in (user or {}).items() if (k, v) != ("format", "pt"))  # that marker carries nothing
     if lost and to in ("dcp", "torch"):
         warnings.warn(f"the user metadata ({', '.join(lost)}) was dropped: a {to} checkpoint cannot hold it "
-                      "(convert to mmapckpt or safetensors to keep it)", ConversionWarning, stacklevel=2)
-    return ConvertResult(source.kind, to, dst_s, len(tensors), total, tuple(dropped))
+                      "(convert to mmapckpt or safetensors to keep it)", ConversionWarning, stacklevel=3)
 
 
 def _selected(source: Source, keys: Sequence[str] | None, strip_prefix: str | None) -> Source:

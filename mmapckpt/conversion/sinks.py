@@ -27,7 +27,7 @@ from ..format import layout as fmt
 from ..format.metadata import METADATA_NAME, encode_metadata
 from ..io.files import atomic_write, fsync_dir, map_file, pwrite_all
 from ..io.progress import Progress
-from .common import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, Source, label, tensor_chunk_sizes
+from .common import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, Source, Writing, label, tensor_chunk_sizes
 
 __all__ = ["write_mmapckpt", "write_dcp", "write_safetensors", "write_torch", "raw_bytes"]
 
@@ -107,33 +107,51 @@ def _write_mmapckpt_shard(src: Source, path: str, rel: str, items: list[Metadata
         n = 1
         for s in shape:
             n *= s
-        specs.append(fmt.EntrySpec(idx.fqn, tuple(idx.offset), fmt.KIND_TENSOR, fmt.dtype_name(item.properties.dtype),
+        specs.append(fmt.EntrySpec(idx.fqn, tuple(idx.offset), fmt.KIND_TENSOR, _mmapckpt_dtype(src, idx, item),
                                    shape, n * item.properties.dtype.itemsize))
     aliases = _stored_aliases(src, items, specs)
     entries, file_size = fmt.layout_entries(specs, _ALIGN, save_id, aliases)
     done: list[fmt.Entry] = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.ftruncate(fd, file_size)
-        for i, (e, idx) in enumerate(zip(entries, items)):
-            if i in aliases:  # the same bytes as an entry already written
-                done.append(e._replace(crc32=done[aliases[i]].crc32))
-                progress.advance(e.length)
-                continue
-            buf = payloads[idx] if idx in payloads else raw_bytes(src.read_tensor(idx))
-            if len(buf) != e.length:
-                raise FormatError(f"read {len(buf)} bytes, expected {e.length}", path=src.path, entry=label(idx))
-            if e.length:
-                pwrite_all(fd, buf, e.offset)
-            done.append(e._replace(crc32=zlib.crc32(buf)))
-            del buf
-            if idx not in payloads:
-                progress.advance(e.length)
-        pwrite_all(fd, fmt.encode_header(done, save_id), 0)
-        _fsync_file(fd)
+        with Writing(path) as w:
+            _write_mmapckpt_entries(fd, w, src, items, entries, payloads, aliases, done, file_size, progress)
+            w.entry = None
+            pwrite_all(fd, fmt.encode_header(done, save_id), 0)
+            _fsync_file(fd)
     finally:
         os.close(fd)
     return [(idx, _StorageInfo(rel, e.offset, e.length)) for e, idx in zip(done, items)]
+
+
+def _mmapckpt_dtype(src: Source, idx: MetadataIndex, item: TensorStorageMetadata) -> str:
+    try:
+        return fmt.dtype_name(item.properties.dtype)
+    except ValueError:
+        raise CheckpointError(f"the mmapckpt format cannot store dtype {item.properties.dtype} (docs/format.md, "
+                              "section 2.4): leave this entry out (keys=...) or convert to another format",
+                              path=src.path, entry=label(idx)) from None
+
+
+def _write_mmapckpt_entries(fd: int, w: Writing, src: Source, items: list[MetadataIndex], entries: list[fmt.Entry],
+                            payloads: dict[MetadataIndex, bytes], aliases: dict[int, int], done: list[fmt.Entry],
+                            file_size: int, progress: Progress) -> None:
+    os.ftruncate(fd, file_size)
+    for i, (e, idx) in enumerate(zip(entries, items)):
+        w.entry = label(idx)
+        if i in aliases:  # the same bytes as an entry already written
+            done.append(e._replace(crc32=done[aliases[i]].crc32))
+            progress.advance(e.length)
+            continue
+        buf = payloads[idx] if idx in payloads else raw_bytes(src.read_tensor(idx))
+        if len(buf) != e.length:
+            raise FormatError(f"read {len(buf)} bytes, expected {e.length}", path=src.path, entry=label(idx))
+        if e.length:
+            pwrite_all(fd, buf, e.offset)
+        done.append(e._replace(crc32=zlib.crc32(buf)))
+        del buf
+        if idx not in payloads:
+            progress.advance(e.length)
 
 
 def _stored_aliases(src: Source, items: list[MetadataIndex], specs: list[fmt.EntrySpec]) -> dict[int, int]:
@@ -169,17 +187,21 @@ def write_dcp(src: Source, out_dir: str, *, checkpoint_id: str, progress: Progre
     os.makedirs(out_dir)
     storage: dict[MetadataIndex, _StorageInfo] = {}
     for rel, items in src.layout:
-        with open(os.path.join(out_dir, rel), "xb") as f:
+        path = os.path.join(out_dir, rel)
+        with Writing(path) as w, open(path, "xb") as f:
+            out = w.record(f)
             for idx in items:
+                w.entry = label(idx)
                 start = f.tell()
                 if idx.offset is None:
                     f.write(src.read_bytes(idx))
                 else:
                     t = _own_storage(src.read_tensor(idx))
-                    torch.save(t, f)
+                    torch.save(t, out)
                     progress.advance(t.numel() * t.element_size())
                     del t
                 storage[idx] = _StorageInfo(rel, start, f.tell() - start)
+            w.entry = None
             f.flush()
             _fsync_file(f.fileno())
     atomic_write(os.path.join(out_dir, METADATA_NAME), pickle.dumps(_out_metadata(src, storage, checkpoint_id,
@@ -258,11 +280,14 @@ def _write_safetensors_file(path: str, tensors: list[tuple[str, TensorStorageMet
     start = 8 + len(hb)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.ftruncate(fd, start + pos)
-        pwrite_all(fd, len(hb).to_bytes(8, "little") + hb, 0)
-        for fqn, md in tensors:
-            _write_full_tensor(fd, start + header[fqn]["data_offsets"][0], fqn, md, src, progress)
-        _fsync_file(fd)
+        with Writing(path) as w:
+            os.ftruncate(fd, start + pos)
+            pwrite_all(fd, len(hb).to_bytes(8, "little") + hb, 0)
+            for fqn, md in tensors:
+                w.entry = fqn
+                _write_full_tensor(fd, start + header[fqn]["data_offsets"][0], fqn, md, src, progress)
+            w.entry = None
+            _fsync_file(fd)
     finally:
         os.close(fd)
 
@@ -314,9 +339,11 @@ def write_torch(src: Source, out: str, *, progress: Progress) -> list[str]:
     try:
         fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, pos)
-            for fqn, md in tensors:
-                _write_full_tensor(fd, places[fqn], fqn, md, src, progress)
+            with Writing(scratch) as w:
+                os.ftruncate(fd, pos)
+                for fqn, md in tensors:
+                    w.entry = fqn
+                    _write_full_tensor(fd, places[fqn], fqn, md, src, progress)
         finally:
             os.close(fd)
         _save_from_scratch(src, scratch, pos, places, out, dropped)
@@ -329,6 +356,19 @@ def write_torch(src: Source, out: str, *, progress: Progress) -> list[str]:
 def _save_from_scratch(src: Source, scratch: str, size: int, places: dict[str, int], out: str,
                        dropped: list[str]) -> None:
     mapping = map_file(scratch, size)
+    state = _scratch_state(src, mapping, places, dropped)
+    try:
+        with Writing(out) as w, open(out, "xb") as f:
+            torch.save(state, w.record(f))
+            f.flush()
+            _fsync_file(f.fileno())
+    finally:  # the scratch file's pages go with the last view of them: also while a failure's traceback lives
+        state.clear()
+        del state, mapping
+
+
+def _scratch_state(src: Source, mapping: Any, places: dict[str, int], dropped: list[str]) -> dict[str, Any]:
+    """The state dict torch.save writes: tensors are views over the scratch file's mapping."""
     view = memoryview(mapping) if mapping is not None else None
     state: dict[str, Any] = {}
     for fqn, item in src.items():
@@ -344,9 +384,4 @@ def _save_from_scratch(src: Source, scratch: str, size: int, places: dict[str, i
             state[fqn] = src.read_object(MetadataIndex(fqn))
         except Exception:  # an object weights_only refuses: we never run arbitrary pickles
             dropped.append(fqn)
-    with open(out, "xb") as f:
-        torch.save(state, f)
-        f.flush()
-        _fsync_file(f.fileno())
-    state.clear()
-    del view
+    return state

@@ -61,6 +61,7 @@ from ..format.entries import paused_gc
 from ..format.lazymeta import StateDictRecords
 from .flatten import flatten_plain, fresh_lists
 from .plan_items import metadata_index, read_item, tensor_write_item, write_item, zeros
+from .storable import check_storable
 
 __all__ = ["FastLoadPlanner", "FastSavePlanner"]
 
@@ -251,11 +252,14 @@ def _save_items(state_dict: dict[str, Any]) -> list[WriteItem]:
     props: dict[tuple[Any, ...], TensorProperties] = {}  # equal values, one object per kind of tensor
     for fqn, obj in state_dict.items():
         if type(obj) in _PLAIN:
+            check_storable(fqn, obj, None)  # a meta, sparse, nested... tensor: named, before any file is written
             items.append(tensor_write_item(fqn, obj, props))
         elif isinstance(obj, DTensor):
             if obj.device_mesh.get_coordinate() is not None:
                 items += _create_write_items(fqn, obj)
         else:
+            if isinstance(obj, torch.Tensor):  # a subclass (DCP's own path), still refused by name if unstorable
+                check_storable(fqn, obj, None)
             items += _create_write_items(fqn, obj)
     return items
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import CheckpointWriteError
+from ..errors import CheckpointError, CheckpointWriteError
 from ..format import layout as fmt
 from ..format.aliases import item_aliases
 from ..io.d2h import stage_to_host
@@ -31,6 +31,7 @@ from ..format.transforms import StreamTransforms
 from ..io.odirect import DirectWriter, open_direct
 from .encoded_shard import write_encoded_entries
 from .plan_items import write_result
+from .storable import check_storable
 
 __all__ = ["WriterOptions", "write_files", "write_shard", "chunk_nbytes"]
 
@@ -94,6 +95,7 @@ def write_files(directory: str, files: list[tuple[str, list[WriteItem]]], planne
     ``write_paths`` receives each finished file's write path. If any file fails, the files
     this call finished are removed again (no commit will name them) and the error is raised.
     """
+    planner = _Checked(planner, directory)  # type: ignore[assignment]
     try:
         if options.thread_count > 1 and len(files) > 1:
             with ThreadPoolExecutor(options.thread_count, thread_name_prefix="mmapckpt-write") as pool:
@@ -111,6 +113,31 @@ def write_files(directory: str, files: list[tuple[str, list[WriteItem]]], planne
             unlink_quietly(os.path.join(directory, name))
         raise
     return [r for rs in per_file for r in rs]
+
+
+class _Checked:
+    """``planner``, whose ``resolve_data`` refuses a tensor no checkpoint can hold (storable.py), naming it."""
+
+    def __init__(self, planner: SavePlanner, directory: str) -> None:
+        self._planner, self._directory = planner, directory
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        data = self._planner.resolve_data(item)
+        if isinstance(data, torch.Tensor):
+            check_storable(item.index.fqn, data, self._directory)
+        return data
+
+    def __getattr__(self, name: str) -> Any:  # the rest (tied-weight records, ...) is the planner's
+        return getattr(self._planner, name)
+
+
+def _dtype_name(it: WriteItem, dtype: torch.dtype, directory: str) -> str:
+    try:
+        return fmt.dtype_name(dtype)
+    except ValueError:
+        raise CheckpointWriteError(f"cannot save this tensor: it has dtype {dtype}, which the mmapckpt format "
+                                   "cannot store (docs/format.md, section 2.4)", path=directory,
+                                   entry=it.index.fqn) from None
 
 
 def _write_one(directory: str, f: tuple[str, list[WriteItem]], planner: SavePlanner, save_id: str,
@@ -139,7 +166,8 @@ def write_shard(directory: str, name: str, items: list[WriteItem], planner: Save
                 td = it.tensor_data
                 sizes, dtype = td.chunk.sizes, td.properties.dtype
                 specs.append(fmt.EntrySpec(it.index.fqn, tuple(td.chunk.offsets), fmt.KIND_TENSOR,
-                                           fmt.dtype_name(dtype), tuple(sizes), math.prod(sizes) * dtype.itemsize))
+                                           _dtype_name(it, dtype, directory), tuple(sizes),
+                                           math.prod(sizes) * dtype.itemsize))
         if options.transforms is not None:
             done = _write_encoded(tmp, items, byte_payloads, planner, options, save_id)
             os.replace(tmp, final)
@@ -165,13 +193,23 @@ def write_shard(directory: str, name: str, items: list[WriteItem], planner: Save
         finally:
             os.close(fd)
         os.replace(tmp, final)
-    except OSError as e:
+    except BaseException as e:
         unlink_quietly(tmp)
-        raise CheckpointWriteError(f"writing shard failed: {e}", path=final) from e
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
+        typed = _shard_error(e, final)
+        if typed is e:
+            raise
+        raise typed from e
     return _results(name, plan.entries, items), write_path
+
+
+def _shard_error(e: BaseException, final: str) -> BaseException:
+    """``e`` as a failed shard write reports it: a CheckpointWriteError naming the shard for an OSError or for
+    torch refusing a tensor's bytes; a CheckpointError (it names its entry) and anything else as it is."""
+    if isinstance(e, CheckpointError) or not isinstance(e, (OSError, RuntimeError, NotImplementedError, TypeError,
+                                                             ValueError)):
+        return e
+    what = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+    return CheckpointWriteError(f"writing shard failed: {what}", path=final)
 
 
 def _with_aliases(crcs: list[int], own: Any, alias_of: dict[int, int]) -> list[int]:

@@ -89,8 +89,18 @@ def _read_index(idx_path: str) -> dict[str, str]:
     return wm
 
 
+def _named_inside(path: str, name: str) -> str:
+    """``path/name``, refused (UnsafePathError) where it resolves outside ``path`` (io/files.py open_inside:
+    links into the ``blobs/`` of a Hugging Face hub cache snapshot are followed)."""
+    open_inside(path, name)
+    return os.path.join(path, os.path.normpath(name))
+
+
 def safetensors_files(path: str) -> tuple[dict[str, list[str] | None], str | None]:
-    """``({full path of each file: the names the index puts there, or None for all}, the index file)``.
+    """``({path of each file: the names the index puts there, or None for all}, the index file)``.
+
+    A directory's index, ``model.safetensors`` and the files the index names must resolve inside
+    the directory, or be links into the ``blobs/`` of the hub cache whose snapshot it is.
 
     Raises:
         CheckpointNotFoundError: a directory without an index or ``model.safetensors``.
@@ -103,10 +113,10 @@ def safetensors_files(path: str) -> tuple[dict[str, list[str] | None], str | Non
         single = os.path.join(path, SAFETENSORS_SINGLE)
         if not os.path.isfile(single):
             raise CheckpointNotFoundError(f"no {SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE} here", path=path)
-        return {single: None}, None
+        return {_named_inside(path, SAFETENSORS_SINGLE): None}, None
     files: dict[str, list[str] | None] = {}
-    for name, rel in _read_index(idx_path).items():
-        full = open_inside(path, rel)
+    for name, rel in _read_index(_named_inside(path, os.path.basename(idx_path))).items():
+        full = _named_inside(path, rel)
         if not os.path.isfile(full):
             raise CheckpointError("shard file named in the index is missing", path=full, entry=name)
         files.setdefault(full, []).append(name)  # type: ignore[union-attr]

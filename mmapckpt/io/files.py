@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from typing import Any
 
 from ..errors import CheckpointError, TruncatedFileError, UnsafePathError
 
 __all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "safe_relative_path", "open_inside",
-           "is_cached", "unlink_quietly", "refuse_url"]
+           "hub_blobs", "is_cached", "unlink_quietly", "refuse_url"]
 
 
 def fsync_dir(path: str) -> None:
@@ -92,12 +93,50 @@ def safe_relative_path(rel: str, where: str) -> str:
 
 
 def open_inside(directory: str, rel: str) -> str:
-    """The real path of ``rel`` inside ``directory``; refuse one that resolves outside (symlinks)."""
+    """The real path of ``rel`` inside ``directory``; refuse one that resolves outside (symlinks).
+
+    One exception: in a snapshot of a Hugging Face hub cache (:func:`hub_blobs`), a name that
+    stays inside ``directory`` may be a link into that repository's ``blobs/``, as the hub lays
+    them out. Links anywhere else outside (another repository's blobs, ``refs/``, out of the
+    cache) are refused, as is a name that itself leaves ``directory`` (``../../blobs/x``).
+    """
     root = os.path.realpath(directory)
     full = os.path.realpath(os.path.join(root, rel))
-    if os.path.commonpath([root, full]) != root:
-        raise UnsafePathError(f"{rel!r} resolves to {full}, outside the checkpoint directory", path=directory)
-    return full
+    if _within(root, full):
+        return full
+    blobs = hub_blobs(root)
+    if blobs is not None and _within(root, os.path.normpath(os.path.join(root, rel))) and _within(blobs, full):
+        return full
+    raise UnsafePathError(f"{rel!r} resolves to {full}, outside the checkpoint directory"
+                          + (f" and outside its hub cache's {blobs}" if blobs else ""), path=directory)
+
+
+def _within(root: str, path: str) -> bool:
+    return os.path.commonpath([root, path]) == root
+
+
+#: A repository of a Hugging Face hub cache: models--ORG--NAME (also datasets--, spaces--).
+_HUB_REPO = re.compile(r"(?:models|datasets|spaces)--.+")
+
+
+def hub_blobs(root: str) -> str | None:
+    """The ``blobs/`` of the Hugging Face hub cache repository whose snapshot holds ``root`` (a real path), or None.
+
+    ``snapshot_download`` lays a repository out as ``models--ORG--NAME/{blobs/HASH, refs/,
+    snapshots/REV/...}``, each snapshot file a relative link ``../../blobs/HASH``. ``root`` is
+    ``snapshots/REV`` or a directory below it. A file counts as in ``blobs`` by its real path,
+    so a ``blobs`` that is itself a link to elsewhere admits nothing.
+    """
+    p = root
+    while True:
+        parent = os.path.dirname(p)
+        if parent == p:
+            return None
+        if os.path.basename(parent) == "snapshots":
+            repo = os.path.dirname(parent)
+            blobs = os.path.join(repo, "blobs")
+            return blobs if _HUB_REPO.fullmatch(os.path.basename(repo)) and os.path.isdir(blobs) else None
+        p = parent
 
 
 def map_file(path: str, size: int) -> mmap.mmap | None:
