@@ -35,7 +35,7 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedVersionError,
 )
-from ..io.files import refuse_url
+from ..io.files import open_inside, refuse_url
 from . import layout as fmt
 from .entries import EntryInfo, paused_gc
 from .lazymeta import lazy_dcp
@@ -335,6 +335,7 @@ def find_metadata(path: str, rank: int | None = None) -> str:
     name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
     meta = os.path.join(path, name)
     if os.path.isfile(meta):
+        open_inside(path, name)  # a link out of the directory is refused, as for shards (hub caches excepted)
         return meta
     if not os.path.isdir(path):
         raise CheckpointNotFoundError("no checkpoint directory here", path=path)

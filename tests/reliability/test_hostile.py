@@ -291,6 +291,17 @@ def test_symlinked_shard_pointing_outside_is_refused(ckpt, tmp_path):
     assert outside.exists()
 
 
+def test_symlinked_metadata_pointing_outside_is_refused(ckpt, tmp_path):
+    outside = tmp_path / "elsewhere.metadata"
+    os.replace(os.path.join(ckpt, ".metadata"), outside)
+    os.symlink(outside, os.path.join(ckpt, ".metadata"))
+    _refused_everywhere(ckpt, UnsafePathError, at_metadata=True)
+    os.unlink(os.path.join(ckpt, ".metadata"))
+    os.replace(outside, os.path.join(ckpt, "meta.real"))
+    os.symlink("meta.real", os.path.join(ckpt, ".metadata"))  # a link that stays inside is followed
+    assert_tree_equal(dcp_load(_targets(), MmapReader(ckpt)), _state())
+
+
 def test_symlinked_shard_inside_the_directory_loads(ckpt):
     os.makedirs(os.path.join(ckpt, "data"))
     os.replace(os.path.join(ckpt, SHARD), os.path.join(ckpt, "data", "real"))
