@@ -1,15 +1,21 @@
-"""Shared test utilities: bitwise comparison and real multi-process gloo runs."""
+"""Shared test utilities: bitwise comparison, real multi-process gloo runs, and stopping the processes a test starts."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import io
 import json
 import os
+import signal
 import struct
+import subprocess
 import tempfile
+import traceback
+import weakref
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -46,30 +52,126 @@ def assert_tree_equal(a: Any, b: Any, what: str = "root") -> None:
         assert a == b, f"{what}: {a!r} != {b!r}"
 
 
-def _entry(rank: int, fn: Callable, world_size: int, init_file: str, args: tuple) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+# --------------------------------------------------------------------------- processes: ranks and children
+class RankFailed(Exception):
+    """A rank function raised; the message is its traceback (the exception itself is dropped, see _entry)."""
+
+
+def _entry(rank: int, fn: Callable, world_size: int, init_file: str, args: tuple, backend: str) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    failure = None
     try:
         fn(rank, world_size, *args)
         dist.barrier()
+    except BaseException:  # CheckpointException is a BaseException
+        # kept as text: the exception's frames hold the rank's meshes and tensors, hence its process groups
+        failure = traceback.format_exc()
+    try:
+        shutdown_process_groups()
     finally:
-        dist.destroy_process_group()
+        if failure is not None:
+            raise RankFailed(failure)
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` real gloo ranks (spawned processes).
+def shutdown_process_groups() -> None:
+    """Destroy this rank's process groups and check that none outlives the call.
+
+    A gloo group's worker threads must be joined while the interpreter still runs. One still
+    alive at exit may drop its last finished Work (whose tensors own Python objects) after
+    finalization began; Python then ends that thread with pthread_exit, whose unwinding through
+    the Work's destructor calls std::terminate ("terminate called without an active exception",
+    SIGABRT). ``destroy_process_group`` drops only torch's registries' references to a group.
+    A DeviceMesh holds its groups too (``_pg_registry``), and meshes live on: in DTensor's
+    caches (sharding propagation, redistribution plans, mesh topology, for the life of the
+    process) and in unreachable cycles (an exception's traceback holding the frame that holds a
+    mesh). So cycles are collected and every mesh left lets go of its groups first; whatever
+    still holds a group after that is a leak of the rank function, and fails the rank.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    groups = [weakref.ref(pg) for pg in dist.distributed_c10d._world.pg_map]
+    gc.collect()
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DeviceMesh):  # not isinstance: no __class__ lookup (a dead weakproxy raises)
+            obj._pg_registry.clear()  # a mesh is unusable once its groups are destroyed
+    dist.destroy_process_group()
+    alive = sum(r() is not None for r in groups)
+    if alive:
+        raise RuntimeError(f"{alive} process group(s) still referred to after destroy_process_group (a "
+                           "ShardedTensor or a group kept beyond the rank function?): their threads would run "
+                           "on into interpreter exit")
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` real ranks (spawned processes).
 
     ``fn`` must be a module-level function (it is pickled by reference). Any rank's
-    exception fails the call (torch.multiprocessing raises ProcessRaisedException).
+    exception fails the call (torch.multiprocessing raises ProcessRaisedException). Every
+    rank shuts its process groups down (``shutdown_process_groups``) before it exits, and
+    every rank still running when this call ends, also on a failure or a test timeout, is
+    killed by its pid. ``backend="nccl"`` gives rank r the CUDA device r.
     """
     fd, init_file = tempfile.mkstemp(prefix="mmapckpt-pg-")
     os.close(fd)
     os.unlink(init_file)  # the FileStore must start absent
+    context = None
     try:
-        mp.start_processes(_entry, args=(fn, world_size, init_file, args), nprocs=world_size,
-                           join=True, start_method="spawn")
+        context = mp.start_processes(_entry, args=(fn, world_size, init_file, args, backend), nprocs=world_size,
+                                     join=False, start_method="spawn")
+        while not context.join():
+            pass
     finally:
+        if context is not None:
+            stop_processes(context.processes)
         if os.path.exists(init_file):
             os.unlink(init_file)
+
+
+def _running(p: Any) -> bool:
+    """Whether ``p`` has not exited yet, or has exited and is not reaped: either way its pid is still its own."""
+    return p.poll() is None if isinstance(p, subprocess.Popen) else p.is_alive()
+
+
+def stop_processes(procs: Iterable[Any]) -> None:
+    """SIGKILL, by its pid, each of ``procs`` still running; then reap them all (and close their pipes).
+
+    For a test's ``finally``: passed or failed, no process it started outlives it. Takes
+    ``subprocess.Popen`` and ``multiprocessing.Process`` objects; an unstarted Process is skipped.
+    """
+    procs = [p for p in procs if p.pid is not None]
+    for p in procs:
+        if _running(p):  # not reaped yet, so the pid cannot belong to another process
+            os.kill(p.pid, signal.SIGKILL)
+    for p in procs:
+        if isinstance(p, subprocess.Popen):
+            p.wait()
+            for f in (p.stdin, p.stdout, p.stderr):
+                if f is not None:
+                    with contextlib.suppress(OSError):
+                        f.close()
+        else:
+            p.join()
+
+
+def close_fork_server(proc: subprocess.Popen, child: int | None) -> None:
+    """Stop a fork server (a process that forks one child per request and reaps it only when told) by pid.
+
+    ``child`` is a child it started and was not told to reap, or None: its pid cannot have been
+    reused, so it is killed first. Closing stdin then ends the server's loop; a server that does
+    not exit within 60 s is killed.
+    """
+    try:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+    finally:
+        stop_processes([proc])
 
 
 # --------------------------------------------------------------------------- single-process DCP (core tests)

@@ -56,9 +56,11 @@ def test_four_processes_share_one_copy(tmp_path):
     path = str(tmp_path / "ck")
     helpers.dcp_save(sd, mmapckpt.MmapWriter(path, sync_files=False))
     size = N_TENSORS * TENSOR_BYTES
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(N_PROCS)]
+    procs: list[subprocess.Popen] = []
     try:
+        for _ in range(N_PROCS):
+            procs.append(subprocess.Popen([sys.executable, "-c", _CHILD, path], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         for p in procs:
             _expect(p, "ready")
         before = [pss_bytes(p.pid) for p in procs]
@@ -72,12 +74,4 @@ def test_four_processes_share_one_copy(tmp_path):
         # One shared copy sums to ~size; private copies would sum to N_PROCS * size.
         assert 0.6 * size < grown < 1.5 * size, (grown, size)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.stdin.write("bye\n")
-                p.stdin.flush()
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        helpers.stop_processes(procs)

@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, tensor_bytes
+from helpers import assert_bitwise_equal, close_fork_server, tensor_bytes
 from safetensors.torch import load_file
 
 import mmapckpt
@@ -313,16 +313,18 @@ class Zygote:
     def __init__(self) -> None:
         self.p = subprocess.Popen([sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True)
+        self.child: int | None = None  # started and not yet reaped: its pid is still its own
 
     def run(self, argv: list[str], exchange: bool, delay: float | None) -> bool:
         """Run ``convert argv``; SIGKILL it after ``delay`` s. True if the kill landed before it ended."""
         assert self.p.stdin and self.p.stdout
         self.p.stdin.write(json.dumps({"argv": argv, "exchange": exchange}) + "\n")
         self.p.stdin.flush()
-        pid = int(self.p.stdout.readline())
+        pid = self.child = int(self.p.stdout.readline())
         if delay is not None:
             time.sleep(delay)
             os.kill(pid, 9)  # running or a zombie: the zygote reaps it only after the next line
+        self.child = None  # once told, the zygote may reap it and its pid may be reused
         self.p.stdin.write("reap\n")
         self.p.stdin.flush()
         status = int(self.p.stdout.readline())
@@ -330,9 +332,7 @@ class Zygote:
         return os.WIFSIGNALED(status)
 
     def close(self) -> None:
-        assert self.p.stdin
-        self.p.stdin.close()
-        self.p.wait(timeout=60)
+        close_fork_server(self.p, self.child)
 
 
 def _kill_trials(tmp_path, zygote: Zygote, kind: str, exchange: bool, trials: int, rng: random.Random) -> dict:

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 import helpers
@@ -37,46 +35,32 @@ def _full() -> dict[str, torch.Tensor]:
     return sd
 
 
-def _entry(rank: int, world: int, backend: str, init_file: str, path: str, out: str) -> None:
-    dev = rank if backend == "nccl" else 0
-    torch.cuda.set_device(dev)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        full, got = _full(), {}
-        targets = {k: torch.empty_like(v, device="cuda") for k, v in full.items()}
-        reader = MmapReader(path, read_once=True, read_once_piece_bytes=256 << 10)
-        dcp.load(targets, storage_reader=reader)
-        for k, v in full.items():
-            helpers.assert_bitwise_equal(targets[k].cpu(), v, k)
-        got["replicated"] = reader.bytes_read
-        mesh = init_device_mesh("cuda", (world,))
-        sharded = {k: distribute_tensor(torch.empty_like(v), mesh, [Shard(v.dim() - 1)], src_data_rank=None)
-                   for k, v in full.items()}
-        reader = MmapReader(path, read_once=True, read_once_min_share=0.0, read_once_piece_bytes=1000)
-        dcp.load(sharded, storage_reader=reader)
-        for k, v in full.items():
-            want = distribute_tensor(v.cuda(), mesh, [Shard(v.dim() - 1)], src_data_rank=None).to_local()
-            helpers.assert_bitwise_equal(sharded[k].to_local().cpu(), want.cpu(), k)
-        got["sharded"] = reader.bytes_read
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(got, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _ranks(rank: int, world: int, path: str, out: str) -> None:
+    full, got = _full(), {}
+    targets = {k: torch.empty_like(v, device="cuda") for k, v in full.items()}
+    reader = MmapReader(path, read_once=True, read_once_piece_bytes=256 << 10)
+    dcp.load(targets, storage_reader=reader)
+    for k, v in full.items():
+        helpers.assert_bitwise_equal(targets[k].cpu(), v, k)
+    got["replicated"] = reader.bytes_read
+    mesh = init_device_mesh("cuda", (world,))
+    sharded = {k: distribute_tensor(torch.empty_like(v), mesh, [Shard(v.dim() - 1)], src_data_rank=None)
+               for k, v in full.items()}
+    reader = MmapReader(path, read_once=True, read_once_min_share=0.0, read_once_piece_bytes=1000)
+    dcp.load(sharded, storage_reader=reader)
+    for k, v in full.items():
+        want = distribute_tensor(v.cuda(), mesh, [Shard(v.dim() - 1)], src_data_rank=None).to_local()
+        helpers.assert_bitwise_equal(sharded[k].to_local().cpu(), want.cpu(), k)
+    got["sharded"] = reader.bytes_read
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
 
 
 def _run(backend: str, tmp_path: Any) -> list[dict[str, int]]:
     path, out = str(tmp_path / "ck"), str(tmp_path / "out")
     os.makedirs(out)
     helpers.dcp_save(_full(), mmapckpt.MmapWriter(path))
-    fd, init_file = tempfile.mkstemp(prefix="mmapckpt-pg-")
-    os.close(fd)
-    os.unlink(init_file)
-    try:
-        mp.start_processes(_entry, args=(2, backend, init_file, path, out), nprocs=2, join=True, start_method="spawn")
-    finally:
-        if os.path.exists(init_file):
-            os.unlink(init_file)
+    helpers.run_distributed(_ranks, 2, path, out, backend=backend)  # nccl: rank r on device r; gloo: both on device 0
     stored = sum(i.length for i in MmapReader(path).read_metadata().storage_data.values())
     res = []
     for r in range(2):

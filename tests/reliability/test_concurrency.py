@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import assert_tree_equal, dcp_failure, dcp_load, dcp_save, tensor_bytes
+from helpers import assert_tree_equal, dcp_failure, dcp_load, dcp_save, stop_processes, tensor_bytes
 from test_crash import make_state
 
 import mmapckpt
@@ -73,11 +73,14 @@ def test_eight_processes_load_the_same_checkpoint_at_once(tmp_path):
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(N_PROCS), ctx.Queue()
     procs = [ctx.Process(target=_proc_reader, args=(path, barrier, out)) for _ in range(N_PROCS)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(timeout=120)
+    try:
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join(timeout=120)
+    finally:
+        stop_processes(procs)
     assert [p.exitcode for p in procs] == [0] * N_PROCS
     assert all(r == want for r in results), "a concurrent reader process got different bytes"
 
@@ -176,8 +179,11 @@ def reader_loop(path: str, versions: list[int], writer_pid: int) -> None:
 def _run_reader(path: str, versions: list[int], writer: subprocess.Popen) -> dict[str, int]:
     code = f"import sys; sys.path[:0] = [{TESTS!r}, {TESTS_ROOT!r}]; import test_concurrency as t; " \
            f"t.reader_loop(sys.argv[1], {versions!r}, {writer.pid})"
-    r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=600)
-    out, err = writer.communicate(timeout=600)
+    try:
+        r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=600)
+        out, err = writer.communicate(timeout=600)
+    finally:
+        stop_processes([writer])
     assert writer.returncode == 0 and "WROTE" in out, err[-3000:]
     assert r.returncode == 0, f"reader exit {r.returncode} (-7 is SIGBUS)\n{r.stderr[-4000:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])

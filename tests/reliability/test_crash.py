@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import dcp_failure, dcp_load, tensor_bytes
+from helpers import close_fork_server, dcp_failure, dcp_load, tensor_bytes
 
 import mmapckpt
 from mmapckpt import CheckpointNotFoundError, IncompleteCheckpointError, MmapReader
@@ -180,6 +180,7 @@ class _Saver:
         code = f"import sys; sys.path[:0] = [{TESTS!r}, {TESTS_ROOT!r}]; import test_crash; test_crash.server_main()"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1)
+        self.child: int | None = None  # started and not yet reaped: its pid is still its own
 
     def _line(self) -> str:
         assert self.proc.stdout is not None
@@ -194,7 +195,8 @@ class _Saver:
         self.proc.stdin.flush()
         tag, pid = self._line().split()
         assert tag == "PID", tag
-        return int(pid)
+        self.child = int(pid)
+        return self.child
 
     def wait_ready(self) -> None:
         line = self._line()
@@ -203,6 +205,7 @@ class _Saver:
     def finish(self) -> tuple[int, dict[str, Any] | None]:
         """Read up to ``EXIT``; return the exit code and the DONE record, if the save finished."""
         assert self.proc.stdin is not None
+        self.child = None  # once told, the server may reap it and its pid may be reused
         self.proc.stdin.write("reap\n")
         self.proc.stdin.flush()
         done = None
@@ -228,9 +231,7 @@ class _Saver:
         return done
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        close_fork_server(self.proc, self.child)
 
 
 @pytest.fixture(scope="module")

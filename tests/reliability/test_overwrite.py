@@ -47,7 +47,7 @@ import mmapckpt
 from mmapckpt import CheckpointWriteError, MmapReader, MmapWriter
 
 import overwrite_child as oc
-from helpers import dcp_failure
+from helpers import close_fork_server, dcp_failure, stop_processes
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TESTS_ROOT = os.path.dirname(TESTS)
@@ -238,6 +238,7 @@ class Server:
                 "overwrite_child.server_main()")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1)
+        self.child: int | None = None  # started and not yet reaped: its pid is still its own
 
     def line(self) -> str:
         assert self.proc.stdout is not None
@@ -251,7 +252,8 @@ class Server:
         self.proc.stdin.flush()
         tag, pid = self.line().split()
         assert tag == "PID", tag
-        return int(pid)
+        self.child = int(pid)
+        return self.child
 
     def expect(self, want: str) -> None:
         line = self.line()
@@ -260,6 +262,7 @@ class Server:
     def finish(self) -> tuple[int, dict[str, Any] | None]:
         """Reap the child; its exit code (negative: the signal) and its DONE record."""
         assert self.proc.stdin is not None
+        self.child = None  # once told, the server may reap it and its pid may be reused
         self.proc.stdin.write("reap\n")
         self.proc.stdin.flush()
         done = None
@@ -277,9 +280,7 @@ class Server:
         return done
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        close_fork_server(self.proc, self.child)
 
 
 @pytest.fixture(scope="module")
@@ -724,10 +725,7 @@ def _spawn_ranks(tmp_path, mode: str, victim: int, world: int = 2) -> tuple[str,
         hung = [i for i, p in enumerate(procs) if p.is_alive()]
         assert not hung, f"ranks {hung} still running after 240 s (a hung collective)"
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        stop_processes(procs)
         if os.path.exists(init_file):
             os.unlink(init_file)
     results = []
