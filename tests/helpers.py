@@ -377,3 +377,41 @@ def save_chunked(sd: dict[str, torch.Tensor], layouts: dict[str, list[Chunk]], w
     import torch.distributed.checkpoint as dcp
 
     dcp.save(sd, storage_writer=writer, planner=chunk_planner(layouts), no_dist=True)
+
+
+# --------------------------------------------------------------------------- files that are not the checkpoint's
+#: a user's own files beside a checkpoint (configs, notes), which no save or conversion may touch
+FOREIGN = {"config.json": b'{"model_type": "llama"}', "notes.txt": b"run 7\n"}
+
+
+def add_foreign(d: str) -> None:
+    """Put :data:`FOREIGN`'s files into directory ``d``."""
+    for name, data in FOREIGN.items():
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+
+
+def foreign_kept(d: str) -> bool:
+    """Whether :data:`FOREIGN`'s files are in ``d``, byte for byte."""
+    return all(open(os.path.join(d, n), "rb").read() == data for n, data in FOREIGN.items())
+
+
+# --------------------------------------------------------------------------- small filesystems (full-disk tests)
+@contextlib.contextmanager
+def mounted(argv: list[str], d: str, what: str) -> Any:
+    """Run the ``mount`` command ``argv`` (which mounts at ``d``), yield ``d``, then unmount it (lazily if
+    busy). Skips the test where mounting fails (no root, no mount rights)."""
+    import pytest
+
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot mount a {what}: {e}")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a {what}: {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        gc.collect()  # drop mappings of files on it
+        if subprocess.run(["umount", d], capture_output=True, timeout=60).returncode != 0:
+            subprocess.run(["umount", "-l", d], capture_output=True, timeout=60)

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import tensor_bytes
+from helpers import add_foreign, foreign_kept, tensor_bytes
 from safetensors.torch import load_file
 
 import mmapckpt
@@ -22,7 +22,6 @@ from mmapckpt import CheckpointExistsError, CheckpointWriteError, ConversionWarn
 from mmapckpt.io import replace
 from mmapckpt.tools.cli import main
 
-FOREIGN = {"config.json": b'{"model_type": "llama"}', "notes.txt": b"run 7\n"}
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -54,16 +53,6 @@ def read(path: str) -> dict[str, torch.Tensor]:
 def holds(path: str, want: dict[str, torch.Tensor]) -> bool:
     got = read(path)
     return set(got) == set(want) and all(tensor_bytes(got[k]) == tensor_bytes(want[k]) for k in want)
-
-
-def add_foreign(d: str) -> None:
-    for name, data in FOREIGN.items():
-        with open(os.path.join(d, name), "wb") as f:
-            f.write(data)
-
-
-def foreign_kept(d: str) -> bool:
-    return all(open(os.path.join(d, n), "rb").read() == data for n, data in FOREIGN.items())
 
 
 def hidden(directory: str) -> list[str]:

@@ -19,14 +19,13 @@ import textwrap
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import dcp_failure, tensor_bytes
+from helpers import add_foreign, dcp_failure, foreign_kept, tensor_bytes
 
 import mmapckpt
 from mmapckpt import CheckpointWriteError, MmapWriter, convert
 from mmapckpt.dcp import commit
 from mmapckpt.tools.cli import main
 
-FOREIGN = {"config.json": b'{"model_type": "llama"}', "notes.txt": b"run 7\n"}
 
 _CHILD = textwrap.dedent("""
     import importlib, json, os, sys, warnings
@@ -113,16 +112,6 @@ def holds(path: str, want: dict[str, torch.Tensor]) -> bool:
 def hidden_siblings(path: str) -> list[str]:
     parent, base = os.path.split(os.path.abspath(path))
     return sorted(n for n in os.listdir(parent) if n.startswith(f".{base}."))
-
-
-def add_foreign(d: str) -> None:
-    for name, data in FOREIGN.items():
-        with open(os.path.join(d, name), "wb") as f:
-            f.write(data)
-
-
-def foreign_kept(d: str) -> bool:
-    return all(open(os.path.join(d, n), "rb").read() == data for n, data in FOREIGN.items())
 
 
 def _setup(tmp_path) -> tuple[str, str]:

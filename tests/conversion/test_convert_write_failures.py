@@ -14,7 +14,6 @@ RuntimeError ("unexpected pos ...", the errno lost). Also: a dtype the target fo
 from __future__ import annotations
 
 import errno
-import gc
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import tensor_bytes
+from helpers import mounted, tensor_bytes
 
 import mmapckpt
 from mmapckpt import CheckpointError, CheckpointWriteError, convert
@@ -114,19 +113,8 @@ def small_disk(tmp_path):
     """A 16 MiB tmpfs (root and mount rights; skipped where mounting fails)."""
     d = str(tmp_path / "disk")
     os.makedirs(d)
-    try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", d], capture_output=True, text=True,
-                           timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot mount a tmpfs: {e}")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
-    try:
+    with mounted(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", d], d, "tmpfs"):
         yield d
-    finally:
-        gc.collect()  # drop mappings of files on it
-        if subprocess.run(["umount", d], capture_output=True, timeout=60).returncode != 0:
-            subprocess.run(["umount", "-l", d], capture_output=True, timeout=60)
 
 
 def _read(path: str) -> dict[str, torch.Tensor]:

@@ -47,7 +47,7 @@ import mmapckpt
 from mmapckpt import CheckpointWriteError, MmapReader, MmapWriter
 
 import overwrite_child as oc
-from helpers import close_fork_server, dcp_failure, stop_processes
+from helpers import close_fork_server, dcp_failure, mounted, stop_processes
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TESTS_ROOT = os.path.dirname(TESTS)
@@ -672,18 +672,8 @@ def small_fs(request, tmp_path) -> Iterator[str]:
         if r is None or r.returncode != 0:
             pytest.skip(f"cannot make an ext4 image: {r.stderr.strip() if r else 'no mkfs.ext4'}")
         argv = ["mount", "-o", "loop", img, d]
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot mount a {request.param}: {e}")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a {request.param}: {r.stderr.strip()}")
-    try:
+    with mounted(argv, d, request.param):
         yield d
-    finally:
-        gc.collect()  # drop mappings of files on it
-        if subprocess.run(["umount", d], capture_output=True, timeout=60).returncode != 0:
-            subprocess.run(["umount", "-l", d], capture_output=True, timeout=60)
 
 
 @pytest.mark.parametrize("api", ["dcp", "save"])
