@@ -29,6 +29,8 @@ __all__ = ["save"]
 class _Tensors(SavePlanner):
     """The writer asks the planner for each item's data: here, the tensor itself."""
 
+    mmapckpt_storable_checked = True  # dcp/storable.py CHECKED_ATTR: _check_plain checked every tensor
+
     def __init__(self, tensors: Mapping[str, torch.Tensor], aliases: dict[MetadataIndex, MetadataIndex]) -> None:
         self.tensors = tensors
         self.mmapckpt_aliases = aliases  # format/aliases.py ALIASES_ATTR: tied weights, stored once

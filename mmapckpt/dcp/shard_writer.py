@@ -31,7 +31,7 @@ from ..format.transforms import StreamTransforms
 from ..io.odirect import DirectWriter, open_direct
 from .encoded_shard import write_encoded_entries
 from .plan_items import write_result
-from .storable import check_storable
+from .storable import CHECKED_ATTR, check_storable
 
 __all__ = ["WriterOptions", "write_files", "write_shard", "chunk_nbytes"]
 
@@ -95,7 +95,8 @@ def write_files(directory: str, files: list[tuple[str, list[WriteItem]]], planne
     ``write_paths`` receives each finished file's write path. If any file fails, the files
     this call finished are removed again (no commit will name them) and the error is raised.
     """
-    planner = _Checked(planner, directory)  # type: ignore[assignment]
+    if not getattr(planner, CHECKED_ATTR, False):
+        planner = _Checked(planner, directory)  # type: ignore[assignment]
     try:
         if options.thread_count > 1 and len(files) > 1:
             with ThreadPoolExecutor(options.thread_count, thread_name_prefix="mmapckpt-write") as pool:

@@ -14,7 +14,12 @@ import torch
 from ..errors import CheckpointWriteError
 from ..format.dtypes import DTYPES
 
-__all__ = ["unstorable", "check_storable"]
+__all__ = ["CHECKED_ATTR", "unstorable", "check_storable"]
+
+#: A SavePlanner attribute: True where every tensor its ``resolve_data`` returns was checked by
+#: :func:`check_storable` already (``mmapckpt.save`` checks all of them before it writes), so
+#: that the shard writer does not check each one again.
+CHECKED_ATTR = "mmapckpt_storable_checked"
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _FORMAT_DTYPES = frozenset(dt for dt, _ in DTYPES.values())

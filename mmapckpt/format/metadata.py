@@ -41,7 +41,7 @@ from .entries import EntryInfo, paused_gc
 from .lazymeta import lazy_dcp
 from .metaindex import InvalidMetadata, MetaIndex, index_doc, to_dcp
 from .metatable import encode_planner_data, encode_table, index_table, planner_paths
-from .stockmeta import decode_stock, stock_index
+from .stockmeta import decode_stock, decode_stock_index
 
 __all__ = [
     "METADATA_NAME",
@@ -301,8 +301,8 @@ def read_index_file(path: str | os.PathLike[str]) -> tuple[str, Mapping[str, Ent
     p, kind, data = _read(path)
     if kind == KIND_MMAPCKPT:
         return (kind, *_decoding(data, p, lambda ix: (ix.entries, ix.save_id), entries_only=True))
-    md = decode_stock(data, p)
-    return kind, stock_index(md, p), getattr(md.storage_meta, "save_id", None)
+    md, entries = decode_stock_index(data, p)  # the index the check was made through, not built again
+    return kind, entries, getattr(md.storage_meta, "save_id", None)
 
 
 def read_user_metadata(metadata_file_path: str | os.PathLike[str]) -> dict[str, str] | None:

@@ -33,7 +33,7 @@ from . import layout as fmt
 from .entries import ChunkInfo, EntryInfo
 from .tiling import check_entries
 
-__all__ = ["decode_stock", "stock_index"]
+__all__ = ["decode_stock", "decode_stock_index", "stock_index"]
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:
@@ -99,6 +99,12 @@ def _prescan(data: bytes, path: str) -> None:
 
 
 def decode_stock(data: bytes, path: str) -> Metadata:
+    """Checked stock DCP ``Metadata`` from a ``.metadata`` pickle's bytes; every defect raises FormatError."""
+    return decode_stock_index(data, path)[0]
+
+
+def decode_stock_index(data: bytes, path: str) -> tuple[Metadata, dict[str, EntryInfo]]:
+    """As :func:`decode_stock`, with the index of entries it was checked through (:func:`stock_index`)."""
     _prescan(data, path)
     try:
         md = _RestrictedUnpickler(io.BytesIO(data)).load()
@@ -110,8 +116,9 @@ def decode_stock(data: bytes, path: str) -> Metadata:
         _check_stock(md, path)
     except (AttributeError, TypeError) as e:  # objects built by the pickle with odd fields
         raise FormatError(f"stock DCP metadata has malformed objects: {type(e).__name__}: {e}", path=path) from None
-    check_entries(stock_index(md, path).values(), path)  # as every mmapckpt index is checked (format/tiling.py)
-    return md
+    entries = stock_index(md, path)
+    check_entries(entries.values(), path)  # as every mmapckpt index is checked (format/tiling.py)
+    return md, entries
 
 
 _MISSING = object()

@@ -142,3 +142,18 @@ def test_any_other_failure_to_take_a_tensors_bytes_is_a_checkpoint_write_error(t
     assert "could not produce this tensor" in str(err) and err.path.startswith(os.path.join(old, "__0_0"))
     del info, err
     _unchanged(old, sd, names)
+
+
+def test_mmapckpt_save_checks_each_tensor_once(monkeypatch, tmp_path):
+    """mmapckpt.save checks every tensor before it writes (above) and tells the shard writer so, which
+    then does not check them again; dcp.save's planners get the writer's check."""
+    from mmapckpt.dcp import storable
+
+    calls: list[str] = []
+    real = storable.unstorable
+    monkeypatch.setattr(storable, "unstorable", lambda t: calls.append("x") or real(t))
+    mmapckpt.save({"a": torch.ones(2), "b": torch.zeros(3)}, tmp_path / "c")
+    assert len(calls) == 2
+    calls.clear()
+    dcp.save({"a": torch.ones(2), "b": torch.zeros(3)}, storage_writer=MmapWriter(tmp_path / "d"), no_dist=True)
+    assert len(calls) == 2  # the writer's check, through DCP's default planner
