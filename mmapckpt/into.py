@@ -18,7 +18,8 @@ import torch
 
 from .errors import SizeMismatchError
 from .format.entries import EntryInfo, paused_gc
-from .format.stager import chunk_stager
+from .reading.regions import read_tensor
+from .reading.stager import chunk_stager
 from .io.direct_reads import DirectReads
 from .io.staging import (
     DEFAULT_STAGING_BUFFERS,
@@ -77,7 +78,7 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
         missing = [n for n in targets if n not in ckpt]
         if missing and strict:
             raise KeyError(f"not in the checkpoint at {ckpt.path}: {sorted(missing)[:20]}")
-        plan = [(n, t, ckpt._tensor_info(n)) for n, t in targets.items() if n in ckpt]
+        plan = [(n, t, ckpt.tensor_info(n)) for n, t in targets.items() if n in ckpt]
         for name, t, info in plan:
             if tuple(t.shape) != info.shape:
                 raise SizeMismatchError(f"stored tensor is {list(info.shape or ())} but the target is {list(t.shape)}",
@@ -93,7 +94,7 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
 
 
 def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]]) -> None:
-    files = ckpt._open_files()
+    files = ckpt.backend
     ranges: dict[str, tuple[Any, list[tuple[int, int]]]] = {}
     direct: set[str] = set()  # names whose one chunk is a view over a mapped file: read with preadv
     for name, _, info in plan:
@@ -108,7 +109,7 @@ def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]])
             c = info.whole
             reader = readers.get(c.file) if c is not None and name in direct else None
             if reader is None:
-                t.copy_(ckpt._tensor(info))  # assembled from its chunks, or a stock item
+                t.copy_(read_tensor(files, info))  # assembled from its chunks, or a stock item
                 continue
             src = files.chunk(info, c)
             if not reader.take(src, t.detach(), name, name):
@@ -130,7 +131,7 @@ def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, Entr
     for device, items in by_device.items():
         pool = StagingPool(device, staging_bytes=staging_bytes, staging_buffers=staging_buffers)
         try:
-            with pool, chunk_stager(ckpt._open_files(), [info for _, _, info in items]) as stage_chunk:
+            with pool, chunk_stager(ckpt.backend, [info for _, _, info in items]) as stage_chunk:
                 for name, t, info in items:
                     for c in info.chunks:
                         region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))

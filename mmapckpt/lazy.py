@@ -11,8 +11,9 @@ Tensors stored as several chunks (saved from several ranks) are assembled into o
 new tensor; slices read only the chunks and pages they need. Stock DCP items are
 read with ``torch.load(weights_only=True)``, one whole item at a time.
 
-The formats differ only in their chunk backend (``format/chunks.py`` ``ChunkFiles``,
-``format/safetensors.py`` ``SafetensorsFiles``, ``format/torchfile.py`` ``TorchFiles``).
+The formats differ only in their chunk backend (``reading/backend.py``: ``reading/chunks.py``
+``ChunkFiles``, ``reading/safetensors_files.py`` ``SafetensorsFiles``, ``reading/torchfile.py``
+``TorchFiles``).
 Inside this package ``open`` names the checkpoint opener, so no module may
 ``from .lazy import *``.
 """
@@ -28,11 +29,11 @@ import torch
 
 from .errors import CheckpointError, FormatError
 from .format.aliases import shared_names
-from .format.chunks import ChunkInfo, EntryInfo
-from .format.entries import paused_gc
-from .format.locate import open_backend
-from .format.regions import copy_selection, normalize_index
-from .format.stager import chunk_stager
+from .format.entries import ChunkInfo, EntryInfo, paused_gc
+from .reading.backend import ChunkBackend
+from .reading.locate import open_backend
+from .reading.regions import normalize_index, read_selection, read_tensor
+from .reading.stager import chunk_stager
 from .io.staging import StagingPool, check_device, staging_options
 
 __all__ = ["open", "load", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
@@ -68,8 +69,8 @@ class TensorSlice:
     def __getitem__(self, index: Any) -> torch.Tensor:
         """A new tensor holding ``full_tensor[index]``, read from only the chunks and pages it needs."""
         sel, out_shape = normalize_index(index, self.shape)
-        t = self._ckpt._assemble(self._info, sel).view(out_shape)
-        return t if self._ckpt._to is None else t.to(self._ckpt._to)
+        t = read_selection(self._ckpt.backend, self._info, sel).view(out_shape)
+        return t if self._ckpt.device.type == "cpu" else t.to(self._ckpt.device)
 
 
 _FRAMEWORKS = ("pt", "torch")
@@ -99,7 +100,7 @@ class LazyCheckpoint:
         self.path = os.fspath(path)
         opened = open_backend(self.path, verify=verify)
         self.kind, self._entries, self._user_metadata = opened.kind, opened.entries, opened.user_metadata
-        self._files: Any = opened.files
+        self._files: ChunkBackend | None = opened.files
 
     # ------------------------------------------------------------------ safe_open-like surface
     def __enter__(self) -> LazyCheckpoint:
@@ -109,8 +110,10 @@ class LazyCheckpoint:
         self.close()
 
     def close(self) -> None:
-        """Forget the shard mappings. Tensors already returned keep theirs alive and stay valid."""
-        self._files = None
+        """Release the files. Tensors already returned keep their mappings alive and stay valid."""
+        files, self._files = self._files, None
+        if files is not None:
+            files.close()
 
     def keys(self) -> list[str]:
         """Every entry's fully-qualified name (tensors and objects), in the metadata's order."""
@@ -159,12 +162,12 @@ class LazyCheckpoint:
             KeyError: no such name.
             CheckpointError: ``name`` is not a tensor, or its stored bytes are inconsistent.
         """
-        t = self._tensor(self._tensor_info(name))
+        t = read_tensor(self.backend, self.tensor_info(name))
         return t if self._to is None else t.to(self._to)
 
     def get_slice(self, name: str) -> TensorSlice:
         """A sliceable proxy for ``name``: ``get_slice(name)[2:, ::3]`` reads only what it needs."""
-        return TensorSlice(self, self._tensor_info(name))
+        return TensorSlice(self, self.tensor_info(name))
 
     def get_object(self, name: str, *, allow_unpickle: bool = False) -> Any:
         """The non-tensor value stored under ``name``.
@@ -180,44 +183,42 @@ class LazyCheckpoint:
         info = self.info(name)
         if info.kind != "object":
             raise CheckpointError("entry is a tensor; use get_tensor()", path=self.path, entry=name)
-        if not self._open_files().pickled_objects:
-            return self._files.object_value(info)
+        if not self.backend.pickled_objects:
+            return self.backend.object_value(info)
         if not allow_unpickle:
             raise CheckpointError("entry is a pickled non-tensor value; loading it can run code from the file. "
                                   "Pass allow_unpickle=True if you trust this checkpoint", path=self.path, entry=name)
-        data = self._open_files().object_bytes(info)
+        data = self.backend.object_bytes(info)
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
         except Exception as e:
             raise FormatError(f"object could not be unpickled: {type(e).__name__}: {e}", path=self.path,
                               entry=name) from None
 
-    # ------------------------------------------------------------------ internals
-    def _open_files(self) -> Any:
+    @property
+    def backend(self) -> ChunkBackend:
+        """The open checkpoint's chunk backend (``reading/backend.py``): what the loaders read chunks through.
+
+        Raises:
+            ValueError: the handle is closed.
+        """
         if self._files is None:
             raise ValueError(f"I/O operation on a closed checkpoint handle ({self.path})")
         return self._files
 
-    def _tensor_info(self, name: str) -> EntryInfo:
+    def tensor_info(self, name: str) -> EntryInfo:
+        """:meth:`info` of a tensor entry.
+
+        Raises:
+            KeyError: no such name.
+            CheckpointError: ``name`` holds a non-tensor value.
+        """
         info = self.info(name)
         if info.kind != "tensor":
             raise CheckpointError("entry is a pickled non-tensor value, not a tensor; use "
                                   "get_object(name, allow_unpickle=True) if you trust this checkpoint",
                                   path=self.path, entry=name)
         return info
-
-    def _tensor(self, info: EntryInfo) -> torch.Tensor:
-        c = info.whole
-        if c is not None:  # a view, or a stock item loaded whole
-            return self._open_files().chunk(info, c)
-        return self._assemble(info, [(0, 1, s) for s in info.shape or ()])
-
-    def _assemble(self, info: EntryInfo, sel: list[tuple[int, int, int]]) -> torch.Tensor:
-        """A new tensor holding the selection (start, step, count per dim) across all chunks."""
-        files = self._open_files()  # the chunks tile the tensor: the index was checked (format/tiling.py)
-        out = copy_selection(files, info, sel)
-        files.check_unchanged(info.chunks)
-        return out
 
 
 def open(path: str | os.PathLike[str], framework: str = "pt", device: str | torch.device = "cpu", *,
@@ -321,21 +322,21 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         names, explicit = _select(ckpt.keys(), keys, ckpt.path)
         objects = [n for n in names if ckpt.info(n).kind == "object"]
         if objects and explicit and not allow_unpickle:
-            if ckpt._open_files().pickled_objects:
+            if ckpt.backend.pickled_objects:
                 ckpt.get_object(objects[0])  # raises the explanatory CheckpointError
             raise CheckpointError("entry is a non-tensor value: pass allow_unpickle=True to include such values",
                                   path=ckpt.path, entry=objects[0])
         out: dict[str, Any] = {}
         tensors = [n for n in names if ckpt.info(n).kind == "tensor"]
         if prefetch:
-            files = ckpt._open_files()
+            files = ckpt.backend
             for n in tensors:
                 for c in ckpt.info(n).chunks:
                     files.advise(c, mmap.MADV_WILLNEED)
         if device.type == "cpu":
             with paused_gc():
                 for n in tensors:
-                    out[n] = ckpt._tensor(ckpt._entries[n])
+                    out[n] = read_tensor(ckpt.backend, ckpt.info(n))
         else:
             with StagingPool(device, staging_bytes=nbytes, staging_buffers=count) as pool:
                 out.update(_load_to_device(ckpt, tensors, pool))
@@ -355,7 +356,7 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
 def _load_to_device(ckpt: LazyCheckpoint, names: list[str], pool: StagingPool) -> dict[str, torch.Tensor]:
     """Every chunk through the staging pool into one device tensor per name (read from the files, format/stager.py)."""
     out: dict[str, torch.Tensor] = {}
-    with chunk_stager(ckpt._open_files(), [ckpt.info(n) for n in names]) as stage_chunk:
+    with chunk_stager(ckpt.backend, [ckpt.info(n) for n in names]) as stage_chunk:
         for n in names:
             info = ckpt.info(n)
             t = torch.empty(info.shape or (), dtype=info.dtype, device=pool.device)

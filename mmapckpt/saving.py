@@ -96,7 +96,7 @@ def _steps(writer: MmapWriter, tensors: dict[str, torch.Tensor]) -> None:
         metadata = Metadata(state_dict_metadata=sdm, planner_data={fqn: (fqn,) for fqn in tensors})
         writer.finish(metadata, [results])
     finally:
-        writer._release()  # the save lock, also when a step failed (finish releases it otherwise)
+        writer.release()  # the save lock, also when a step failed (finish releases it otherwise)
 
 
 def _items(tensors: dict[str, torch.Tensor]) -> tuple[list[WriteItem], dict[str, TensorStorageMetadata]]:

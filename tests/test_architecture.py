@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = Path(mmapckpt.__file__).parent
 LINT = shutil.which("lint-imports") or os.path.join(os.path.dirname(sys.executable), "lint-imports")
 
-#: "about 400 lines a module, about 150 a class" (docs/design.md); a little slack, no more.
-MAX_MODULE_LINES = 400
-MAX_CLASS_LINES = 150
+#: docs/design.md: modules are split where their ideas split; a module near 500 lines or a class near 200 is a
+#: question to ask (does it hold two ideas?), and past these it is a failure.
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 200
 
 
 def _lint(cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -40,6 +41,8 @@ def test_import_contracts_are_kept() -> None:
     ("format/entries.py", "from ..dcp import reader as _upward", "Wings import only the wings below them"),
     ("conversion/sources.py", "from .sinks import raw_bytes as _sideways", "The conversion wing"),
     ("bench/demo.py", "from ..conversion import driver as _sideways", "do not know each other"),
+    ("format/dtypes.py", "from ..io import files as _opens_files", "The format defines bytes"),
+    ("storage/base.py", "from ..reading import shard as _upward", "Wings import only the wings below them"),
 ])
 def test_an_import_against_the_layering_breaks_a_contract(tmp_path: Path, module: str, line: str,
                                                           contract: str) -> None:

@@ -82,7 +82,7 @@ def measure_layout(path: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...
                    repeats: int) -> dict[str, float]:
     """Seconds of the decode, the decode without the checks, and the tiling check alone."""
     from ..format import metatable
-    from ..format.metadata import read_index_file
+    from ..storage.commits import read_index_file
     from ..format.tiling import tiling_problem
 
     def unchecked() -> object:
@@ -95,7 +95,7 @@ def measure_layout(path: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...
 
 def _bulk(path: str, repeats: int) -> dict[str, float]:
     from ..format import metabulk
-    from ..format.metadata import read_index_file
+    from ..storage.commits import read_index_file
 
     def unchecked() -> object:
         with _patched(metabulk, "_disjoint", lambda *a: True):

@@ -56,7 +56,8 @@ def operations(ck: str, st: str) -> dict[str, Callable[[], object]]:
     """The operations compared, by name (``safetensors`` is the reference)."""
     from safetensors import safe_open
 
-    from ..format.metadata import _META_PRE, METADATA_NAME, read_index_file, read_metadata_file
+    from ..format.metadata import _META_PRE, METADATA_NAME
+    from ..storage.commits import read_index_file, read_metadata_file
     from ..lazy import open as open_ckpt
 
     meta = os.path.join(ck, METADATA_NAME)

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointError, CheckpointWriteError
-from ..format.locate import FORMATS, SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from ..reading.locate import FORMATS, SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..format.safetensors import SAFETENSORS_DTYPES
 
 __all__ = ["FORMATS", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "SAFETENSORS_SINGLE", "SINGLE_FILE", "Source", "label",

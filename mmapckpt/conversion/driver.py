@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..dcp.commit import SaveLock
+from ..storage.lock import SaveLock
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError
 from ..io.files import fsync_dir, refuse_url
 from ..io.progress import Progress
@@ -104,7 +104,7 @@ def _through_link(path: str) -> str:
 
 @contextlib.contextmanager
 def _directory_locks() -> Iterator[Callable[[str], None]]:
-    """``lock(path)`` takes the save lock (dcp/commit.py SaveLock) of the directory ``path`` until the block ends.
+    """``lock(path)`` takes the save lock (storage/lock.py SaveLock) of the directory ``path`` until the block ends.
 
     A conversion holds it on the directory it replaces and on the new one it swaps in, so that
     no save commits into either while the conversion writes and replaces; a save or conversion

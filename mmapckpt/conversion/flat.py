@@ -26,9 +26,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..format.locate import SAFETENSORS_SINGLE
-from ..format.safetensors import SafetensorsFile, entry_infos
-from ..format.torchfile import flat_torch_file
+from ..reading.locate import SAFETENSORS_SINGLE
+from ..format.safetensors import entry_infos
+from ..reading.safetensors_files import SafetensorsFile
+from ..reading.torchfile import flat_torch_file
 from .common import SINGLE_FILE, Source
 
 __all__ = ["SafetensorsSource", "TorchSource"]

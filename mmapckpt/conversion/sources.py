@@ -1,21 +1,23 @@
-"""Conversion sources for DCP checkpoint directories: mmapckpt shards and stock ``torch.save`` items."""
+"""Conversion sources for DCP checkpoint directories: mmapckpt shards and stock ``torch.save`` items, read through
+the checkpoint's storage (storage/base.py)."""
 
 from __future__ import annotations
 
 import io
-import os
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from ..errors import FormatError, IncompleteCheckpointError, TruncatedFileError
+from ..errors import FormatError, IncompleteCheckpointError
 from ..format import layout as fmt
-from ..format.metadata import KIND_MMAPCKPT, METADATA_NAME, read_user_metadata
-from ..format.shard import Shard, decode_entry
+from ..format.metadata import KIND_MMAPCKPT
 from ..format.stock import load_tensor
 from ..format.transforms import StreamTransforms
-from ..io.files import open_inside, pread_into
+from ..reading.shard import Shard, decode_entry
+from ..storage.base import StoredFile
+from ..storage.commits import read_user_metadata
+from ..storage.location import storage_for
 from .common import Source, label, tensor_chunk_sizes
 
 __all__ = ["MmapckptSource", "StockSource"]
@@ -24,6 +26,7 @@ __all__ = ["MmapckptSource", "StockSource"]
 class _DcpSource(Source):
     def __init__(self, path: str, kind: str, md: Metadata) -> None:
         self.path, self.kind, self.metadata = path, kind, md
+        self.storage = storage_for(path)
         if md.storage_data is None:
             raise FormatError("metadata has no storage data", path=path)
         per_file: dict[str, list[MetadataIndex]] = {}
@@ -67,7 +70,7 @@ class MmapckptSource(_DcpSource):
 
     def _shard(self, rel: str) -> Shard:
         if rel not in self._shards:
-            shard = Shard(open_inside(self.path, rel))
+            shard = Shard(self.storage.open_file(rel))
             want = getattr(self.metadata.storage_meta, "save_id", None)
             if shard.header.save_id is not None and want is not None and shard.header.save_id != want:
                 raise FormatError(f"shard was written by save {shard.header.save_id}, the metadata by save {want}",
@@ -101,17 +104,19 @@ class MmapckptSource(_DcpSource):
         return shard.read_bytes(e)
 
     def user_metadata(self) -> dict[str, str] | None:
-        return read_user_metadata(os.path.join(self.path, METADATA_NAME))
+        return read_user_metadata(self.storage)
 
     def close(self) -> None:
-        self._shards.clear()
+        shards, self._shards = self._shards, {}
+        for shard in shards.values():
+            shard.close()
 
 
 class _FileSlice(io.RawIOBase):
     """A read-only, seekable window [offset, offset + length) of a file, for torch.load."""
 
-    def __init__(self, fd: int, offset: int, length: int, path: str) -> None:
-        self._fd, self._base, self._len, self._pos, self._path = fd, offset, length, 0, path
+    def __init__(self, file: StoredFile, offset: int, length: int) -> None:
+        self._file, self._base, self._len, self._pos, self._path = file, offset, length, 0, file.path
 
     def readable(self) -> bool:
         return True
@@ -131,7 +136,7 @@ class _FileSlice(io.RawIOBase):
         mv = memoryview(buf).cast("B")
         n = max(0, min(len(mv), self._len - self._pos))
         if n:
-            pread_into(self._fd, mv[:n], self._base + self._pos, path=self._path)
+            self._file.read_into(self._base + self._pos, mv[:n])
         self._pos += n
         return n
 
@@ -143,23 +148,20 @@ class StockSource(_DcpSource):
         super().__init__(path, "dcp", md)
         self.version += ", torch.save items"
         self._transforms = StreamTransforms()  # DCP's registry: undoes ZStandard
-        self._fds: dict[str, tuple[int, int, str]] = {}
+        self._files: dict[str, StoredFile] = {}
 
     def _slice(self, idx: MetadataIndex) -> _FileSlice:
         info = self._info(idx)
-        if info.relative_path not in self._fds:
-            full = open_inside(self.path, info.relative_path)
+        f = self._files.get(info.relative_path)
+        if f is None:
             try:
-                fd = os.open(full, os.O_RDONLY)
-            except FileNotFoundError:
-                raise IncompleteCheckpointError("shard file named in the metadata is missing", path=full,
-                                      entry=label(idx)) from None
-            self._fds[info.relative_path] = (fd, os.fstat(fd).st_size, full)
-        fd, size, full = self._fds[info.relative_path]
-        if info.offset + info.length > size:
-            raise TruncatedFileError(f"item [{info.offset}, +{info.length}) runs past the end of the "
-                                     f"{size}-byte file", path=full, entry=label(idx))
-        return _FileSlice(fd, info.offset, info.length, full)
+                f = self._files[info.relative_path] = self.storage.open_file(info.relative_path)
+            except IncompleteCheckpointError as e:
+                raise IncompleteCheckpointError("shard file named in the metadata is missing", path=e.path,
+                                                entry=label(idx)) from None
+        if info.offset + info.length > f.size:
+            f.read(info.offset, info.length, entry=label(idx))  # raises TruncatedFileError naming the item
+        return _FileSlice(f, info.offset, info.length)
 
     def _decoded(self, idx: MetadataIndex, sl: _FileSlice) -> bytes | None:
         """The item's bytes with its stream transforms undone (FileSystemWriter(_extensions=...)), else None."""
@@ -186,6 +188,6 @@ class StockSource(_DcpSource):
         return bytes(buf)
 
     def close(self) -> None:
-        for fd, _, _ in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        files, self._files = self._files, {}
+        for f in files.values():
+            f.close()

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..errors import CheckpointError, SizeMismatchError
 from .read_once import ReadOnceOptions, ReadOnceSchedule, SharedRecord
-from .read_paths import FileReads, _load_bytes, label, read_plan
+from .read_paths import FileReads, load_bytes, label, read_plan
 from .stored_regions import StoredRegions
 
 __all__ = ["load_plan", "pieces", "read_once_load"]
@@ -112,7 +112,7 @@ class _Wanted:
     def commit(self, planner: LoadPlanner) -> None:
         for req, t in zip(self.items, self.targets):
             if req.type == LoadItemType.BYTE_IO:
-                _load_bytes(planner, req, t.numpy().tobytes(), self.path)
+                load_bytes(planner, req, t.numpy().tobytes(), self.path)
             else:
                 planner.commit_tensor(req, t)
 
@@ -170,7 +170,7 @@ def read_once_load(plan: LoadPlan, planner: LoadPlanner, schedule: ReadOnceSched
             if idx.offset is None:  # a non-tensor value: its stored bytes
                 layouts[idx] = ((reads.info(idx).length,), torch.uint8)
             else:
-                dtype, sizes = reads._chunk(idx, regions.path_of(idx))
+                dtype, sizes = reads.chunk_layout(idx, regions.path_of(idx))
                 layouts[idx] = (tuple(sizes), dtype)
             if idx in mine:
                 wanted[idx] = _Wanted(reads, planner, rec, mine[idx], *layouts[idx], device, me)

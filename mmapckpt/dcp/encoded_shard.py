@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from ..format import layout as fmt
 from ..format.transforms import StreamTransforms
 from ..io.d2h import stage_to_host
-from ..io.files import pwrite_all
+from ..storage.base import FileOutput
 
 __all__ = ["write_encoded_entries"]
 
@@ -32,37 +32,38 @@ def _entry(it: WriteItem, descriptors: tuple[str, ...], offset: int, length: int
 
 
 class _Appender:
-    """Positional writes after the reserved header; keeps the running length and CRC-32 of one entry."""
+    """Pieces after the reserved header; keeps the running length and CRC-32 of one entry."""
 
-    def __init__(self, fd: int, pos: int) -> None:
-        self.fd, self.pos, self.length, self.crc = fd, pos, 0, 0
+    def __init__(self, out: FileOutput, pos: int) -> None:
+        self.out, self.pos, self.length, self.crc = out, pos, 0, 0
 
     def start(self) -> int:
         pad = -self.pos % fmt.MIN_ALIGNMENT
-        if pad:
-            pwrite_all(self.fd, bytes(pad), self.pos)
+        if pad:  # written, not left as a hole: an empty last entry still lies inside the file
+            self.out.put(self.pos, bytes(pad))
             self.pos += pad
         self.length, self.crc = 0, 0
         return self.pos
 
     def put(self, mv: memoryview) -> None:
-        pwrite_all(self.fd, mv, self.pos)
+        self.out.put(self.pos, mv)
         self.pos += mv.nbytes
         self.length += mv.nbytes
         self.crc = zlib.crc32(mv, self.crc)
 
 
-def write_encoded_entries(fd: int, items: list[WriteItem], byte_payloads: dict[Any, bytes], planner: SavePlanner,
+def write_encoded_entries(out: FileOutput, items: list[WriteItem], byte_payloads: dict[Any, bytes], planner: SavePlanner,
                           transforms: StreamTransforms, save_id: str | None,
                           tensor_bytes: Any) -> list[fmt.Entry]:
-    """Encode every item behind a reserved header, then write the header; return the entries in item order.
+    """Encode every item behind a reserved header, then finish the file with the header; return the entries
+    in item order.
 
     ``tensor_bytes(entry_spec_item, tensor)`` gives a resolved tensor's bytes after checking it
     against the plan (shard_writer's check, shared).
     """
     descriptors = transforms.descriptors
     reserve = fmt.encode_header([_entry(it, descriptors, _WIDEST, _WIDEST, 0) for it in items], save_id)
-    sink = _Appender(fd, len(reserve))
+    sink = _Appender(out, len(reserve))
     staged = iter(stage_to_host([it for it in items if it.type != WriteItemType.BYTE_IO], planner.resolve_data))
     done = []
     for it in items:
@@ -77,5 +78,5 @@ def write_encoded_entries(fd: int, items: list[WriteItem], byte_payloads: dict[A
         done.append(_entry(it, descriptors, offset, sink.length, sink.crc))
     header = fmt.encode_header(done, save_id)
     assert len(header) <= len(reserve)  # the widest placeholders bound every real header
-    pwrite_all(fd, header, 0)
+    out.finish(header + bytes(len(reserve) - len(header)))
     return done

@@ -1,15 +1,15 @@
-"""The read paths of MmapReader, per shard file and per format.
+"""The read paths of MmapReader, per shard file and per format, through the checkpoint's storage.
 
 An mmapckpt shard is mapped: each stored chunk becomes a view over the mapping,
 narrowed to the requested region and copied into the planner's target (or read with
-``preadv`` straight into it). A stock shard holds one ``torch.save`` item per record,
-loaded with ``weights_only=True``.
+``preadv`` straight into it). Items stored through DCP stream transforms are decoded into
+memory first. A stock shard holds one ``torch.save`` item per record, loaded with
+``weights_only=True``.
 """
 
 from __future__ import annotations
 
 import io
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -33,19 +33,19 @@ from ..errors import (
 )
 from ..format import layout as fmt
 from ..format.lazymeta import StorageRecords
-from ..format.metadata import KIND_MMAPCKPT, missing_shard_error
-from ..format.shard import Shard, check_size_unchanged, is_mmapckpt_shard
-from ..format.stock import load_tensor, read_item
-from ..format.transforms import StreamTransforms
-from ..io.direct_reads import DirectReads
-from ..io.files import open_inside
+from ..format.metadata import KIND_MMAPCKPT
+from ..format.stock import load_tensor
+from ..format.transforms import StreamTransforms, decoded_limit
 from ..io import staging
+from ..io.direct_reads import DirectReads
 from ..io.staging import StagingPool, stage
+from ..reading.shard import Shard, check_size_unchanged, encoded_bytes, is_mmapckpt_shard
+from ..storage.base import CheckpointStorage, StoredFile
+from ..storage.commits import missing_shard_error
 from .bytes_read import BytesRead
-from .encoded_reads import read_encoded, stock_decode_limit
 from .fast_planner import FastLoadPlanner
 
-__all__ = ["FileReads", "Job", "label", "read_plan"]
+__all__ = ["FileReads", "Job", "label", "load_bytes", "read_plan"]
 
 #: An item of a plan with its storage record.
 Job = tuple[ReadItem, _StorageInfo]
@@ -59,12 +59,15 @@ def label(idx: MetadataIndex) -> str:
 class FileReads:
     """One load's reads: the metadata's records, and how to read the items of one shard file."""
 
-    def __init__(self, root: str, storage_data: dict[MetadataIndex, _StorageInfo], state_dict_metadata: dict[str, Any],
+    def __init__(self, storage: CheckpointStorage, storage_data: dict[MetadataIndex, _StorageInfo],
+                 state_dict_metadata: dict[str, Any],
                  save_id: str | None, metadata_kind: str | None, *, verify: bool, direct_reads: bool,
                  pool_for: Callable[[torch.device], StagingPool], stage_cpu: bool = False,
                  transforms: StreamTransforms | None = None, counter: BytesRead | None = None) -> None:
         self.counter = counter if counter is not None else BytesRead()  # the reader's bytes_read
-        self.root, self.storage_data, self.state_dict_metadata = root, storage_data, state_dict_metadata
+        #: where the checkpoint's files are (storage/base.py)
+        self.storage, self.root = storage, storage.location
+        self.storage_data, self.state_dict_metadata = storage_data, state_dict_metadata
         #: undoes the stream transforms of encoded items (the reader's ``_extension_registry``)
         self.transforms = transforms or StreamTransforms()
         self.save_id, self.metadata_kind, self.verify, self.direct_reads = save_id, metadata_kind, verify, direct_reads
@@ -77,22 +80,36 @@ class FileReads:
             raise FormatError("metadata has no storage record for this entry", path=self.root, entry=label(idx))
         return found
 
-    def read_file(self, rel: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
-        """Read the items of one shard file, each with its storage record (resolved once, by read_plan)."""
-        path = open_inside(self.root, rel)
-        if not os.path.exists(path):
-            raise missing_shard_error(self.root, path, self.save_id, label(reqs[0][0].storage_index))
-        if self.metadata_kind == KIND_MMAPCKPT or is_mmapckpt_shard(path):
-            return self._read_mmapckpt(path, reqs, planner)
-        return self._read_stock(path, reqs, planner)
+    def open_file(self, rel: str, entry: str | None = None) -> StoredFile:
+        """Shard file ``rel``, opened through the storage; a file the metadata names but the location
+        lacks raises IncompleteCheckpointError (saying so where the checkpoint was replaced meanwhile)."""
+        try:
+            return self.storage.open_file(rel)
+        except IncompleteCheckpointError:
+            raise missing_shard_error(self.storage, self.storage.full(rel), self.save_id, entry) from None
 
-    def _read_mmapckpt(self, path: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
-        """Every chunk is placed by the metadata, agreeing with the shard header (Shard.view)."""
-        shard = Shard(path, check_entries=False)
+    def open_shard(self, f: StoredFile) -> Shard | None:
+        """The mmapckpt shard ``f`` holds (its header read, not yet every entry checked), or None for a stock file."""
+        if self.metadata_kind != KIND_MMAPCKPT and not is_mmapckpt_shard(f):
+            return None
+        shard = Shard(f, check_entries=False)
         if shard.save_id is not None and self.save_id not in (None, shard.save_id):
             raise IncompleteCheckpointError(
                 f"shard was written by save {shard.save_id}, but the metadata read belongs to save "
-                f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=path)
+                f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=shard.path)
+        return shard
+
+    def read_file(self, rel: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
+        """Read the items of one shard file, each with its storage record (resolved once, by read_plan)."""
+        with self.open_file(rel, label(reqs[0][0].storage_index)) as f:
+            shard = self.open_shard(f)
+            if shard is not None:
+                return self._read_mmapckpt(shard, reqs, planner)
+            return self._read_stock(f, reqs, planner)
+
+    def _read_mmapckpt(self, shard: Shard, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
+        """Every chunk is placed by the metadata, agreeing with the shard header (Shard.view)."""
+        path = shard.path
         devices: list[torch.device] = []
         ranges = [(info.offset, info.length) for r, info in reqs
                   if r.type != LoadItemType.BYTE_IO and not getattr(info, "transform_descriptors", None)]
@@ -100,7 +117,8 @@ class FileReads:
         # the staging buffers (accelerators) instead of copying out of the mapping. Only for
         # planners whose commit_tensor does nothing: a planner of its own keeps the mapped path.
         defer = _defers_safely(planner)
-        direct = DirectReads(shard.file, enabled=self.direct_reads and defer, ranges=ranges)
+        direct = DirectReads(shard.file, enabled=self.direct_reads and defer and shard.file is not None,  # type: ignore[arg-type]
+                             ranges=ranges)
         accept_view = getattr(planner, "accept_view", None)
         ok = False
         taken: list[tuple[int, int, int | None]] = []  # for the byte counter, under one lock at the end
@@ -128,28 +146,28 @@ class FileReads:
             taken.append((info.offset, info.length, None))
         if getattr(info, "transform_descriptors", None):
             taken.append((info.offset, info.length, None))
-            return read_encoded(self, shard, req, info, planner, _load_bytes)
+            return _read_encoded(self, shard, req, info, planner)
         if req.type == LoadItemType.BYTE_IO:
-            _load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), path)
+            load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), path)
             taken.append((info.offset, info.length, None))
             return None
-        dtype, sizes = self._chunk(idx, path)
+        dtype, sizes = self.chunk_layout(idx, path)
         view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes)
         # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
         # may keep the mapped view of the whole stored chunk instead of having it copied.
         if accept_view is not None and accept_view(req, view):
             return None  # not read here: the planner keeps the mapped view
         taken.append((info.offset, info.length, _region_bytes(req, dtype)))
-        return self._copy(view, req, planner, path, direct=direct, defer=defer)
+        return self.copy_region(view, req, planner, path, direct=direct, defer=defer)
 
-    def _chunk(self, idx: MetadataIndex, path: str) -> tuple[torch.dtype, tuple[int, ...]]:
+    def chunk_layout(self, idx: MetadataIndex, path: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """dtype and shape of the stored chunk ``idx`` names, from the metadata."""
         found = _stored_chunk(self.storage_data, self.state_dict_metadata, idx) if idx.offset is not None else None
         if found is None:
             raise FormatError("the metadata describes no such stored chunk", path=path, entry=label(idx))
         return found
 
-    def _copy(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str,
+    def copy_region(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str,
               direct: DirectReads | None = None, defer: bool = False,
               target: torch.Tensor | None = None) -> torch.device | None:
         if any(req.storage_offsets) or req.lengths != src.size():
@@ -180,27 +198,69 @@ class FileReads:
         planner.commit_tensor(req, target)
         return None
 
-    def _read_stock(self, path: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
+    def _read_stock(self, f: StoredFile, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
         """A stock (torch.save per item) shard: each item is loaded with weights_only=True."""
         devices = []
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for req, info in reqs:
-                name = label(req.storage_index)
-                buf = read_item(fd, info.offset, info.length, path=path, entry=name)
-                self.counter.take(path, info.offset, info.length)
-                if getattr(info, "transform_descriptors", None):  # FileSystemWriter(_extensions=...)
-                    buf = self.transforms.decode(buf, info.transform_descriptors, path=path, entry=name,
-                                                 limit=stock_decode_limit(self, req))  # type: ignore[assignment]
-                if req.type == LoadItemType.BYTE_IO:
-                    _load_bytes(planner, req, buf, path)
-                    continue
-                dev = self._copy(load_tensor(buf, path=path, entry=name), req, planner, path)
-                if dev is not None:
-                    devices.append(dev)
-        finally:
-            os.close(fd)
+        path = f.path
+        for req, info in reqs:
+            name = label(req.storage_index)
+            buf = f.read(info.offset, info.length, entry=name)
+            self.counter.take(path, info.offset, info.length)
+            if getattr(info, "transform_descriptors", None):  # FileSystemWriter(_extensions=...)
+                buf = self.transforms.decode(buf, info.transform_descriptors, path=path, entry=name,
+                                             limit=_stock_decode_limit(self, req))  # type: ignore[assignment]
+            if req.type == LoadItemType.BYTE_IO:
+                load_bytes(planner, req, buf, path)
+                continue
+            dev = self.copy_region(load_tensor(buf, path=path, entry=name), req, planner, path)
+            if dev is not None:
+                devices.append(dev)
         return devices
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory as writable bytes."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(bytearray())
+
+
+def _read_encoded(reads: FileReads, shard: Shard, req: ReadItem, info: _StorageInfo,
+                  planner: LoadPlanner) -> torch.device | None:
+    """Read one item of an mmapckpt shard stored through DCP stream transforms (``_extension_registry``).
+
+    Such items cannot be mapped: they are decoded into memory (straight into the target when a
+    whole chunk goes to a contiguous CPU target of its dtype), then narrowed and copied as a
+    mapped chunk is.
+    """
+    idx, name = req.storage_index, label(req.storage_index)
+    key = (idx.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(idx.offset or ()))
+    stored, descriptors = encoded_bytes(shard, key, info.offset, info.length)
+    if list(descriptors) != list(info.transform_descriptors):
+        raise FormatError(f"metadata says the item went through {list(info.transform_descriptors)}, the shard "
+                          f"header says {list(descriptors)}", path=shard.path, entry=name)
+    decode: Any = reads.transforms.decode
+    if req.type == LoadItemType.BYTE_IO:
+        load_bytes(planner, req, decode(stored, descriptors, path=shard.path, entry=name), shard.path)
+        return None
+    dtype, sizes = reads.chunk_layout(idx, shard.path)
+    target = planner.resolve_tensor(req).detach()
+    whole = not any(req.storage_offsets) and tuple(req.lengths) == tuple(sizes)
+    if (whole and not reads.stage_cpu and target.device.type == "cpu" and target.dtype == dtype
+            and tuple(target.shape) == tuple(sizes) and target.is_contiguous() and target.numel()):
+        decode(stored, descriptors, path=shard.path, entry=name, into=_bytes_of(target))
+        planner.commit_tensor(req, target)
+        return None
+    buf = torch.empty(sizes, dtype=dtype)
+    decode(stored, descriptors, path=shard.path, entry=name, into=_bytes_of(buf))
+    return reads.copy_region(buf, req, planner, shard.path, target=target)
+
+
+def _stock_decode_limit(reads: FileReads, req: ReadItem) -> int:
+    """The most bytes a transformed stock item may decode to: its chunk's bytes plus torch.save's framing."""
+    stored = reads.storage_data[req.storage_index].length
+    if req.type == LoadItemType.BYTE_IO:
+        return decoded_limit(stored)
+    dtype, sizes = reads.chunk_layout(req.storage_index, reads.root)
+    return sizes.numel() * torch._utils._element_size(dtype) + (16 << 20)
 
 
 def _seal_pools(pool_for: Callable[[torch.device], StagingPool], devices: list[torch.device], run: bool) -> None:
@@ -265,7 +325,7 @@ def _region_bytes(req: ReadItem, dtype: torch.dtype) -> int:
     return n
 
 
-def _load_bytes(planner: LoadPlanner, req: ReadItem, data: bytes, path: str) -> None:
+def load_bytes(planner: LoadPlanner, req: ReadItem, data: bytes, path: str) -> None:
     """Hand a stored non-tensor value to the planner, which deserializes it (DCP's: ``torch.load``).
 
     Bytes that do not deserialize (a damaged item, or stock metadata pointing at the wrong

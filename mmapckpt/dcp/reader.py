@@ -22,7 +22,10 @@ from torch.futures import Future
 
 from ..errors import CheckpointError, FormatError
 from ..format.entries import paused_gc
-from ..format.metadata import METADATA_NAME, find_metadata, read_metadata_file
+from ..format.metadata import METADATA_NAME
+from ..storage.base import CheckpointStorage
+from ..storage.commits import read_metadata
+from ..storage.location import storage_for
 from ..io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool
 from .bytes_read import BytesRead
 from .compat import reader_compat
@@ -90,6 +93,11 @@ class MmapReader(StorageReader):
         self._metadata_kind: str | None = None
         self.load_id = str(uuid.uuid4())
 
+    @property
+    def storage(self) -> CheckpointStorage:
+        """Where the checkpoint read lives (storage/base.py)."""
+        return storage_for(self.path)
+
     # ------------------------------------------------------------------ DCP interface
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
@@ -99,7 +107,8 @@ class MmapReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
-            kind, md = read_metadata_file(find_metadata(self.path, kwargs.get("rank")), lazy=True)
+            storage = self.storage
+            kind, md = read_metadata(storage, storage.find_metadata(kwargs.get("rank")), lazy=True)
         except CheckpointError as e:
             # dcp.load turns this into an AssertionError holding only the message (then tries the
             # rank-local metadata): keep the typed error of the first attempt for checkpoint_error().
@@ -151,7 +160,7 @@ class MmapReader(StorageReader):
 
     def _new_load(self) -> FileReads:
         self._bytes = BytesRead()
-        return FileReads(self.path, self.storage_data, self.state_dict_metadata, self.save_id,
+        return FileReads(self.storage, self.storage_data, self.state_dict_metadata, self.save_id,
                          self._metadata_kind, verify=self.verify, direct_reads=self.direct_reads,
                          pool_for=self._pool_for, stage_cpu=self._stage_cpu_targets, transforms=self.transforms,
                          counter=self._bytes)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 import io
 import math
-import os
-import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,9 +24,8 @@ from ..errors import CheckpointError, CheckpointWriteError
 from ..format import layout as fmt
 from ..format.aliases import item_aliases
 from ..io.d2h import stage_to_host
-from ..io.files import fsync_dir, pwrite_all, unlink_quietly
 from ..format.transforms import StreamTransforms
-from ..io.odirect import DirectWriter, open_direct
+from ..storage.base import CheckpointStorage, FileOutput
 from .encoded_shard import write_encoded_entries
 from .plan_items import write_result
 from .storable import CHECKED_ATTR, check_storable
@@ -88,30 +85,26 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
-def write_files(directory: str, files: list[tuple[str, list[WriteItem]]], planner: SavePlanner, save_id: str,
-                options: WriterOptions, write_paths: dict[str, str]) -> list[WriteResult]:
+def write_files(storage: CheckpointStorage, files: list[tuple[str, list[WriteItem]]], planner: SavePlanner,
+                save_id: str, options: WriterOptions, write_paths: dict[str, str]) -> list[WriteResult]:
     """Write one rank's shard files (``thread_count`` at a time), then fsync the directory.
 
     ``write_paths`` receives each finished file's write path. If any file fails, the files
     this call finished are removed again (no commit will name them) and the error is raised.
     """
     if not getattr(planner, CHECKED_ATTR, False):
-        planner = _Checked(planner, directory)  # type: ignore[assignment]
+        planner = _Checked(planner, storage.location)  # type: ignore[assignment]
     try:
         if options.thread_count > 1 and len(files) > 1:
             with ThreadPoolExecutor(options.thread_count, thread_name_prefix="mmapckpt-write") as pool:
-                per_file = list(pool.map(lambda f: _write_one(directory, f, planner, save_id, options, write_paths),
+                per_file = list(pool.map(lambda f: _write_one(storage, f, planner, save_id, options, write_paths),
                                          files))
         else:
-            per_file = [_write_one(directory, f, planner, save_id, options, write_paths) for f in files]
+            per_file = [_write_one(storage, f, planner, save_id, options, write_paths) for f in files]
         if options.sync_files and files:
-            try:
-                fsync_dir(directory)
-            except OSError as e:
-                raise CheckpointWriteError(f"syncing the checkpoint directory failed: {e}", path=directory) from e
+            storage.sync()
     except BaseException:
-        for name in write_paths:  # every file of this save (the pool has joined its threads)
-            unlink_quietly(os.path.join(directory, name))
+        storage.remove(list(write_paths), sync=False)  # every file of this save (the pool has joined its threads)
         raise
     return [r for rs in per_file for r in rs]
 
@@ -141,20 +134,20 @@ def _dtype_name(it: WriteItem, dtype: torch.dtype, directory: str) -> str:
                                    entry=it.index.fqn) from None
 
 
-def _write_one(directory: str, f: tuple[str, list[WriteItem]], planner: SavePlanner, save_id: str,
+def _write_one(storage: CheckpointStorage, f: tuple[str, list[WriteItem]], planner: SavePlanner, save_id: str,
                options: WriterOptions, write_paths: dict[str, str]) -> list[WriteResult]:
-    results, write_paths[f[0]] = write_shard(directory, f[0], f[1], planner, save_id, options)
+    results, write_paths[f[0]] = write_shard(storage, f[0], f[1], planner, save_id, options)
     return results
 
 
-def write_shard(directory: str, name: str, items: list[WriteItem], planner: SavePlanner, save_id: str | None,
-            options: WriterOptions) -> tuple[list[WriteResult], str]:
-    """Lay out and write one shard under a temporary name, then rename it into place.
+def write_shard(storage: CheckpointStorage, name: str, items: list[WriteItem], planner: SavePlanner,
+                save_id: str | None, options: WriterOptions) -> tuple[list[WriteResult], str]:
+    """Lay out and write one shard (storage/base.py ``create_file``: it appears under ``name`` once durable).
 
-    A new inode replaces the old file, so readers that mapped the old one keep valid pages.
+    Locally a new inode replaces the old file, so readers that mapped the old one keep valid pages.
     """
-    final = os.path.join(directory, name)
-    tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    out = None
+    directory = storage.location
     try:
         byte_payloads, specs = {}, []
         for it in items:  # BYTE_IO payloads are small: resolve them first to know every size
@@ -170,37 +163,26 @@ def write_shard(directory: str, name: str, items: list[WriteItem], planner: Save
                                            _dtype_name(it, dtype, directory), tuple(sizes),
                                            math.prod(sizes) * dtype.itemsize))
         if options.transforms is not None:
-            done = _write_encoded(tmp, items, byte_payloads, planner, options, save_id)
-            os.replace(tmp, final)
+            out = storage.create_file(name, None, head=0, direct=False, sync=options.sync_files)
+            done = write_encoded_entries(out, items, byte_payloads, planner, options.transforms, save_id,
+                                         lambda it, t: _planned_bytes(_spec_entry(it), it, t))
             return _results(name, done, items), "encoded"
         alias_of = item_aliases([it.index for it in items], planner)  # tied weights: their bytes once
         plan = fmt.plan_shard(specs, options.alignment, save_id, alias_of)
         own = [i for i in range(len(items)) if i not in alias_of] if alias_of else range(len(items))
         every_crc = functools.partial(_with_aliases, own=own, alias_of=alias_of)
-        fd = open_direct(tmp) if options.direct_io else None
-        write_path = "buffered" if fd is None else "direct"
-        if fd is None:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, plan.file_size)
-            mine = [plan.entries[i] for i in own], [items[i] for i in own]
-            if write_path == "direct":
-                _write_entries_direct(fd, *mine, byte_payloads, planner, plan, every_crc)
-            else:
-                crcs = every_crc(_write_entries(fd, *mine, byte_payloads, planner))
-                pwrite_all(fd, plan.header(crcs), 0)
-            if options.sync_files:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
+        entries = [plan.entries[i] for i in own]
+        out = storage.create_file(name, plan.file_size, head=min((e.offset for e in entries), default=plan.file_size),
+                                  direct=options.direct_io, sync=options.sync_files)
+        _write_entries(out, entries, [items[i] for i in own], byte_payloads, planner, plan, every_crc)
     except BaseException as e:
-        unlink_quietly(tmp)
-        typed = _shard_error(e, final)
+        if out is not None:
+            out.abort()
+        typed = _shard_error(e, storage.full(name))
         if typed is e:
             raise
         raise typed from e
-    return _results(name, plan.entries, items), write_path
+    return _results(name, plan.entries, items), out.how
 
 
 def _shard_error(e: BaseException, final: str) -> BaseException:
@@ -230,47 +212,16 @@ def _results(name: str, done: list[fmt.Entry], items: list[WriteItem]) -> list[W
         name, e.offset, e.length, list(e.transforms) if e.transforms else None)) for e, it in zip(done, items)]
 
 
-def _write_encoded(tmp: str, items: list[WriteItem], byte_payloads: dict[Any, bytes], planner: SavePlanner,
-                   options: WriterOptions, save_id: str | None) -> list[fmt.Entry]:
-    """A shard of stream-transformed entries (encoded_shard.py), buffered, synced as the others."""
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        assert options.transforms is not None
-        done = write_encoded_entries(fd, items, byte_payloads, planner, options.transforms, save_id,
-                                     lambda it, t: _planned_bytes(_spec_entry(it), it, t))
-        if options.sync_files:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    return done
-
-
 def _spec_entry(it: WriteItem) -> fmt.Entry:
     """The planned shape and dtype of a tensor item, as an entry (for _planned_bytes' check)."""
     td = it.tensor_data
     return fmt.Entry(it.index.fqn, tuple(td.chunk.offsets), fmt.KIND_TENSOR, fmt.dtype_name(td.properties.dtype),
                      tuple(td.chunk.sizes), 0, chunk_nbytes(it), 0)
 
-def _write_entries(fd: int, entries: list[fmt.Entry], items: list[WriteItem],
-                   byte_payloads: dict[Any, bytes], planner: SavePlanner) -> list[int]:
-    """Write every entry's bytes at its offset; return their CRC-32s, in item order."""
-    entry_of = {id(it): e for e, it in zip(entries, items)}
-    crc: dict[int, int] = {}
-    for it in items:
-        if it.type == WriteItemType.BYTE_IO:
-            crc[id(it)] = _write_at(fd, entry_of[id(it)], byte_payloads[it.index])
-    tensor_items = [it for it in items if it.type != WriteItemType.BYTE_IO]
-    for it, t in stage_to_host(tensor_items, planner.resolve_data):
-        e = entry_of[id(it)]
-        crc[id(it)] = _write_at(fd, e, _planned_bytes(e, it, t))
-    return [crc[id(it)] for it in items]
-
-
-def _write_entries_direct(fd: int, entries: list[fmt.Entry], items: list[WriteItem],
-                          byte_payloads: dict[Any, bytes], planner: SavePlanner, plan: fmt.ShardPlan,
-                          every_crc: Any) -> None:
-    """_write_entries through a DirectWriter: entries in file order, then the header (with ``every_crc``'s CRC-32s)."""
-    sink = DirectWriter(fd, min((e.offset for e in entries), default=plan.file_size))
+def _write_entries(sink: FileOutput, entries: list[fmt.Entry], items: list[WriteItem],
+                   byte_payloads: dict[Any, bytes], planner: SavePlanner, plan: fmt.ShardPlan,
+                   every_crc: Any) -> None:
+    """Every entry's bytes in file order, then the header (with ``every_crc``'s CRC-32s), finishing the file."""
     # CRC-32s on a thread of their own (zlib releases the GIL): they overlap the copies into
     # the bounce buffers, which overlap the disk writes.
     crc_pool = ThreadPoolExecutor(1, thread_name_prefix="mmapckpt-crc")
@@ -296,10 +247,9 @@ def _write_entries_direct(fd: int, entries: list[fmt.Entry], items: list[WriteIt
             sink.put(e.offset, buf)
         if big:
             crcs = [c if type(c) is int else c.result() for c in crcs]
-        sink.finish(plan.header(every_crc(crcs)), plan.file_size)
+        sink.finish(plan.header(every_crc(crcs)))
     finally:
         crc_pool.shutdown(wait=True)
-        sink.close()
 
 
 #: Entries at least this long get their CRC-32 computed on the checksum thread.
@@ -312,12 +262,3 @@ def _planned_bytes(e: fmt.Entry, it: WriteItem, t: torch.Tensor) -> Any:
         raise ValueError(f"planner resolved {it.index.fqn!r} to {tuple(t.shape)} {t.dtype}, "
                          f"but the plan said {e.shape} {e.dtype}")
     return _tensor_bytes(t) if e.length else b""
-
-
-def _write_at(fd: int, e: fmt.Entry, buf: Any) -> int:
-    """Write an entry's bytes; return their CRC-32."""
-    if len(buf) != e.length:
-        raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
-    if e.length:
-        pwrite_all(fd, buf, e.offset)
-    return zlib.crc32(buf)

@@ -23,16 +23,10 @@ from ..format.entries import paused_gc
 from ..format.metadata import check_user_metadata, encode_metadata
 from ..io.files import refuse_url
 from .compat import writer_compat
-from .commit import (
-    SaveLock,
-    commit,
-    commit_files,
-    existing_shards,
-    metadata_path,
-    remove_stale,
-    shard_name,
-    writable_local_path,
-)
+from ..storage.base import CheckpointStorage, Lock
+from ..storage.commits import commit_files, existing_shards, metadata_name, remove_stale, shard_name
+from ..storage.local import writable_local_path
+from ..storage.location import storage_for
 from .shard_writer import WriterOptions, chunk_nbytes, write_files
 
 __all__ = ["MmapWriter", "WriterOptions"]
@@ -125,11 +119,11 @@ class MmapWriter(StorageWriter):
         self.rank: int | None = None
         self.use_collectives = True
         self.is_coordinator = False
-        self._lock: SaveLock | None = None
+        self._lock: Lock | None = None
 
     # ------------------------------------------------------------------ DCP interface
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self._release()  # a save of this writer that failed before its commit
+        self.release()  # a save of this writer that failed before its commit
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
             refuse_url(self.path, CheckpointWriteError)
@@ -141,23 +135,26 @@ class MmapWriter(StorageWriter):
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
 
+    @property
+    def storage(self) -> CheckpointStorage:
+        """Where this writer's checkpoint lives (storage/base.py)."""
+        return storage_for(self.path, error=CheckpointWriteError)
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        try:
-            os.makedirs(self.path, exist_ok=True)
-        except OSError as e:
-            raise CheckpointWriteError(f"cannot create the checkpoint directory: {e}", path=self.path) from e
+        storage = self.storage
+        storage.prepare()
         per_rank = not self.use_collectives and self.rank is not None
         if self.is_coordinator or per_rank:  # the rank that commits holds the lock until it has
-            self._lock = SaveLock(self.path, shared=per_rank)
-        commits = commit_files(self.path)
+            self._lock = storage.lock(shared=per_rank)
+        commits = commit_files(storage)
         if commits and not self.options.overwrite:
-            self._release()
+            self.release()
             raise CheckpointExistsError("Checkpoint already exists and overwrite=False: pass overwrite=True to "
                                         "replace it (the old one stays loadable until the new one is committed)",
                                         path=self.path)
         if per_rank:
             prefix = f"__{self.rank}_"
-            avoid = frozenset(n for n in existing_shards(self.path) if n.startswith(prefix))
+            avoid = frozenset(n for n in existing_shards(storage) if n.startswith(prefix))
             plan = dataclasses.replace(plan, storage_data=_Prefix(prefix, self.save_id, avoid))
         return plan
 
@@ -166,7 +163,7 @@ class MmapWriter(StorageWriter):
         # place; new shards take names no file here has (commit.shard_name).
         if all(p.storage_data is not None for p in plans):
             return plans
-        return _with_prefixes(plans, self.save_id, existing_shards(self.path))
+        return _with_prefixes(plans, self.save_id, existing_shards(self.storage))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         sd = plan.storage_data
@@ -174,9 +171,9 @@ class MmapWriter(StorageWriter):
                    else [[it] for it in plan.items])  # the stock writer's single_file_per_rank=False
         files = [(shard_name(sd.prefix, i, sd.save_id, sd.avoid), bucket) for i, bucket in enumerate(buckets)]
         try:
-            results = write_files(self.path, files, planner, sd.save_id, self.options, self.write_paths)
+            results = write_files(self.storage, files, planner, sd.save_id, self.options, self.write_paths)
         except BaseException:
-            self._release()  # this save will not commit: a retry must not find the directory locked
+            self.release()  # this save will not commit: a retry must not find the directory locked
             raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -187,21 +184,24 @@ class MmapWriter(StorageWriter):
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
-        target = metadata_path(self.path, self.rank if per_rank else None)
+        storage = self.storage
+        target = metadata_name(self.rank if per_rank else None)
         try:
             try:
                 with paused_gc():  # one object per entry to encode: the collector's passes would dominate
                     data = encode_metadata(metadata, self.user_metadata)
             except (TypeError, ValueError) as e:
-                raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}", path=target) from e
-            commit(target, data, sync=self.options.sync_files)
+                raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}",
+                                           path=storage.full(target)) from e
+            storage.commit(target, data, sync=self.options.sync_files)
             files = {info.relative_path for info in metadata.storage_data.values()}
-            remove_stale(self.path, keep_commit=target, keep_files=files,
+            remove_stale(storage, keep_commit=target, keep_files=files,
                          rank_prefix=f"__{self.rank}_" if per_rank else None, sync=self.options.sync_files)
         finally:
-            self._release()
+            self.release()
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Release the location's save lock if this writer holds it (a save that will not commit)."""
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()

@@ -9,12 +9,15 @@ under :func:`paused_gc`.
 from __future__ import annotations
 
 import gc
+import os
 from contextlib import contextmanager
 from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-__all__ = ["ChunkInfo", "EntryInfo", "numel", "paused_gc"]
+from ..errors import UnsafePathError
+
+__all__ = ["ChunkInfo", "EntryInfo", "numel", "paused_gc", "safe_relative_path"]
 
 
 class ChunkInfo(NamedTuple):
@@ -91,3 +94,13 @@ def paused_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def safe_relative_path(rel: str, where: str) -> str:
+    """A storage path as the metadata gives it, refused (UnsafePathError) where it could leave the checkpoint:
+    empty, absolute, with a NUL, ``..`` or an empty part."""
+    bad = (not rel or "\x00" in rel or os.path.isabs(rel) or rel.startswith(("/", "\\"))
+           or any(part in ("..", "") for part in rel.replace("\\", "/").split("/")))
+    if bad:
+        raise UnsafePathError(f"storage path {rel!r} leaves the checkpoint directory", path=where)
+    return rel

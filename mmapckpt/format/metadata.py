@@ -30,12 +30,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import (
     BadMagicError,
-    CheckpointNotFoundError,
     FormatError,
-    IncompleteCheckpointError,
     UnsupportedVersionError,
 )
-from ..io.files import open_inside, refuse_url
 from . import layout as fmt
 from .entries import EntryInfo, paused_gc
 from .lazymeta import lazy_dcp
@@ -48,16 +45,15 @@ __all__ = [
     "META_MAGIC",
     "encode_metadata",
     "check_user_metadata",
-    "read_user_metadata",
+    "decode_user_metadata",
     "MetaIndex",
     "decode_index",
     "decode_metadata",
     "decode_metadata_lazy",
-    "read_metadata_file",
-    "read_index_file",
+    "decode_metadata_file",
+    "decode_index_file",
     "metadata_kind",
-    "find_metadata",
-    "missing_shard_error",
+    "MAX_METADATA_SIZE",
     "KIND_MMAPCKPT",
     "KIND_STOCK",
 ]
@@ -265,53 +261,37 @@ def metadata_kind(head: bytes) -> str | None:
     return None
 
 
-def _read(path: str | os.PathLike[str]) -> tuple[str, str, bytes]:
-    p = os.fspath(path)
-    with open(p, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_METADATA_SIZE:
-            raise FormatError(f"metadata file of {size} bytes exceeds the limit of {MAX_METADATA_SIZE}", path=p)
-        data = f.read(size)  # not read(MAX_METADATA_SIZE + 1): that allocates the full 1 GiB up front
-    kind = metadata_kind(data[:8])
-    if kind is None:
-        raise BadMagicError("neither mmapckpt nor stock DCP metadata (unknown leading bytes)", path=p)
-    return p, kind, data
-
-
-def read_metadata_file(path: str | os.PathLike[str], *, lazy: bool = False) -> tuple[str, Metadata]:
-    """Read a ``.metadata`` file of either kind; return (kind, DCP Metadata).
+def decode_metadata_file(kind: str, data: bytes, path: str, *, lazy: bool = False) -> Metadata:
+    """A ``.metadata`` file's bytes of either kind (``metadata_kind``) as DCP Metadata.
 
     ``lazy``: an mmapckpt file's ``state_dict_metadata`` and ``storage_data`` are read-only
     mappings whose records are built on first access (format/lazymeta.py); every entry is
     checked before this returns either way.
     """
-    p, kind, data = _read(path)
     if kind != KIND_MMAPCKPT:
-        return kind, decode_stock(data, p)
-    return kind, (decode_metadata_lazy(data, p) if lazy else decode_metadata(data, p))
+        return decode_stock(data, path)
+    return decode_metadata_lazy(data, path) if lazy else decode_metadata(data, path)
 
 
-def read_index_file(path: str | os.PathLike[str]) -> tuple[str, Mapping[str, EntryInfo], str | None]:
-    """Read a ``.metadata`` file of either kind; return (kind, entries by name, save id).
+def decode_index_file(kind: str, data: bytes, path: str) -> tuple[Mapping[str, EntryInfo], str | None]:
+    """A ``.metadata`` file's bytes of either kind as (entries by name, save id).
 
     Every entry is checked before this returns. For a version-2 table of the common shape the
     entries are a ``metabulk.TableEntries``: names, ``len`` and ``in`` come from the table's
     names, and the ``EntryInfo`` records are built all at once on first access.
     """
-    p, kind, data = _read(path)
     if kind == KIND_MMAPCKPT:
-        return (kind, *_decoding(data, p, lambda ix: (ix.entries, ix.save_id), entries_only=True))
-    md, entries = decode_stock_index(data, p)  # the index the check was made through, not built again
-    return kind, entries, getattr(md.storage_meta, "save_id", None)
+        return _decoding(data, path, lambda ix: (ix.entries, ix.save_id), entries_only=True)
+    md, entries = decode_stock_index(data, path)  # the index the check was made through, not built again
+    return entries, getattr(md.storage_meta, "save_id", None)
 
 
-def read_user_metadata(metadata_file_path: str | os.PathLike[str]) -> dict[str, str] | None:
-    """The user metadata ({str: str}) a ``.metadata`` file carries, or None when it has none.
+def decode_user_metadata(kind: str, data: bytes, p: str) -> dict[str, str] | None:
+    """The user metadata ({str: str}) a ``.metadata`` file's bytes carry, or None when it has none.
 
     Stock DCP metadata (a pickle) has no such field: None. A damaged file, or a
     ``user_metadata`` that is not an object of strings, raises FormatError naming the file.
     """
-    p, kind, data = _read(metadata_file_path)
     if kind != KIND_MMAPCKPT:
         return None
     body = _body(data, p)
@@ -327,40 +307,3 @@ def read_user_metadata(metadata_file_path: str | os.PathLike[str]) -> dict[str, 
     if type(user) is not dict or not all(type(v) is str for v in user.values()):
         raise FormatError(f"invalid metadata: {USER_METADATA_KEY!r} must be an object of strings", path=p)
     return user
-
-
-def find_metadata(path: str, rank: int | None = None) -> str:
-    """The metadata file of the checkpoint at ``path``; raise if there is none committed."""
-    refuse_url(path, CheckpointNotFoundError)
-    name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
-    meta = os.path.join(path, name)
-    if os.path.isfile(meta):
-        open_inside(path, name)  # a link out of the directory is refused, as for shards (hub caches excepted)
-        return meta
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError("no checkpoint directory here", path=path)
-    if rank is not None and os.path.isfile(os.path.join(path, METADATA_NAME)):  # a finished collective save
-        raise CheckpointNotFoundError(f"no {name} here: this checkpoint's commit is {METADATA_NAME} (saved with "
-                                      "use_collectives=True)", path=path)
-    if any(n.endswith(".distcp") or ".distcp.tmp-" in n for n in os.listdir(path)):
-        raise IncompleteCheckpointError(
-            f"incomplete checkpoint: shard files but no committed {name} (the save did not finish)", path=path)
-    raise CheckpointNotFoundError(f"no checkpoint here (no {name})", path=path)
-
-
-def missing_shard_error(root: str, path: str, save_id: str | None, entry: str | None = None) -> IncompleteCheckpointError:
-    """The error for a shard file the metadata read names but the directory lacks.
-
-    A save over the checkpoint removes the old shards after its commit, so a load that
-    read the old metadata just before can find them gone: say so when the committed
-    metadata now belongs to another save, so that loading again is the fix.
-    """
-    try:
-        _, _, now = read_index_file(os.path.join(root, METADATA_NAME))
-    except (OSError, FormatError):
-        now = save_id
-    if now != save_id:
-        return IncompleteCheckpointError(
-            "shard file named in the metadata is missing: the checkpoint was replaced while it was being loaded "
-            f"(metadata of save {save_id}, now {now}); load it again", path=path, entry=entry)
-    return IncompleteCheckpointError("shard file named in the metadata is missing", path=path, entry=entry)

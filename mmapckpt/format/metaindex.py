@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import FormatError
-from ..io.files import safe_relative_path
+from .entries import safe_relative_path
 from . import layout as fmt
 from .entries import ChunkInfo, EntryInfo
 from .tiling import check_entries

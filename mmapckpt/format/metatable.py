@@ -23,7 +23,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import FormatError
-from ..io.files import safe_relative_path
+from .entries import safe_relative_path
 from . import layout as fmt
 from .entries import ChunkInfo, EntryInfo
 from .metabulk import bulk_index

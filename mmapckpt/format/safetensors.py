@@ -1,4 +1,4 @@
-"""safetensors files: the header parsed and checked, and tensors as views over the file mapping.
+"""safetensors files: the header parsed and checked (reading/safetensors_files.py opens the files).
 
 The format (https://github.com/huggingface/safetensors) is::
 
@@ -26,14 +26,11 @@ copied into a new, aligned tensor, because torch cannot view misaligned elements
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import CheckpointError, FormatError, TruncatedFileError, UnknownDtypeError
-from ..io.files import pread_into
-from ..io.mapped import MappedFile, open_regular
+from ..errors import FormatError, TruncatedFileError, UnknownDtypeError
 from .entries import ChunkInfo, EntryInfo, numel
 from .tiling import shape_problem
 
@@ -41,13 +38,11 @@ __all__ = [
     "MAX_HEADER_SIZE",
     "SAFETENSORS_DTYPES",
     "SafetensorsEntry",
-    "SafetensorsFile",
-    "SafetensorsFiles",
     "SafetensorsHeader",
     "entry_infos",
     "looks_like_safetensors",
+    "length_prefix",
     "parse_header",
-    "read_header",
 ]
 
 #: The largest header accepted (safetensors' own limit).
@@ -174,97 +169,18 @@ def parse_header(raw: bytes, file_size: int, path: str) -> SafetensorsHeader:
     return SafetensorsHeader(path, entries, metadata, data_start, file_size)
 
 
-def _read_from(fd: int, path: str) -> SafetensorsHeader:
-    size = os.fstat(fd).st_size
-    if size < 8:
-        raise TruncatedFileError(f"a {size}-byte file cannot hold a safetensors header (8-byte length first)",
-                                 path=path)
-    n = int.from_bytes(os.pread(fd, 8, 0), "little")
-    if n > MAX_HEADER_SIZE:
-        raise FormatError(f"header length {n} exceeds the limit of {MAX_HEADER_SIZE} bytes (not a safetensors "
-                          "file, or a damaged one)", path=path)
-    if 8 + n > size:
-        raise TruncatedFileError(f"header length {n} runs past the end of the {size}-byte file", path=path)
-    raw = bytearray(n)
-    pread_into(fd, raw, 8, path=path)
-    return parse_header(bytes(raw), size, path)
-
-
-def read_header(path: str) -> SafetensorsHeader:
-    """Read and check the header of the safetensors file at ``path`` (no data read)."""
-    fd = open_regular(path)
-    try:
-        return _read_from(fd, path)
-    except OSError as e:
-        raise CheckpointError(f"cannot read safetensors file: {e.strerror or e}", path=path) from None
-    finally:
-        os.close(fd)
-
-
-def looks_like_safetensors(path: str) -> bool:
-    """Whether the file starts like a safetensors file (a plausible length, then ``{``); reads 9 bytes."""
-    with open(path, "rb") as f:
-        head = f.read(9)
+def length_prefix(head: bytes, file_size: int) -> int | None:
+    """The header length a file's first 9 bytes announce, where they look like a safetensors file's
+    (a plausible length, then ``{``); else None."""
     if len(head) < 9:
-        return False
+        return None
     n = int.from_bytes(head[:8], "little")
-    return head[8:9] == b"{" and 2 <= n <= min(MAX_HEADER_SIZE, os.path.getsize(path) - 8)
+    return n if head[8:9] == b"{" and 2 <= n <= min(MAX_HEADER_SIZE, file_size - 8) else None
 
 
-class SafetensorsFile:
-    """A safetensors file opened for reading: its checked header, and the file mapped (MAP_PRIVATE).
-
-    The header is read from the descriptor that is then mapped, so a file renamed over the
-    path in between cannot pair this header with other bytes.
-    """
-
-    def __init__(self, path: str) -> None:
-        fd = open_regular(path)
-        try:
-            self.header = _read_from(fd, path)
-            self.file = MappedFile(fd, path, self.header.file_size)
-        except OSError as e:
-            raise CheckpointError(f"cannot read safetensors file: {e.strerror or e}", path=path) from None
-        finally:
-            os.close(fd)
-        self.path = path
-
-    def view(self, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor whose ``length`` bytes start at file ``offset`` (checked when the header was parsed):
-        a view over the mapping when ``offset`` is a multiple of the element size, else an aligned copy."""
-        if not offset % dtype.itemsize:
-            return self.file.view(offset, dtype, shape)
-        return self.file.raw(offset, length).clone().view(dtype).view(shape)
-
-
-class SafetensorsFiles:
-    """The chunk backend of ``mmapckpt.open`` for safetensors files: one chunk per tensor, at a file offset.
-
-    ``files`` maps each file's name relative to ``root`` to its opened :class:`SafetensorsFile`.
-    There are no checksums in the format, so ``verify`` checks nothing more than opening did.
-    """
-
-    pickled_objects = False
-
-    def __init__(self, root: str, files: dict[str, SafetensorsFile]) -> None:
-        self.root, self.files = root, files
-
-    def chunk(self, info: EntryInfo, c: ChunkInfo) -> torch.Tensor:
-        return self.files[c.file].view(c.file_offset, c.length, info.dtype, c.sizes)  # type: ignore[arg-type]
-
-    def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | None:
-        """The mapping ``chunk`` returns a view of (for direct reads), or None where it returns a copy."""
-        return self.files[c.file].file if not c.file_offset % info.dtype.itemsize else None  # type: ignore[union-attr]
-
-    def advise(self, c: ChunkInfo, advice: int) -> None:
-        self.files[c.file].file.advise(advice, c.file_offset, c.length)
-
-    def check_unchanged(self, chunks: Any) -> None:
-        for rel in {c.file for c in chunks}:
-            self.files[rel].file.check_unchanged()
-
-    def object_value(self, info: EntryInfo) -> Any:
-        raise CheckpointError("safetensors files hold tensors only", path=self.root, entry=info.name)
+def looks_like_safetensors(head: bytes, file_size: int) -> bool:
+    """Whether a file's first 9 bytes (of ``file_size``) start like a safetensors file."""
+    return length_prefix(head, file_size) is not None
 
 
 def entry_infos(header: SafetensorsHeader, rel: str, names: list[str] | None = None) -> dict[str, EntryInfo]:

@@ -1,6 +1,6 @@
 """Items of stock DCP shards: ``torch.save`` bytes at (file, offset, length).
 
-The one place that reads such an item within its file's bounds and turns it into a
+The one place that turns such an item's bytes (read through the storage, within its file's bounds) into a
 tensor with ``torch.load(weights_only=True)``; the reader, the lazy loader and the
 converter all go through it.
 """
@@ -8,26 +8,13 @@ converter all go through it.
 from __future__ import annotations
 
 import io
-import os
 from typing import IO
 
 import torch
 
-from ..errors import FormatError, TruncatedFileError
-from ..io.files import pread_into
+from ..errors import FormatError
 
-__all__ = ["read_item", "load_tensor"]
-
-
-def read_item(fd: int, offset: int, length: int, *, path: str, entry: str) -> bytearray:
-    """The item's bytes; an item past the end of the file raises TruncatedFileError first."""
-    size = os.fstat(fd).st_size
-    if offset + length > size:
-        raise TruncatedFileError(f"item [{offset}, +{length}) runs past the end of the {size}-byte file",
-                                 path=path, entry=entry)
-    buf = bytearray(length)
-    pread_into(fd, buf, offset, path=path, entry=entry)
-    return buf
+__all__ = ["load_tensor"]
 
 
 def load_tensor(src: bytes | bytearray | IO[bytes], *, path: str, entry: str) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import CheckpointError, TruncatedFileError, UnsafePathError
 
-__all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "safe_relative_path", "open_inside",
+__all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "open_inside",
            "hub_blobs", "is_cached", "unlink_quietly", "refuse_url"]
 
 
@@ -81,15 +81,6 @@ def refuse_url(path: str, error: type[CheckpointError]) -> None:
         raise error(f"{path!r} is a URL: mmapckpt reads and writes a local or mounted file system. Copy the "
                     "checkpoint to a local disk, or mount the storage (s3fs, gcsfuse, NFS) and pass that path",
                     path=path)
-
-
-def safe_relative_path(rel: str, where: str) -> str:
-    """Refuse storage paths that could leave the checkpoint directory."""
-    bad = (not rel or "\x00" in rel or os.path.isabs(rel) or rel.startswith(("/", "\\"))
-           or any(part in ("..", "") for part in rel.replace("\\", "/").split("/")))
-    if bad:
-        raise UnsafePathError(f"storage path {rel!r} leaves the checkpoint directory", path=where)
-    return rel
 
 
 def open_inside(directory: str, rel: str) -> str:

@@ -34,21 +34,24 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CheckpointError, CheckpointNotFoundError, FormatError
+from ..errors import CheckpointError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 from ..format import layout as fmt
-from ..format.locate import (
+from ..reading.locate import (
     SAFETENSORS_SINGLE,
     detect_format,
     index_file,
     safetensors_files,
 )
-from ..format.metadata import KIND_MMAPCKPT, find_metadata, read_metadata_file, read_user_metadata
-from ..format.safetensors import SafetensorsFile, entry_infos
-from ..format.shard import Shard, check_size_unchanged, decode_entry
-from ..format.torchfile import flat_torch_file
+from ..format.metadata import KIND_MMAPCKPT
+from ..format.safetensors import entry_infos
 from ..format.transforms import StreamTransforms
-from ..io.files import open_inside
 from ..io.progress import Progress, human_bytes
+from ..reading.safetensors_files import SafetensorsFile
+from ..reading.shard import Shard, check_size_unchanged, decode_entry
+from ..reading.torchfile import flat_torch_file
+from ..storage.base import CheckpointStorage
+from ..storage.commits import read_metadata, read_user_metadata
+from ..storage.location import storage_for
 from .wording import count
 
 __all__ = ["Problem", "FileWarning", "VerifyReport", "verify_checkpoint"]
@@ -146,7 +149,8 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False) -
         with Progress(_flat_bytes(p, flat), "verify", enabled=progress) as bar:
             (_verify_safetensors if flat == "safetensors" else _verify_torch)(p, report, bar)
         return report
-    md = _check_metadata(p, report)
+    storage = storage_for(p)
+    md = _check_metadata(storage, report)
     if md is None:
         return report
     _check_coverage(p, md, report)
@@ -156,7 +160,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False) -
     total = sum(info.length for info in md.storage_data.values())
     with Progress(total, "verify", enabled=progress) as bar:
         for rel in sorted(per_file):
-            _check_shard(p, rel, per_file[rel], md, report, bar)
+            _check_shard(storage, rel, per_file[rel], md, report, bar)
     _check_directory(p, set(per_file), report)
     return report
 
@@ -197,7 +201,9 @@ def _verify_safetensors(p: str, report: VerifyReport, bar: Progress) -> None:
                               f"{count(len(files), 'file')}, every file present")
     for full, names in files.items():
         try:
-            header = SafetensorsFile(full).header
+            f = SafetensorsFile(full)
+            f.close()
+            header = f.header
             entry_infos(header, full, names)  # every name the index puts in this file is in its header
         except CheckpointError as e:
             report.problems.append(Problem.of(e, full))
@@ -238,13 +244,14 @@ def _verify_torch(p: str, report: VerifyReport, bar: Progress) -> None:
                               "check them)")
 
 
-def _check_metadata(p: str, report: VerifyReport) -> Metadata | None:
+def _check_metadata(storage: CheckpointStorage, report: VerifyReport) -> Metadata | None:
     try:
-        meta = find_metadata(p)
-        kind, md = read_metadata_file(meta)  # shapes, chunk tiling and stored ranges checked (format/tiling.py)
-        read_user_metadata(meta)  # {str: str} or absent, as convert demands
+        name = storage.find_metadata()
+        meta = storage.full(name)
+        kind, md = read_metadata(storage, name)  # shapes, chunk tiling and stored ranges checked (format/tiling.py)
+        read_user_metadata(storage, name)  # {str: str} or absent, as convert demands
     except CheckpointError as e:
-        report.problems.append(Problem.of(e, p))
+        report.problems.append(Problem.of(e, storage.location))
         return None
     if kind != KIND_MMAPCKPT:
         report.problems.append(Problem(meta, None, "this is a stock DCP checkpoint (pickled metadata, torch.save "
@@ -290,19 +297,31 @@ def _expect(md: Metadata, idx: MetadataIndex,
     return fmt.KIND_TENSOR, fmt.dtype_name(item.properties.dtype), by_offsets.get(tuple(idx.offset or ()))
 
 
-def _check_shard(p: str, rel: str, records: list[MetadataIndex], md: Metadata, report: VerifyReport,
-                 bar: Progress) -> None:
+def _check_shard(storage: CheckpointStorage, rel: str, records: list[MetadataIndex], md: Metadata,
+                 report: VerifyReport, bar: Progress) -> None:
     before = len(report.problems)
+    full = storage.full(rel)
     try:
-        full = open_inside(p, rel)
-        if not os.path.exists(full):
-            names = ", ".join(sorted(_label(i) for i in records)[:5]) + (", ..." if len(records) > 5 else "")
-            report.problems.append(Problem(full, None, f"shard file is missing; {count(len(records), 'entry')} lost ({names})"))
-            return
-        shard = Shard(full)
-    except CheckpointError as e:
-        report.problems.append(Problem.of(e, os.path.join(p, rel)))
+        f = storage.open_file(rel)
+    except IncompleteCheckpointError:
+        names = ", ".join(sorted(_label(i) for i in records)[:5]) + (", ..." if len(records) > 5 else "")
+        report.problems.append(Problem(full, None, f"shard file is missing; {count(len(records), 'entry')} lost ({names})"))
         return
+    except CheckpointError as e:
+        report.problems.append(Problem.of(e, full))
+        return
+    try:
+        shard = Shard(f)
+    except CheckpointError as e:
+        f.close()
+        report.problems.append(Problem.of(e, full))
+        return
+    with f:
+        _check_entries(shard, full, rel, records, md, report, bar, before)
+
+
+def _check_entries(shard: Shard, full: str, rel: str, records: list[MetadataIndex], md: Metadata,
+                   report: VerifyReport, bar: Progress, before: int) -> None:
     save_id = getattr(md.storage_meta, "save_id", None)
     if shard.header.save_id is not None and save_id is not None and shard.header.save_id != save_id:
         report.problems.append(Problem(full, None, f"shard was written by save {shard.header.save_id}, the metadata "

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import mmapckpt
 from helpers import assert_bitwise_equal, dcp_load, dcp_save
-from mmapckpt.format.metadata import read_metadata_file
+from mmapckpt.storage.commits import read_metadata_file
 from strategies import fresh_like, tensors
 
 SHARD = "__0_0.distcp"
@@ -302,7 +302,7 @@ def test_dtensors_are_refused_with_the_dcp_way_named(tmp_path):
 
 def test_direct_reads_of_a_shard_removed_after_mapping_fall_back_to_the_mapping(tmp_path):
     """A later save's clean-up may unlink a shard a load has mapped: the mapping stays the file to read."""
-    from mmapckpt.format.shard import Shard
+    from mmapckpt.reading.shard import Shard
     from mmapckpt.io.direct_reads import DirectReads
 
     sd = {"w": torch.randn(70_000)}

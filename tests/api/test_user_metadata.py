@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 import mmapckpt
 from mmapckpt import FormatError, MmapReader, MmapWriter
 from mmapckpt.format import metadata as mf
-from mmapckpt.format.metadata import read_user_metadata
+from mmapckpt.storage.commits import read_user_metadata_file
 
 
 def _meta(path: str) -> str:
@@ -53,7 +53,7 @@ def test_save_stores_the_metadata_and_load_is_unchanged(tmp_path) -> None:
     sd = {"w": torch.randn(4, 3), "b": torch.arange(5, dtype=torch.bfloat16)}
     user = {"step": "100", "author": "me", "config": json.dumps({"lr": 1e-3}), "empty": ""}
     mmapckpt.save(sd, tmp_path / "c", metadata=user)
-    assert read_user_metadata(_meta(str(tmp_path / "c"))) == user
+    assert read_user_metadata_file(_meta(str(tmp_path / "c"))) == user
     assert _body(str(tmp_path / "c"))["user_metadata"] == user
     out = mmapckpt.load(tmp_path / "c")
     for k, v in sd.items():
@@ -68,7 +68,7 @@ def test_save_stores_the_metadata_and_load_is_unchanged(tmp_path) -> None:
 
 def test_without_metadata_there_is_no_key(tmp_path) -> None:
     mmapckpt.save({"w": torch.ones(2)}, tmp_path / "c")
-    assert read_user_metadata(_meta(str(tmp_path / "c"))) is None
+    assert read_user_metadata_file(_meta(str(tmp_path / "c"))) is None
     assert _preamble(str(tmp_path / "c"))[1:] == (mf.META_MAJOR, mf.META_MINOR)
     assert "user_metadata" not in _body(str(tmp_path / "c"))
 
@@ -86,7 +86,7 @@ def test_a_version_1_file_with_user_metadata_is_1_1_and_1_0_readers_ignore_the_k
         assert list(mf.decode_index(data, "x").entries) == ["w"]
     with open(_meta(str(tmp_path / "c")), "wb") as f:
         f.write(tagged)
-    assert read_user_metadata(_meta(str(tmp_path / "c"))) == {"a": "b"}
+    assert read_user_metadata_file(_meta(str(tmp_path / "c"))) == {"a": "b"}
     assert_bitwise_equal(mmapckpt.load(tmp_path / "c")["w"], torch.ones(2))
 
 
@@ -95,7 +95,7 @@ def test_mmapwriter_takes_metadata_for_dcp_save(tmp_path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(sd, storage_writer=MmapWriter(tmp_path / "c", metadata={"run": "r1"}), no_dist=True)
-    assert read_user_metadata(_meta(str(tmp_path / "c"))) == {"run": "r1"}
+    assert read_user_metadata_file(_meta(str(tmp_path / "c"))) == {"run": "r1"}
 
 
 @pytest.mark.parametrize("bad", [{"step": 100}, {1: "a"}, {"a": None}, {"a": b"x"}, [("a", "b")], "a=b"])
@@ -111,7 +111,7 @@ def test_stock_checkpoints_have_none(tmp_path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"w": torch.ones(2)}, storage_writer=FileSystemWriter(tmp_path / "s"), no_dist=True)
-    assert read_user_metadata(_meta(str(tmp_path / "s"))) is None
+    assert read_user_metadata_file(_meta(str(tmp_path / "s"))) is None
 
 
 @pytest.mark.parametrize("value", [["a"], "a", 5, {"a": 1}, {"a": None}, {"a": ["b"]}, {"a": {"b": "c"}}])
@@ -121,7 +121,7 @@ def test_hostile_user_metadata_is_a_format_error_naming_the_file(tmp_path, value
     doc["user_metadata"] = value
     _rewrite_body(str(tmp_path / "c"), doc)
     with pytest.raises(FormatError, match="user_metadata") as ei:
-        read_user_metadata(_meta(str(tmp_path / "c")))
+        read_user_metadata_file(_meta(str(tmp_path / "c")))
     assert ei.value.path == _meta(str(tmp_path / "c"))
 
 
@@ -143,7 +143,7 @@ def test_damaged_metadata_files_are_format_errors(tmp_path, damage) -> None:
     with open(meta, "wb") as f:
         f.write(data)
     with pytest.raises(FormatError) as ei:
-        read_user_metadata(meta)
+        read_user_metadata_file(meta)
     assert ei.value.path == meta
 
 
@@ -156,12 +156,12 @@ def test_a_pickle_in_place_of_the_metadata_is_never_run(tmp_path) -> None:
     with open(_meta(str(tmp_path / "c")), "wb") as f:
         pickle.dump(Boom(), f)
     # a stock (pickled) metadata file has no user metadata: it is not even unpickled for it
-    assert read_user_metadata(_meta(str(tmp_path / "c"))) is None
+    assert read_user_metadata_file(_meta(str(tmp_path / "c"))) is None
     assert not os.path.exists(tmp_path / "ran")
     with open(_meta(str(tmp_path / "c")), "wb") as f:
         f.write(b"PK\x03\x04 neither kind")
     with pytest.raises(FormatError):
-        read_user_metadata(_meta(str(tmp_path / "c")))
+        read_user_metadata_file(_meta(str(tmp_path / "c")))
 
 
 _TEXT = st.text(max_size=40)
@@ -172,5 +172,5 @@ _TEXT = st.text(max_size=40)
 def test_any_str_to_str_dict_round_trips(tmp_path_factory, user) -> None:
     path = tmp_path_factory.mktemp("u") / "c"
     mmapckpt.save({"w": torch.ones(1)}, path, metadata=user)
-    got = read_user_metadata(_meta(str(path)))
+    got = read_user_metadata_file(_meta(str(path)))
     assert got == user and type(got) is dict

@@ -8,7 +8,7 @@ import pytest
 
 from mmapckpt.bench import coverage
 from mmapckpt.format import metatable
-from mmapckpt.format.metadata import read_index_file
+from mmapckpt.storage.commits import read_index_file
 
 
 def test_a_quick_run_prints_every_layout(capsys) -> None:

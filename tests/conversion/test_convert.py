@@ -372,7 +372,7 @@ def test_progress_bar_draws_only_on_a_terminal(tmp_path, capsys) -> None:
 
 def test_bytes_identical_to_the_source_chunks(tmp_path) -> None:
     """mmapckpt -> dcp -> mmapckpt reproduces every shard entry's bytes and checksum."""
-    from mmapckpt.format.shard import Shard
+    from mmapckpt.reading.shard import Shard
 
     sd = {"a": torch.randn(100), "b": torch.arange(7, dtype=torch.int16), "s": "text"}
     write_source("mmapckpt", sd, str(tmp_path / "m"))
@@ -460,7 +460,7 @@ def test_conversion_memory_stays_near_the_largest_tensor(tmp_path) -> None:
 def test_damaged_sources_are_refused_not_converted(tmp_path) -> None:
     """A flipped byte in an mmapckpt source (checksums) or a truncated stock shard stops the conversion."""
     from mmapckpt import ChecksumError, TruncatedFileError
-    from mmapckpt.format.shard import Shard
+    from mmapckpt.reading.shard import Shard
 
     sd = {"a": torch.randn(64), "b": torch.randn(64)}
     write_source("mmapckpt", sd, str(tmp_path / "m"))

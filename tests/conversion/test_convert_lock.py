@@ -3,7 +3,7 @@
 Each test pauses one of the two in a child process at a chosen point (between its shard write
 and its commit, before or after a conversion's swap), synchronised through the child's stdout
 (``BLOCKED``) and stdin (``go``), runs the other in this process, then lets the child finish.
-The one that finds the directory's lock (dcp/commit.py SaveLock) held must fail with a
+The one that finds the directory's lock (storage/lock.py SaveLock) held must fail with a
 CheckpointWriteError and leave nothing behind; the other must leave a whole checkpoint, bitwise.
 Children are stopped by their pid if a test fails.
 """
@@ -23,7 +23,7 @@ from helpers import add_foreign, dcp_failure, foreign_kept, tensor_bytes
 
 import mmapckpt
 from mmapckpt import CheckpointWriteError, MmapWriter, convert
-from mmapckpt.dcp import commit
+from mmapckpt.storage import lock as commit
 from mmapckpt.tools.cli import main
 
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader
 import mmapckpt
 from mmapckpt import ConversionWarning, FormatError, convert
 from mmapckpt.format import metadata as mf
-from mmapckpt.format.metadata import read_user_metadata
+from mmapckpt.storage.commits import read_user_metadata_file
 from mmapckpt.tools.cli import main
 
 USER = {"author": "me", "step": "1200", "config": json.dumps({"lr": 3e-4, "name": "ünïcode"})}
@@ -38,7 +38,7 @@ def _sd() -> dict[str, torch.Tensor]:
 
 
 def _user(path) -> dict[str, str] | None:
-    return read_user_metadata(os.path.join(path, ".metadata"))
+    return read_user_metadata_file(os.path.join(path, ".metadata"))
 
 
 def _st_meta(path) -> dict[str, str] | None:

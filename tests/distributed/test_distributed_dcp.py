@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 import dist_ranks as dr
 import helpers
 from mmapckpt import MmapReader
-from mmapckpt.format.shard import Shard
+from mmapckpt.reading.shard import Shard
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import mmapckpt
 from mmapckpt.format import layout as fmt
-from mmapckpt.format.shard import Shard
+from mmapckpt.reading.shard import Shard
 from strategies import ALL_DTYPES, DTYPE_NAMES
 
 from helpers import dcp_save

@@ -138,7 +138,7 @@ def test_stand_alone_reader_refuses_bad_files(tmp_path, reader, damage: str) -> 
     with pytest.raises(ValueError):
         reader["read_shard"](str(p))
     with pytest.raises(mmapckpt.FormatError):  # and mmapckpt agrees the file is bad
-        from mmapckpt.format.shard import Shard
+        from mmapckpt.reading.shard import Shard
         Shard(str(p))
 
 

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 import mmapckpt
 from helpers import metadata_with_doc
+from mmapckpt.storage.commits import read_index_file
 from mmapckpt.format import metabulk, metatable
 from mmapckpt.format import metadata as mf
 from mmapckpt.format.metaindex import InvalidMetadata
@@ -117,7 +118,7 @@ def test_a_document_with_true_false_or_a_float_in_it_is_still_read(tmp_path, nam
     sd = {name: torch.arange(4.0), "w": torch.ones(2, 2)}
     mmapckpt.save(sd, tmp_path / "c")
     path = tmp_path / "c" / ".metadata"
-    _, entries, _ = mf.read_index_file(path)
+    _, entries, _ = read_index_file(path)
     assert not isinstance(entries, metabulk.TableEntries)  # the walk read it
     assert entries[name].shape == (4,) and list(entries) == [name, "w"]
     raw = path.read_bytes()
@@ -125,7 +126,7 @@ def test_a_document_with_true_false_or_a_float_in_it_is_still_read(tmp_path, nam
     doc["table"]["rows"][2] = True  # rank True: refused, though true == 1
     path.write_bytes(metadata_with_doc(raw, doc))
     with pytest.raises(mmapckpt.FormatError, match="list of integers"):
-        mf.read_index_file(path)
+        read_index_file(path)
 
 
 @pytest.mark.parametrize("sd", [
@@ -138,7 +139,7 @@ def test_tables_of_tensors_only_are_read_in_bulk_as_the_walk_reads_them(tmp_path
     mmapckpt.save(sd, tmp_path / "c")
     doc = json.loads((tmp_path / "c" / ".metadata").read_bytes()[24:])
     assert _same(doc) == "ok"
-    _, entries, _ = mf.read_index_file(tmp_path / "c" / ".metadata")
+    _, entries, _ = read_index_file(tmp_path / "c" / ".metadata")
     assert isinstance(entries, metabulk.TableEntries)
     assert {k: (e.dtype, e.shape) for k, e in entries.items()} == {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()}
 

@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import mmapckpt
-from mmapckpt.format import layout as fmt
+from mmapckpt.storage.commits import read_metadata_file
 from mmapckpt.format import metadata as mf
-from mmapckpt.io.files import safe_relative_path
+from mmapckpt.format.entries import safe_relative_path
 from strategies import state_dicts
 
 
@@ -102,7 +102,7 @@ def test_round_trip_property(sd: dict[str, Any]) -> None:
         assert mine.planner_data == stock.planner_data
         assert {(i.fqn, tuple(i.offset or ())) for i in mine.storage_data} == \
                {(i.fqn, tuple(i.offset or ())) for i in stock.storage_data}
-        kind, on_disk = mf.read_metadata_file(os.path.join(d, "m", ".metadata"))
+        kind, on_disk = read_metadata_file(os.path.join(d, "m", ".metadata"))
         assert kind == "mmapckpt"
         assert_metadata_equal(mine, on_disk)
         raw = with_raw_lengths(stock)
@@ -250,7 +250,7 @@ def test_malformed_metadata(tmp_path, make: Callable[[], bytes], error: type, wo
     p = tmp_path / ".metadata"
     p.write_bytes(make())
     with pytest.raises(error) as ei:
-        mf.read_metadata_file(p)
+        read_metadata_file(p)
     err = ei.value
     assert type(err) is error, f"{type(err).__name__}: {err}"
     assert isinstance(err, ValueError) and err.path == str(p) and str(p) in str(err)
@@ -266,7 +266,7 @@ def test_good_doc_decodes(tmp_path) -> None:
 # --------------------------------------------------------------------------- stock metadata, restricted unpickler
 def test_restricted_unpickler_accepts_real_stock_metadata(tmp_path) -> None:
     ret = stock_metadata(_sd(), str(tmp_path))
-    kind, md = mf.read_metadata_file(tmp_path / ".metadata")
+    kind, md = read_metadata_file(tmp_path / ".metadata")
     assert kind == "dcp"
     with open(tmp_path / ".metadata", "rb") as f:
         plain = pickle.load(f)  # this test wrote the file itself, so a plain load is safe here
@@ -280,7 +280,7 @@ def test_restricted_unpickler_accepts_real_stock_metadata(tmp_path) -> None:
 def test_restricted_unpickler_accepts_any_stock_metadata(sd: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory() as d:
         ret = stock_metadata(sd, d)
-        kind, md = mf.read_metadata_file(os.path.join(d, ".metadata"))
+        kind, md = read_metadata_file(os.path.join(d, ".metadata"))
         assert kind == "dcp" and md == ret
 
 
@@ -318,7 +318,7 @@ def test_crafted_pickle_is_refused_and_runs_nothing(tmp_path, name: str) -> None
     meta = tmp_path / ".metadata"
     meta.write_bytes(_payloads(str(target))[name])
     with pytest.raises(mmapckpt.UnsafePickleError) as ei:
-        mf.read_metadata_file(meta)
+        read_metadata_file(meta)
     assert not target.exists()
     assert isinstance(ei.value, mmapckpt.FormatError) and isinstance(ei.value, ValueError)
     assert str(meta) in str(ei.value) and "not a DCP metadata class" in str(ei.value)
@@ -339,7 +339,7 @@ def test_protocol_0_pickle_is_not_metadata(tmp_path) -> None:
     target = tmp_path / "pwned"
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Reduce(os.system, f"touch {target}"), protocol=0))
     with pytest.raises(mmapckpt.BadMagicError):
-        mf.read_metadata_file(tmp_path / ".metadata")
+        read_metadata_file(tmp_path / ".metadata")
     assert not target.exists()
 
 
@@ -354,7 +354,7 @@ def test_persistent_ids_are_refused(tmp_path) -> None:
     P(buf, protocol=2).dump(Metadata(state_dict_metadata={"w": BytesStorageMetadata()}))
     (tmp_path / ".metadata").write_bytes(buf.getvalue())
     with pytest.raises(mmapckpt.UnsafePickleError, match="persistent"):
-        mf.read_metadata_file(tmp_path / ".metadata")
+        read_metadata_file(tmp_path / ".metadata")
 
 
 @pytest.mark.parametrize("payload, words", [
@@ -368,7 +368,7 @@ def test_persistent_ids_are_refused(tmp_path) -> None:
 def test_malformed_stock_metadata(tmp_path, payload: bytes, words: str) -> None:
     (tmp_path / ".metadata").write_bytes(payload)
     with pytest.raises(mmapckpt.FormatError) as ei:
-        mf.read_metadata_file(tmp_path / ".metadata")
+        read_metadata_file(tmp_path / ".metadata")
     assert words in str(ei.value) and str(tmp_path / ".metadata") in str(ei.value)
 
 

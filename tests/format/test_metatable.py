@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 import mmapckpt
 from helpers import as_metadata_v1, assert_tree_equal, metadata_with_doc
+from mmapckpt.storage.commits import read_index_file, read_metadata_file
 from mmapckpt.errors import FormatError, UnknownDtypeError, UnsafePathError
-from mmapckpt.format import metadata as mf
 
 
 def _sd() -> dict[str, Any]:
@@ -34,11 +34,11 @@ def _fresh() -> dict[str, Any]:
 
 
 def test_version_1_and_2_describe_the_same_checkpoint(ckpt) -> None:
-    _, v2 = mf.read_metadata_file(ckpt / ".metadata")
+    _, v2 = read_metadata_file(ckpt / ".metadata")
     from_v2 = _fresh()
     dcp.load(from_v2, storage_reader=mmapckpt.MmapReader(ckpt), no_dist=True)
     as_metadata_v1(ckpt)
-    _, v1 = mf.read_metadata_file(ckpt / ".metadata")
+    _, v1 = read_metadata_file(ckpt / ".metadata")
     assert v1.state_dict_metadata == v2.state_dict_metadata and v1.planner_data == v2.planner_data
     assert v1.storage_data == v2.storage_data
     assert sorted((k.fqn, k.index) for k in v1.storage_data) == sorted((k.fqn, k.index) for k in v2.storage_data)
@@ -65,9 +65,9 @@ def _table_error(ckpt: Any, mutate: Callable[[dict[str, Any]], None], lazy_too: 
     path.write_bytes(metadata_with_doc(raw, doc))
     if lazy_too:
         with pytest.raises(FormatError):
-            mf.read_index_file(path)  # what open/load/load_into decode
+            read_index_file(path)  # what open/load/load_into decode
     with pytest.raises(FormatError) as ei:
-        mf.read_metadata_file(path)  # what dcp.load plans with
+        read_metadata_file(path)  # what dcp.load plans with
     assert str(path) in str(ei.value)
     return ei.value
 

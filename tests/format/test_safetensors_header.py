@@ -14,13 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmapckpt import CheckpointError, FormatError, TruncatedFileError, UnknownDtypeError
-from mmapckpt.format.safetensors import (
-    MAX_HEADER_SIZE,
-    SAFETENSORS_DTYPES,
-    SafetensorsFile,
-    parse_header,
-    read_header,
-)
+from mmapckpt.format.safetensors import MAX_HEADER_SIZE, SAFETENSORS_DTYPES, parse_header
+from mmapckpt.reading.safetensors_files import SafetensorsFile, read_header
 
 CODES = {dt: code for code, dt in SAFETENSORS_DTYPES.items()}
 

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 import mmapckpt
 from helpers import dcp_failure, dcp_load
-from mmapckpt.format.stock import load_tensor, read_item
+from mmapckpt.format.stock import load_tensor
 
 
 def _stock_checkpoint(path):
@@ -36,16 +36,15 @@ def test_load_tensor_accepts_a_tensor_and_refuses_other_objects():
         load_tensor(b"garbage", path="f", entry="e")
 
 
-def test_read_item_refuses_an_item_past_the_end(tmp_path):
+def test_reading_an_item_past_the_end_is_refused(tmp_path):
+    from mmapckpt.storage.local import LocalFile
+
     p = tmp_path / "x"
     p.write_bytes(b"0123456789")
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        assert bytes(read_item(fd, 2, 5, path=str(p), entry="e")) == b"23456"
-        with pytest.raises(mmapckpt.TruncatedFileError):
-            read_item(fd, 8, 5, path=str(p), entry="e")
-    finally:
-        os.close(fd)
+    with LocalFile(str(p)) as f:
+        assert bytes(f.read(2, 5, entry="e")) == b"23456"
+        with pytest.raises(mmapckpt.TruncatedFileError, match="runs past the end"):
+            f.read(8, 5, entry="e")
 
 
 def test_reader_on_a_stock_item_replaced_by_a_non_tensor(tmp_path):
@@ -98,8 +97,8 @@ def test_stock_metadata_of_older_torch_with_the_legacy_tensor_properties_loads(t
 
 def test_a_rank_local_lookup_of_a_collective_checkpoint_is_not_called_incomplete(tmp_path):
     import mmapckpt
-    from mmapckpt.format.metadata import find_metadata
+    from mmapckpt.storage.local import LocalStorage
 
     mmapckpt.save({"w": torch.ones(2)}, tmp_path)
     with pytest.raises(mmapckpt.CheckpointNotFoundError, match="commit is .metadata"):
-        find_metadata(str(tmp_path), rank=0)
+        LocalStorage(str(tmp_path)).find_metadata(rank=0)

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 import mmapckpt
 from helpers import assert_bitwise_equal, dcp_load, save_chunked, shard_with_header
 from mmapckpt import CheckpointError, EntryBoundsError, FormatError, MmapReader, MmapWriter
-from mmapckpt.format.metadata import encode_metadata, read_metadata_file
+from mmapckpt.format.metadata import encode_metadata
+from mmapckpt.storage.commits import read_metadata_file
 from mmapckpt.tools.verify import verify_checkpoint
 from strategies import layouts
 
@@ -172,7 +173,7 @@ def test_one_chunk_listed_for_every_row_is_refused_before_anything_is_allocated(
 
 def test_a_shard_header_listing_one_tensor_s_chunks_at_the_same_bytes_is_refused(tmp_path):
     """The header's own rule (docs/format.md 2.2 rule 6): exact aliases are tied weights, of two names."""
-    from mmapckpt.format.shard import Shard
+    from mmapckpt.reading.shard import Shard
 
     path = str(tmp_path / "c")
     save_chunked({"w": torch.zeros(8, 16)}, {"w": [((i, 0), (1, 16)) for i in range(8)]}, MmapWriter(path))
@@ -252,7 +253,7 @@ def test_an_mmapckpt_checkpoint_with_a_zero_element_huge_shape_is_refused(tmp_pa
 
 
 def test_a_shard_header_with_a_zero_element_huge_shape_is_refused(tmp_path):
-    from mmapckpt.format.shard import Shard
+    from mmapckpt.reading.shard import Shard
 
     path = str(tmp_path / "c")
     mmapckpt.save({"e": torch.zeros(0, 3, 4)}, path)

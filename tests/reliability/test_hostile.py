@@ -40,7 +40,7 @@ from mmapckpt import (
     UnsafePathError,
     UnsafePickleError,
 )
-from mmapckpt.format.shard import Shard
+from mmapckpt.reading.shard import Shard
 
 SHARD = "__0_0.distcp"
 
@@ -440,7 +440,7 @@ warnings.simplefilter("ignore")
 sys.path.insert(0, sys.argv[1])
 from helpers import dcp_save
 from mmapckpt import MmapWriter
-from mmapckpt.format.shard import Shard
+from mmapckpt.reading.shard import Shard
 path, mode = sys.argv[2], sys.argv[3]
 dcp_save({"a": torch.arange(1 << 20, dtype=torch.float32)}, MmapWriter(path))
 f = os.path.join(path, "__0_0.distcp")

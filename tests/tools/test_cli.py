@@ -18,7 +18,7 @@ from safetensors import safe_open
 import mmapckpt
 from mmapckpt import CheckpointExistsError, MmapWriter
 from mmapckpt.io.progress import Progress, human_bytes
-from mmapckpt.format.shard import Shard
+from mmapckpt.reading.shard import Shard
 from mmapckpt.tools.cli import main
 
 SD = {"enc.w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "enc.b": torch.ones(3, dtype=torch.bfloat16),

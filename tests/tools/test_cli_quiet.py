@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mmapckpt
-from mmapckpt.format.shard import Shard
+from mmapckpt.reading.shard import Shard
 from mmapckpt.tools.cli import main
 from mmapckpt.tools.wording import count, plural
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemWriter
 
 from mmapckpt import CheckpointNotFoundError, MmapWriter, verify_checkpoint
-from mmapckpt.format.shard import Shard
+from mmapckpt.reading.shard import Shard
 
 
 def _state() -> dict:

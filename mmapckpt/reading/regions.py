@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from .entries import EntryInfo
+from ..format.entries import EntryInfo
+from .backend import ChunkBackend
 
-__all__ = ["copy_selection", "normalize_index"]
+__all__ = ["copy_selection", "normalize_index", "read_selection", "read_tensor"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -54,7 +55,7 @@ def normalize_index(index: Any, shape: tuple[int, ...]) -> tuple[list[tuple[int,
     return sel, out_shape
 
 
-def copy_selection(files: Any, info: EntryInfo, sel: list[tuple[int, int, int]]) -> torch.Tensor:
+def copy_selection(files: ChunkBackend, info: EntryInfo, sel: list[tuple[int, int, int]]) -> torch.Tensor:
     """A new tensor holding the selection (start, step, count per dim) of ``info``, copied from every
     chunk that ``files`` (a chunk backend) returns and the selection touches (only those parts)."""
     out = torch.empty([n for _, _, n in sel], dtype=info.dtype)
@@ -71,3 +72,18 @@ def copy_selection(files: Any, info: EntryInfo, sel: list[tuple[int, int, int]])
         else:
             out[tuple(dst)].copy_(files.chunk(info, c)[tuple(src)])
     return out
+
+
+def read_selection(files: ChunkBackend, info: EntryInfo, sel: list[tuple[int, int, int]]) -> torch.Tensor:
+    """:func:`copy_selection`, then the files checked unchanged (the chunks tile the tensor: format/tiling.py)."""
+    out = copy_selection(files, info, sel)
+    files.check_unchanged(info.chunks)
+    return out
+
+
+def read_tensor(files: ChunkBackend, info: EntryInfo) -> torch.Tensor:
+    """The whole tensor ``info``: its one chunk as the backend gives it (a view where it can), or assembled."""
+    c = info.whole
+    if c is not None:
+        return files.chunk(info, c)
+    return read_selection(files, info, [(0, 1, s) for s in info.shape or ()])

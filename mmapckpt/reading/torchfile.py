@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, FormatError
-from .entries import ChunkInfo, EntryInfo
+from ..format.entries import ChunkInfo, EntryInfo
 
 __all__ = ["TorchFiles", "flat_torch_file", "is_torch_file", "load_torch_file"]
 
@@ -116,3 +116,10 @@ class TorchFiles:
         if info.name not in self.values:
             raise CheckpointError("no such entry", path=self.path, entry=info.name)
         return self.values[info.name]
+
+    def object_bytes(self, info: EntryInfo) -> bytes:
+        raise CheckpointError("a torch.save file's values are loaded, not stored as bytes: use object_value",
+                              path=self.path, entry=info.name)
+
+    def close(self) -> None:
+        self.values = {}

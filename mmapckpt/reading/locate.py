@@ -21,22 +21,16 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..errors import CheckpointError, CheckpointNotFoundError, FormatError
+from ..format.entries import EntryInfo
+from ..format.metadata import METADATA_NAME
+from ..format.safetensors import entry_infos
 from ..io.files import open_inside, refuse_url
+from ..storage.commits import read_index, read_user_metadata
+from ..storage.local import LocalFile, LocalStorage
+from ..storage.location import storage_for
+from .backend import ChunkBackend
 from .chunks import ChunkFiles
-from .entries import EntryInfo
-from .metadata import (
-    METADATA_NAME,
-    find_metadata,
-    metadata_kind,
-    read_index_file,
-    read_user_metadata,
-)
-from .safetensors import (
-    SafetensorsFile,
-    SafetensorsFiles,
-    entry_infos,
-    looks_like_safetensors,
-)
+from .safetensors_files import SafetensorsFile, SafetensorsFiles, is_safetensors_file
 from .torchfile import TorchFiles, is_torch_file
 
 __all__ = [
@@ -76,11 +70,11 @@ def _pairs_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _read_index(idx_path: str) -> dict[str, str]:
     try:
-        with open(idx_path, "rb") as f:
-            data = f.read(MAX_INDEX_SIZE + 1)
-        if len(data) > MAX_INDEX_SIZE:
-            raise ValueError(f"larger than the limit of {MAX_INDEX_SIZE} bytes")
+        d, name = os.path.split(idx_path)
+        data = LocalStorage(d).read_file(name, MAX_INDEX_SIZE)
         doc = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs_once)
+    except FormatError as e:
+        raise FormatError(f"unreadable safetensors index: {e.args[0]}", path=idx_path) from None
     except (OSError, ValueError, RecursionError) as e:
         raise FormatError(f"unreadable safetensors index: {e}", path=idx_path) from None
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -133,17 +127,13 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     p = os.fspath(path)
     refuse_url(p, CheckpointNotFoundError)
     if os.path.isdir(p):
-        if os.path.isfile(os.path.join(p, METADATA_NAME)):
-            with open(os.path.join(p, METADATA_NAME), "rb") as f:
-                head = f.read(8)
-            kind = metadata_kind(head)
-            if kind is None:
-                raise FormatError("neither mmapckpt nor stock DCP metadata", path=os.path.join(p, METADATA_NAME))
-            return kind
+        storage = LocalStorage(p)
+        if storage.exists(METADATA_NAME):
+            return storage.read_metadata(METADATA_NAME).kind
         if index_file(p) is not None or os.path.isfile(os.path.join(p, SAFETENSORS_SINGLE)):
             return "safetensors"
         try:
-            find_metadata(p)  # raises IncompleteCheckpointError (shards without a commit) or:
+            storage.find_metadata()  # raises IncompleteCheckpointError (shards without a commit) or:
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint here: no {METADATA_NAME} (mmapckpt or DCP), "
                                           f"{SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE}", path=p) from None
@@ -151,8 +141,11 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         raise CheckpointNotFoundError("no such file or directory", path=p)
     if not os.path.isfile(p):
         raise CheckpointNotFoundError("not a checkpoint file or directory", path=p)
-    if p.endswith(".safetensors") or looks_like_safetensors(p):
+    if p.endswith(".safetensors"):
         return "safetensors"
+    with LocalFile(p) as f:
+        if is_safetensors_file(f):
+            return "safetensors"
     if is_torch_file(p):
         return "torch"
     raise CheckpointNotFoundError("not a recognised checkpoint (mmapckpt, DCP, safetensors or torch.save)", path=p)
@@ -165,14 +158,14 @@ class Opened(NamedTuple):
         kind: one of FORMATS.
         root: the directory that chunk file names are relative to.
         entries: the index, by name, in the checkpoint's order.
-        files: the chunk backend (``ChunkFiles``, ``SafetensorsFiles`` or ``TorchFiles``).
+        files: the chunk backend (``ChunkFiles``, ``SafetensorsFiles`` or ``TorchFiles``: reading/backend.py).
         user_metadata: returns the ``{str: str}`` user metadata, or None where there is none.
     """
 
     kind: str
     root: str
     entries: dict[str, EntryInfo]
-    files: Any
+    files: ChunkBackend
     user_metadata: Callable[[], dict[str, str] | None]
 
 
@@ -187,7 +180,7 @@ def _open_safetensors(path: str) -> Opened:
     entries: dict[str, EntryInfo] = {}
     for full, names in files.items():
         rel = os.path.relpath(full, root)
-        f = opened[rel] = SafetensorsFile(full)
+        f = opened[rel] = SafetensorsFile(LocalFile(full))
         for name, info in entry_infos(f.header, rel, names).items():
             if name in entries:  # only without an index: one file's header cannot name a tensor twice
                 raise FormatError("two files hold this tensor", path=full, entry=name)
@@ -220,13 +213,14 @@ def open_backend(path: str, *, verify: bool = False) -> Opened:
     if kind == "torch":
         files, entries = TorchFiles.open(path)
         return Opened(kind, os.path.dirname(path) or ".", entries, files, _no_metadata)
-    meta = find_metadata(path)
-    kind, entries, save_id = read_index_file(meta)
+    storage = storage_for(path)
+    meta = storage.find_metadata()
+    kind, entries, save_id = read_index(storage, meta)
     read: list[dict[str, str] | None] = []
 
     def user_metadata() -> dict[str, str] | None:  # read on first use: open() itself decodes the index only
         if not read:
-            read.append(read_user_metadata(meta))
+            read.append(read_user_metadata(storage, meta))
         return None if read[0] is None else dict(read[0])
 
-    return Opened(kind, path, entries, ChunkFiles(path, entries, save_id, verify=verify), user_metadata)
+    return Opened(kind, path, entries, ChunkFiles(storage, entries, save_id, verify=verify), user_metadata)

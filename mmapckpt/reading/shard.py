@@ -1,7 +1,8 @@
-"""One mapped shard file: validated header, tensors as views over the mapping.
+"""One shard file read through the storage (storage/base.py ``StoredFile``): validated header, tensors as views.
 
 The preamble and the header's checksum and top level are checked before anything is
-mapped. Every entry of the header is checked against the file's size when the header
+mapped. Where the medium maps files (local ones) a chunk is a view over the mapping;
+where it cannot, a chunk is read into a new tensor (:meth:`Shard.view`). Every entry of the header is checked against the file's size when the header
 is first used (at once, unless ``check_entries=False``); readers that take each
 entry's place from the checkpoint metadata instead use :meth:`Shard.view`, which
 checks the one region it is given. Either way a view never reaches past the end of
@@ -11,7 +12,6 @@ docs/reliability.md).
 
 from __future__ import annotations
 
-import os
 import zlib
 from functools import cached_property
 from typing import Any
@@ -26,22 +26,18 @@ from ..errors import (
     SizeMismatchError,
     TruncatedFileError,
 )
-from ..io.files import pread_into
-from ..io.mapped import MappedFile, open_regular
-from . import layout as fmt
-from .transforms import StreamTransforms
+from ..format import layout as fmt
+from ..format.transforms import StreamTransforms
+from ..io.mapped import MappedFile
+from ..storage.base import StoredFile
+from ..storage.local import LocalFile
 
 __all__ = ["Shard", "is_mmapckpt_shard", "encoded_bytes", "decode_entry"]
 
 
-def is_mmapckpt_shard(path: str) -> bool:
-    fd = open_regular(path)
-    try:
-        return os.pread(fd, len(fmt.MAGIC), 0) == fmt.MAGIC
-    except OSError as e:
-        raise CheckpointError(f"cannot read shard: {e.strerror}", path=path) from None
-    finally:
-        os.close(fd)
+def is_mmapckpt_shard(file: StoredFile) -> bool:
+    """Whether the file starts with an mmapckpt shard's magic (else: a stock DCP shard)."""
+    return file.size >= len(fmt.MAGIC) and bytes(file.read(0, len(fmt.MAGIC))) == fmt.MAGIC
 
 
 class Shard:
@@ -56,33 +52,38 @@ class Shard:
         ident: (st_dev, st_ino) of the file when opened.
     """
 
-    def __init__(self, path: str, *, check_entries: bool = True) -> None:
-        self.path = path
-        fd = open_regular(path)
+    def __init__(self, file: StoredFile | str, *, check_entries: bool = True) -> None:
+        #: the file, open through its storage (a local path is opened as a LocalFile)
+        self.stored = file if isinstance(file, StoredFile) else LocalFile(file)
+        self.path = path = self.stored.path
+        size = self.stored.size
         try:
-            size = os.fstat(fd).st_size
-            pre = os.pread(fd, fmt.PREAMBLE_SIZE, 0)
-            minor, order, hlen, hcrc = fmt.decode_preamble(pre, size, path)
-            body = bytearray(hlen)
-            pread_into(fd, body, fmt.PREAMBLE_SIZE, path=path)
-            self._body, self._hcrc = bytes(body), hcrc
-            self._order, self._minor = order, minor
-            self._agreed: str | None = None  # the save id, once the header is known to be the metadata's (agrees())
-            self.data_start = fmt.PREAMBLE_SIZE + hlen
-            self.size = size
-            if check_entries:
-                self.header  # decode and check every entry now
-            # Map the descriptor the header was read from, never the path again: a file
-            # renamed over the path in between would pair this header with other bytes.
-            self.file = MappedFile(fd, path, size)
-        except OSError as e:
-            raise CheckpointError(f"cannot read shard: {e.strerror or e}", path=path) from None
-        finally:
-            os.close(fd)
+            pre = self.stored.read(0, min(fmt.PREAMBLE_SIZE, size))
+            minor, order, hlen, hcrc = fmt.decode_preamble(bytes(pre), size, path)
+            body = self.stored.read(fmt.PREAMBLE_SIZE, hlen)
+        except BaseException:
+            if not isinstance(file, StoredFile):
+                self.stored.close()
+            raise
+        self._body, self._hcrc = bytes(body), hcrc
+        self._order, self._minor = order, minor
+        self._agreed: str | None = None  # the save id, once the header is known to be the metadata's (agrees())
+        self.data_start = fmt.PREAMBLE_SIZE + hlen
+        self.size = size
+        if check_entries:
+            self.header  # decode and check every entry now
+        # The mapping is of the file the header was read from, never of the path again: a file
+        # renamed over the path in between would pair this header with other bytes.
+        #: the file mapped (views without copying), or None where its medium cannot map
+        self.file: MappedFile | None = self.stored.mapping
+
+    def close(self) -> None:
+        """Release the file (views already built keep their mapping)."""
+        self.stored.close()
 
     @property
-    def ident(self) -> tuple[int, int]:
-        return self.file.ident
+    def ident(self) -> object:
+        return self.stored.ident
 
     @cached_property
     def _decoded(self) -> tuple[dict[str, Any], str | None]:
@@ -143,7 +144,12 @@ class Shard:
                 _refuse_placed(self, key, want)
         if not self._in_bounds(offset, length):
             _refuse_region(self, key, offset, length)
-        return self.file.view(offset, dtype, shape)
+        if self.file is not None:
+            return self.file.view(offset, dtype, shape)
+        out = torch.empty(shape, dtype=dtype)
+        if length:
+            self.stored.read_into(offset, out.reshape(-1).view(torch.uint8).numpy(), entry=_label(key))
+        return out
 
     def object_bytes(self, fqn: str, offset: int, length: int) -> bytes:
         """The bytes of the non-tensor entry ``fqn``, placed by the metadata (checked as in :meth:`view`)."""
@@ -152,14 +158,16 @@ class Shard:
             _refuse_placed(self, (fqn, None), want)
         if not self._in_bounds(offset, length):
             _refuse_region(self, (fqn, None), offset, length)
-        return self.file.raw(offset, length).numpy().tobytes()
+        return bytes(self._bytes(offset, length, fqn))
+
+    def _bytes(self, offset: int, length: int, label: str) -> Any:
+        """``length`` bytes at ``offset``: a view of the mapping, or read."""
+        if self.file is not None:
+            return self.file.raw(offset, length).numpy()
+        return self.stored.read(offset, length, entry=label)
 
     def _in_bounds(self, offset: int, length: int) -> bool:
         return self.data_start <= offset and offset + length <= self.size and not offset % fmt.MIN_ALIGNMENT
-
-    def address(self) -> int:
-        """The address of the file's first byte in the mapping (0 for an empty file)."""
-        return self.file.address()
 
     def entry(self, fqn: str, chunk_offsets: tuple[int, ...] | None) -> fmt.Entry:
         try:
@@ -169,8 +177,11 @@ class Shard:
             raise CheckpointError("entry is not in this shard's header", path=self.path, entry=label) from None
 
     def raw(self, e: fmt.Entry) -> torch.Tensor:
-        """The entry's bytes as a uint8 view over the mapping (no copy)."""
-        return self.file.raw(e.offset, e.length)
+        """The entry's bytes as a uint8 tensor: a view over the mapping (no copy), or read."""
+        if self.file is not None:
+            return self.file.raw(e.offset, e.length)
+        data = self.stored.read(e.offset, e.length, entry=e.label)
+        return torch.frombuffer(data, dtype=torch.uint8) if e.length else torch.empty(0, dtype=torch.uint8)
 
     def tensor(self, e: fmt.Entry) -> torch.Tensor:
         """The entry as a tensor of its dtype and shape, a copy-on-write view over the mapping."""
@@ -202,7 +213,7 @@ def encoded_bytes(shard: Shard, key: tuple[str, tuple[int, ...] | None], offset:
                           entry=_label(key))
     if not shard._in_bounds(offset, length):
         _refuse_region(shard, key, offset, length)
-    return memoryview(shard.file.raw(offset, length).numpy()), got[4]
+    return memoryview(shard._bytes(offset, length, _label(key))), got[4]
 
 
 def decode_entry(shard: Shard, e: fmt.Entry, transforms: StreamTransforms) -> torch.Tensor | bytes:
@@ -251,4 +262,4 @@ def _label(key: tuple[str, tuple[int, ...] | None]) -> str:
 
 def check_size_unchanged(shard: Shard) -> None:
     """Raise TruncatedFileError if the shard's file shrank since it was mapped."""
-    shard.file.check_unchanged()
+    shard.stored.check_unchanged()

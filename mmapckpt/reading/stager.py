@@ -9,16 +9,17 @@ import torch
 
 from ..io.direct_reads import DirectReads
 from ..io.staging import StagingPool, stage
-from .entries import ChunkInfo, EntryInfo
+from ..format.entries import ChunkInfo, EntryInfo
+from .backend import ChunkBackend
 
 __all__ = ["chunk_stager"]
 
 
 @contextlib.contextmanager
-def chunk_stager(files: Any, infos: list[EntryInfo]) -> Iterator[Callable[..., None]]:
+def chunk_stager(files: ChunkBackend, infos: list[EntryInfo]) -> Iterator[Callable[..., None]]:
     """``stage_chunk(pool, info, chunk, dst, done=None)``: one stored chunk into accelerator tensor ``dst``.
 
-    ``files`` is an open checkpoint's backend (``LazyCheckpoint._open_files()``).
+    ``files`` is an open checkpoint's backend (``LazyCheckpoint.backend``).
 
     Chunks that are views over a file mapping (mmapckpt shards, aligned safetensors tensors)
     are read from the file straight into the staging buffers (``preadv`` through

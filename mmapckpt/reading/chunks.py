@@ -1,26 +1,25 @@
 """How to get a checkpoint's chunks.
 
-``ChunkFiles`` opens the shard files (mmapckpt shards validated and mapped, stock
-files read per item with ``torch.load(weights_only=True)``) and returns each
-chunk as a CPU tensor, a view over the mapping where it can. The index of entries
-and chunks it works from is the metadata's (``metafile.read_index_file``).
+``ChunkFiles`` opens the shard files through the checkpoint's storage (mmapckpt shards
+validated and mapped, stock files read per item with ``torch.load(weights_only=True)``) and
+returns each chunk as a CPU tensor, a view over the mapping where it can. The index of entries
+and chunks it works from is the metadata's (``storage/commits.py`` ``read_index``).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..errors import IncompleteCheckpointError, SizeMismatchError
-from ..io.files import open_inside
+from ..errors import CheckpointError, IncompleteCheckpointError, SizeMismatchError
+from ..format.dtypes import dtype_name
+from ..format.entries import ChunkInfo, EntryInfo
+from ..format.stock import load_tensor
 from ..io.mapped import MappedFile
-from .dtypes import dtype_name
-from .entries import ChunkInfo, EntryInfo
-from .metadata import missing_shard_error
+from ..storage.base import CheckpointStorage, StoredFile
+from ..storage.commits import missing_shard_error
 from .shard import Shard, check_size_unchanged, is_mmapckpt_shard
-from .stock import load_tensor, read_item
 
 __all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles"]
 
@@ -52,40 +51,50 @@ def _stored_name(dtype: torch.dtype) -> str | None:
 class ChunkFiles:
     """The chunk backend of ``mmapckpt.open`` for DCP directories: mmapckpt shards mapped, stock files read per item.
 
-    Every backend (this one, ``safetensors.SafetensorsFiles``, ``torchfile.TorchFiles``) has
-    ``chunk``, ``mapped``, ``advise``, ``check_unchanged`` and ``pickled_objects``: the lazy
-    loader differs between formats only through them.
+    A ``ChunkBackend`` (reading/backend.py).
     """
 
     #: non-tensor entries are pickles (``object_bytes``): unpickling them needs the caller's consent
     pickled_objects = True
 
-    def __init__(self, root: str, entries: Mapping[str, EntryInfo], save_id: str | None, *,
+    def __init__(self, storage: CheckpointStorage, entries: Mapping[str, EntryInfo], save_id: str | None, *,
                  verify: bool = False) -> None:
-        self.root = root
+        self.storage = storage
+        self.root = storage.location
         #: check each mmapckpt chunk's CRC-32 the first time it is read (stock items have none)
         self.verify = verify
         self._verified: set[tuple[str, tuple[int, ...] | None]] = set()
         self.shards: dict[str, Shard] = {}
-        self.stock: dict[str, str] = {}
+        self.stock: dict[str, StoredFile] = {}
         files = _records_by_file(entries)
-        for rel in sorted(files):
-            full = open_inside(root, rel)
-            if not os.path.isfile(full):
-                raise missing_shard_error(root, full, save_id)
-            if is_mmapckpt_shard(full):
-                shard = Shard(full, check_entries=False)  # chunks are placed by the metadata: see chunk()
-                if shard.agrees(save_id, files[rel]):  # the usual case: no entry of the header to decode
-                    self.shards[rel] = shard
-                    continue
-                sid = shard.save_id
-                if None not in (sid, save_id) and sid != save_id:
-                    raise IncompleteCheckpointError(
-                        f"shard was written by save {sid}, but the metadata belongs to save {save_id}: "
-                        "the checkpoint was replaced while it was being opened", path=full)
-                self.shards[rel] = shard
-            else:
-                self.stock[rel] = full
+        try:
+            for rel in sorted(files):
+                self._open(rel, files[rel], save_id)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, rel: str, records: list[tuple[Any, ...]], save_id: str | None) -> None:
+        try:
+            f = self.storage.open_file(rel)
+        except IncompleteCheckpointError:
+            raise missing_shard_error(self.storage, self.storage.full(rel), save_id) from None
+        try:
+            if not is_mmapckpt_shard(f):
+                self.stock[rel] = f
+                return
+            shard = Shard(f, check_entries=False)  # chunks are placed by the metadata: see chunk()
+        except BaseException:
+            f.close()
+            raise
+        self.shards[rel] = shard
+        if shard.agrees(save_id, records):  # the usual case: no entry of the header to decode
+            return
+        sid = shard.save_id
+        if None not in (sid, save_id) and sid != save_id:
+            raise IncompleteCheckpointError(
+                f"shard was written by save {sid}, but the metadata belongs to save {save_id}: "
+                "the checkpoint was replaced while it was being opened", path=shard.path)
 
     def chunk(self, info: EntryInfo, c: ChunkInfo) -> torch.Tensor:
         """The chunk as a CPU tensor: a view over the mapping, or a stock item loaded whole."""
@@ -97,10 +106,10 @@ class ChunkFiles:
                 self._verify(shard, info.name, c.offsets)
             return view
         label = f"{info.name}@{list(c.offsets)}"
-        t = load_tensor(self._read_stock(c, label), path=self.stock[c.file], entry=label).contiguous()
+        t = load_tensor(self._read_stock(c, label), path=self.stock[c.file].path, entry=label).contiguous()
         if t.dtype != info.dtype or tuple(t.shape) != c.sizes:
             raise SizeMismatchError(f"stored chunk is {t.dtype} {list(t.shape)}, the metadata says {info.dtype} "
-                                    f"{list(c.sizes)}", path=os.path.join(self.root, c.file), entry=label)
+                                    f"{list(c.sizes)}", path=self.storage.full(c.file), entry=label)
         return t
 
     def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | None:
@@ -125,14 +134,12 @@ class ChunkFiles:
             self._verified.add(key)
 
     def _read_stock(self, c: ChunkInfo, label: str) -> bytes:
-        path = self.stock[c.file]
-        with open(path, "rb") as f:
-            return bytes(read_item(f.fileno(), c.file_offset, c.length, path=path, entry=label))
+        return bytes(self.stock[c.file].read(c.file_offset, c.length, entry=label))
 
     def advise(self, c: ChunkInfo, advice: int) -> None:
         """Pass a madvise hint for the chunk's pages (no-op for stock files)."""
         shard = self.shards.get(c.file)
-        if shard is not None:
+        if shard is not None and shard.file is not None:
             shard.file.advise(advice, c.file_offset, c.length)
 
     def check_unchanged(self, chunks: Iterable[ChunkInfo]) -> None:
@@ -141,3 +148,14 @@ class ChunkFiles:
             shard = self.shards.get(rel)
             if shard is not None:
                 check_size_unchanged(shard)
+
+    def object_value(self, info: EntryInfo) -> Any:
+        raise CheckpointError("entry is a pickled non-tensor value: its bytes are object_bytes()", path=self.root,
+                              entry=info.name)
+
+    def close(self) -> None:
+        """Release every file (views already returned keep their mappings)."""
+        for shard in self.shards.values():
+            shard.close()
+        for f in self.stock.values():
+            f.close()

@@ -1,0 +1,258 @@
+"""Where a checkpoint's bytes live: the one interface every reader and writer goes through.
+
+A checkpoint is a *location* (a local directory; an object-store prefix is the next
+implementation) holding named files: the per-rank shard files, the ``.metadata`` commit,
+per-rank commits, and files that are not the checkpoint's (configs, notes), which nothing
+here removes. :class:`CheckpointStorage` is a location; every file of it is read through a
+:class:`StoredFile` and every shard is written through a :class:`FileOutput`.
+
+What each medium must provide, and what it may:
+
+- reading any byte range of a file into a caller's buffer (:meth:`StoredFile.read_into`): the
+  primitive every copy path uses, into a target tensor, a pinned staging buffer or a broadcast
+  buffer. Every medium has it.
+- a mapped view of the file (:attr:`StoredFile.mapping`): where the medium has one (local
+  files), tensors are built over it without copying; elsewhere it is None and readers build
+  tensors by reading (:attr:`CheckpointStorage.can_map` says which, before a file is opened).
+- writing a shard as a stream of aligned pieces at ascending offsets, its head (the shard
+  header, which holds the pieces' CRC-32s and is known last) at offset 0 at the end
+  (:meth:`CheckpointStorage.create_file`); it appears under its name only once complete and
+  durable (a temporary file renamed in; a multipart upload completed).
+- committing the metadata atomically (:meth:`CheckpointStorage.commit`): old or new at every
+  instant, the one commit point of a save.
+- listing and removing files (:meth:`CheckpointStorage.list`, :meth:`CheckpointStorage.remove`),
+  with which ``storage/commits.py`` removes what no commit references.
+- locking the location against a concurrent save (:meth:`CheckpointStorage.lock`).
+
+Names of files are relative to the location (``__0_0.distcp``); :meth:`CheckpointStorage.full`
+gives the name used in messages (a path, a URL).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import BadMagicError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError, TruncatedFileError
+from ..format.metadata import MAX_METADATA_SIZE, METADATA_NAME, metadata_kind
+from ..io.mapped import MappedFile
+
+__all__ = ["CheckpointStorage", "StoredFile", "FileOutput", "Lock", "CommitFile"]
+
+
+class StoredFile(abc.ABC):
+    """One file of a checkpoint, open for reading.
+
+    Attributes:
+        path: its full name, for messages.
+        size: its size when opened; no read reaches past it.
+        ident: what identifies the file opened (``(st_dev, st_ino)`` of a local file), so that a
+            file opened again can be told to be the same one.
+    """
+
+    path: str
+    size: int
+    ident: Any
+
+    @abc.abstractmethod
+    def read_into(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
+        """Fill ``buf`` (any writable buffer: a tensor's bytes, a staging buffer) with the bytes at ``offset``.
+
+        Raises:
+            TruncatedFileError: the file ends before ``buf`` is full.
+        """
+
+    def read(self, offset: int, length: int, *, entry: str | None = None) -> bytearray:
+        """``length`` bytes at ``offset``, in a new buffer; a range past the end raises TruncatedFileError first."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise TruncatedFileError(f"data [{offset}, +{length}) runs past the end of the {self.size}-byte file",
+                                     path=self.path, entry=entry)
+        buf = bytearray(length)
+        if length:
+            self.read_into(offset, buf, entry=entry)
+        return buf
+
+    @property
+    def mapping(self) -> MappedFile | None:
+        """The file mapped into memory (tensors are built over it without a copy), or None where the
+        medium has no mapping: then every byte is read with :meth:`read_into`."""
+        return None
+
+    def check_unchanged(self) -> None:
+        """Raise TruncatedFileError if the file shrank since it was opened (views of a mapping would fault)."""
+
+    def close(self) -> None:
+        """Release what the file holds open; a mapping stays valid for the views built over it."""
+
+    def __enter__(self) -> StoredFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FileOutput(abc.ABC):
+    """One shard being written: aligned pieces at ascending offsets, then its head at offset 0.
+
+    Nothing appears under the file's name until :meth:`finish` has made it complete and
+    durable; :meth:`abort` leaves nothing behind.
+
+    Attributes:
+        path: the full name of the file it becomes, for messages.
+        how: how its bytes travel (``"direct"``: O_DIRECT, ``"buffered"``, ...), reported by the writer.
+    """
+
+    path: str
+    how: str
+
+    @abc.abstractmethod
+    def put(self, offset: int, data: Any) -> None:
+        """Place ``data`` (a bytes-like object) at ``offset``, not before the end of the previous piece."""
+
+    @abc.abstractmethod
+    def finish(self, head: bytes) -> None:
+        """Write ``head`` at offset 0 (it precedes every piece), make the file durable and put it in place."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Give up: remove what was written (also after a failed :meth:`finish`)."""
+
+
+class Lock(abc.ABC):
+    """A save's hold on a location, from planning to commit (released by the kernel when a process dies)."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Let the next save in."""
+
+
+class CommitFile(tuple):  # type: ignore[type-arg]
+    """A commit file as read: ``(name, full name, kind, bytes)``; kind is ``"mmapckpt"`` or ``"dcp"``."""
+
+    __slots__ = ()
+
+    def __new__(cls, name: str, full: str, kind: str, data: bytes) -> CommitFile:
+        return super().__new__(cls, (name, full, kind, data))
+
+    name = property(lambda self: self[0])
+    full = property(lambda self: self[1])
+    kind = property(lambda self: self[2])
+    data = property(lambda self: self[3])
+
+
+class CheckpointStorage(abc.ABC):
+    """A checkpoint's location: its files, read, written, committed, listed, removed and locked.
+
+    Attributes:
+        location: the location as the user named it (a directory path).
+        can_map: whether files opened here have a :attr:`StoredFile.mapping`.
+    """
+
+    location: str
+    can_map: bool = False
+
+    # ------------------------------------------------------------------ naming
+    @abc.abstractmethod
+    def full(self, name: str) -> str:
+        """The full name of file ``name`` (a path, a URL), for messages."""
+
+    # ------------------------------------------------------------------ reading
+    @abc.abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether file ``name`` is there (a regular file; directories are not files here)."""
+
+    @abc.abstractmethod
+    def is_location(self) -> bool:
+        """Whether the location itself exists (a directory; a prefix with at least one object)."""
+
+    @abc.abstractmethod
+    def open_file(self, name: str) -> StoredFile:
+        """File ``name``, open for reading.
+
+        Raises:
+            IncompleteCheckpointError: there is no such file.
+            UnsafePathError: ``name`` leaves the location.
+            CheckpointError: it cannot be read (not a regular file, no permission).
+        """
+
+    def read_file(self, name: str, limit: int) -> bytes:
+        """The whole of a small file (a commit, an index), refused as a FormatError above ``limit`` bytes."""
+        with self.open_file(name) as f:
+            if f.size > limit:
+                raise FormatError(f"file of {f.size} bytes exceeds the limit of {limit}", path=f.path)
+            return bytes(f.read(0, f.size))
+
+    @abc.abstractmethod
+    def list(self) -> list[str]:
+        """The names of the files at the location (none if it does not exist)."""
+
+    # ------------------------------------------------------------------ the commit
+    def find_metadata(self, rank: int | None = None) -> str:
+        """The name of the committed metadata file (``.metadata``, or ``__{rank}.metadata``).
+
+        Raises:
+            CheckpointNotFoundError: no checkpoint here.
+            IncompleteCheckpointError: shard files but no commit (a save that did not finish).
+        """
+        name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+        if self.exists(name):
+            self.open_file(name).close()  # a link out of the location is refused, as for shards
+            return name
+        if not self.is_location():
+            raise CheckpointNotFoundError("no checkpoint directory here", path=self.location)
+        if rank is not None and self.exists(METADATA_NAME):  # a finished collective save
+            raise CheckpointNotFoundError(f"no {name} here: this checkpoint's commit is {METADATA_NAME} (saved with "
+                                          "use_collectives=True)", path=self.location)
+        if any(n.endswith(".distcp") or ".distcp.tmp-" in n for n in self.list()):
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint: shard files but no committed {name} (the save did not finish)",
+                path=self.location)
+        raise CheckpointNotFoundError(f"no checkpoint here (no {name})", path=self.location)
+
+    def read_metadata(self, name: str = METADATA_NAME) -> CommitFile:
+        """The commit file ``name``, read whole (at most ``MAX_METADATA_SIZE`` bytes), with its kind.
+
+        Raises:
+            BadMagicError: neither mmapckpt nor stock DCP metadata.
+        """
+        data = self.read_file(name, MAX_METADATA_SIZE)
+        kind = metadata_kind(data[:8])
+        if kind is None:
+            raise BadMagicError("neither mmapckpt nor stock DCP metadata (unknown leading bytes)", path=self.full(name))
+        return CommitFile(name, self.full(name), kind, data)
+
+    # ------------------------------------------------------------------ writing
+    @abc.abstractmethod
+    def prepare(self) -> None:
+        """Make the location ready to be written (create the directory). CheckpointWriteError if it cannot be."""
+
+    @abc.abstractmethod
+    def create_file(self, name: str, size: int | None, *, head: int, direct: bool, sync: bool) -> FileOutput:
+        """Start writing shard ``name`` of ``size`` bytes (None: not known until the last piece) whose first
+        ``head`` bytes come last (:meth:`FileOutput.finish`); ``direct``: bypass the page cache where the medium
+        can (a known size only); ``sync``: durable before it is put in place."""
+
+    @abc.abstractmethod
+    def commit(self, name: str, data: bytes, *, sync: bool) -> None:
+        """Replace file ``name`` by ``data`` atomically: readers see the old file or the whole new one.
+
+        Raises:
+            CheckpointWriteError: the commit failed (the old file is still there).
+        """
+
+    @abc.abstractmethod
+    def remove(self, names: Iterable[str], *, sync: bool) -> None:
+        """Remove these files, ignoring errors (what stays is removed next time)."""
+
+    @abc.abstractmethod
+    def lock(self, *, shared: bool = False) -> Lock:
+        """Lock the location against a concurrent save (``shared``: the ranks of one per-rank save).
+
+        Raises:
+            CheckpointWriteError: another save or conversion holds it.
+        """
+
+    @abc.abstractmethod
+    def sync(self) -> None:
+        """Make the names of files written, renamed or removed durable (CheckpointWriteError if that fails)."""

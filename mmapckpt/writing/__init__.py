@@ -1,0 +1,1 @@
+"""Writing checkpoints' files through the storage: the one shard writer."""
