@@ -4,7 +4,7 @@ The same bytes ``dcp.load`` would put into the same targets, without DCP's plann
 (which costs tens of microseconds a tensor): for inference servers and single-process
 jobs with preallocated (or pinned, or model-owned) tensors. Tensors stored whole in an
 mmapckpt shard (or aligned in a safetensors file) are read with ``preadv`` straight into
-contiguous CPU targets (:class:`mmapckpt.io.direct_reads.DirectReads`); everything else is
+contiguous CPU targets (the direct read of ``reading/moves.py``); everything else is
 copied from the mapped views, or assembled from its chunks (resharded checkpoints, stock
 DCP items, torch.save tensors).
 """
@@ -18,9 +18,10 @@ import torch
 
 from .errors import SizeMismatchError
 from .format.entries import EntryInfo, paused_gc
+from .reading.moves import Moves
 from .reading.regions import read_tensor
 from .reading.stager import chunk_stager
-from .io.direct_reads import DirectReads
+from .io.mapped import MappedFile
 from .io.staging import (
     DEFAULT_STAGING_BUFFERS,
     DEFAULT_STAGING_BYTES,
@@ -94,32 +95,38 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
 
 
 def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]]) -> None:
+    """CPU targets: a tensor stored whole as a view over a mapped file moves by the file's strategy (a direct
+    read into a contiguous target: reading/moves.py); the others are assembled from their chunks and copied."""
     files = ckpt.backend
-    ranges: dict[str, tuple[Any, list[tuple[int, int]]]] = {}
-    direct: set[str] = set()  # names whose one chunk is a view over a mapped file: read with preadv
+    ranges: dict[str, tuple[MappedFile, list[tuple[int, int]]]] = {}
+    direct: set[str] = set()  # names whose one chunk is a view over a mapped file
     for name, _, info in plan:
         c = info.whole
         mapped = files.mapped(info, c) if c is not None else None
         if mapped is not None:
             ranges.setdefault(c.file, (mapped, []))[1].append((c.file_offset, c.length))  # type: ignore[union-attr]
             direct.add(name)
-    readers = {rel: DirectReads(m, ranges=sorted(r)) for rel, (m, r) in ranges.items()}
+    moves = {rel: Moves(m, ranges=sorted(r)) for rel, (m, r) in ranges.items()}
+    memory = Moves(None)
+    ok = False
     try:
         for name, t, info in plan:
-            c = info.whole
-            reader = readers.get(c.file) if c is not None and name in direct else None
-            if reader is None:
-                t.copy_(read_tensor(files, info))  # assembled from its chunks, or a stock item
-                continue
-            src = files.chunk(info, c)
-            if not reader.take(src, t.detach(), name, name):
-                t.copy_(src)
-        for reader in readers.values():
-            reader.run()
+            if name in direct:
+                c = info.whole
+                moves[c.file].move(files.chunk(info, c), t.detach(), lambda: name, _nothing)  # type: ignore[union-attr]
+            else:  # assembled from its chunks, or a stock item
+                memory.move(read_tensor(files, info), t.detach(), lambda: name, _nothing)
+        for m in moves.values():
+            m.finish()
+        ok = True
     finally:
-        for reader in readers.values():
-            reader.close()
+        for m in moves.values():
+            m.close(ok=ok)
     files.check_unchanged(c for _, _, info in plan for c in info.chunks)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]], staging_bytes: int,

@@ -36,9 +36,8 @@ from ..format.lazymeta import StorageRecords
 from ..format.metadata import KIND_MMAPCKPT
 from ..format.stock import load_tensor
 from ..format.transforms import StreamTransforms, decoded_limit
-from ..io import staging
-from ..io.direct_reads import DirectReads
-from ..io.staging import StagingPool, stage
+from ..io.staging import StagingPool
+from ..reading.moves import Moves
 from ..reading.shard import Shard, check_size_unchanged, encoded_bytes, is_mmapckpt_shard
 from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.commits import missing_shard_error
@@ -99,46 +98,51 @@ class FileReads:
                 f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=shard.path)
         return shard
 
-    def read_file(self, rel: str, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
+    def read_file(self, rel: str, reqs: list[Job], planner: LoadPlanner) -> None:
         """Read the items of one shard file, each with its storage record (resolved once, by read_plan)."""
         with self.open_file(rel, label(reqs[0][0].storage_index)) as f:
             shard = self.open_shard(f)
-            if shard is not None:
-                return self._read_mmapckpt(shard, reqs, planner)
-            return self._read_stock(f, reqs, planner)
+            memory = self.memory_moves()  # for items decoded or loaded into memory first
+            ok = False
+            try:
+                if shard is not None:
+                    self._read_mmapckpt(shard, reqs, planner, memory)
+                else:
+                    self._read_stock(f, reqs, planner, memory)
+                ok = True
+            finally:
+                memory.close(ok=ok)
 
-    def _read_mmapckpt(self, shard: Shard, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
+    def memory_moves(self) -> Moves:
+        """The moves of sources in memory (not views of a file) into this load's targets (reading/moves.py)."""
+        return Moves(None, pool_for=self.pool_for, stage_all=self.stage_cpu)
+
+    def _read_mmapckpt(self, shard: Shard, reqs: list[Job], planner: LoadPlanner, memory: Moves) -> None:
         """Every chunk is placed by the metadata, agreeing with the shard header (Shard.view)."""
         path = shard.path
-        devices: list[torch.device] = []
         ranges = [(info.offset, info.length) for r, info in reqs
                   if r.type != LoadItemType.BYTE_IO and not getattr(info, "transform_descriptors", None)]
         # Reads straight into the targets (CPU; gathered and run at the end of the file) or into
         # the staging buffers (accelerators) instead of copying out of the mapping. Only for
         # planners whose commit_tensor does nothing: a planner of its own keeps the mapped path.
         defer = _defers_safely(planner)
-        direct = DirectReads(shard.file, enabled=self.direct_reads and defer and shard.file is not None,  # type: ignore[arg-type]
-                             ranges=ranges)
+        moves = Moves(shard.file, read=self.direct_reads and defer, ranges=ranges, pool_for=self.pool_for,
+                      stage_all=self.stage_cpu)
         accept_view = getattr(planner, "accept_view", None)
         ok = False
         taken: list[tuple[int, int, int | None]] = []  # for the byte counter, under one lock at the end
         try:
             for req, info in reqs:
-                dev = self._read_one(shard, req, info, planner, direct, defer, accept_view, taken)
-                if dev is not None:
-                    devices.append(dev)
-            for req, target in direct.run():
-                planner.commit_tensor(req, target)
+                self._read_one(shard, req, info, planner, moves, memory, defer, accept_view, taken)
+            moves.finish()
             ok = True
         finally:
-            _seal_pools(self.pool_for, devices, ok)
-            direct.close()
+            moves.close(ok=ok)
             self.counter.take_all(path, taken)
         check_size_unchanged(shard)
-        return devices
 
-    def _read_one(self, shard: Shard, req: ReadItem, info: _StorageInfo, planner: LoadPlanner, direct: DirectReads,
-                  defer: bool, accept_view: Any, taken: list[tuple[int, int, int | None]]) -> torch.device | None:
+    def _read_one(self, shard: Shard, req: ReadItem, info: _StorageInfo, planner: LoadPlanner, moves: Moves,
+                  memory: Moves, defer: bool, accept_view: Any, taken: list[tuple[int, int, int | None]]) -> None:
         """One item of an mmapckpt shard: checked, then copied (or queued, or staged, or kept as a view)."""
         idx, path = req.storage_index, shard.path
         if self.verify:
@@ -146,7 +150,7 @@ class FileReads:
             taken.append((info.offset, info.length, None))
         if getattr(info, "transform_descriptors", None):
             taken.append((info.offset, info.length, None))
-            return _read_encoded(self, shard, req, info, planner)
+            return _read_encoded(self, shard, req, info, planner, memory)
         if req.type == LoadItemType.BYTE_IO:
             load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), path)
             taken.append((info.offset, info.length, None))
@@ -158,7 +162,7 @@ class FileReads:
         if accept_view is not None and accept_view(req, view):
             return None  # not read here: the planner keeps the mapped view
         taken.append((info.offset, info.length, _region_bytes(req, dtype)))
-        return self.copy_region(view, req, planner, path, direct=direct, defer=defer)
+        self.copy_region(view, req, planner, path, moves, defer)
 
     def chunk_layout(self, idx: MetadataIndex, path: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """dtype and shape of the stored chunk ``idx`` names, from the metadata."""
@@ -167,9 +171,10 @@ class FileReads:
             raise FormatError("the metadata describes no such stored chunk", path=path, entry=label(idx))
         return found
 
-    def copy_region(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str,
-              direct: DirectReads | None = None, defer: bool = False,
-              target: torch.Tensor | None = None) -> torch.device | None:
+    def copy_region(self, src: torch.Tensor, req: ReadItem, planner: LoadPlanner, path: str, moves: Moves,
+                    defer: bool = False, target: torch.Tensor | None = None) -> None:
+        """Narrow stored chunk ``src`` to the region ``req`` asks for and move it into the planner's target
+        (by the strategy ``moves`` picks for it; committed once it is there)."""
         if any(req.storage_offsets) or req.lengths != src.size():
             try:
                 src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
@@ -186,21 +191,10 @@ class FileReads:
         if target.size() != src.size():
             raise SizeMismatchError(f"stored region has shape {list(src.size())} but the target has "
                                     f"{list(target.size())}", path=path, entry=label(req.storage_index))
-        # needs_staging(target), without the device object target.device makes (0.8 us)
-        if self.stage_cpu or not target.is_cpu or staging.STAGE_CPU_TARGETS:
-            read = direct.reader_for(src, label(req.storage_index)) if direct is not None else None
-            stage(self.pool_for(target.device), src, target, lambda: planner.commit_tensor(req, target), read)
-            return target.device
-        if defer and direct is not None and direct.worth_reading(src) and \
-                direct.take(src, target, req, label(req.storage_index)):
-            return None  # read by direct.run(), then committed
-        target.copy_(src)
-        planner.commit_tensor(req, target)
-        return None
+        moves.move(src, target, lambda: label(req.storage_index), lambda: planner.commit_tensor(req, target))
 
-    def _read_stock(self, f: StoredFile, reqs: list[Job], planner: LoadPlanner) -> list[torch.device]:
+    def _read_stock(self, f: StoredFile, reqs: list[Job], planner: LoadPlanner, memory: Moves) -> None:
         """A stock (torch.save per item) shard: each item is loaded with weights_only=True."""
-        devices = []
         path = f.path
         for req, info in reqs:
             name = label(req.storage_index)
@@ -212,10 +206,7 @@ class FileReads:
             if req.type == LoadItemType.BYTE_IO:
                 load_bytes(planner, req, buf, path)
                 continue
-            dev = self.copy_region(load_tensor(buf, path=path, entry=name), req, planner, path)
-            if dev is not None:
-                devices.append(dev)
-        return devices
+            self.copy_region(load_tensor(buf, path=path, entry=name), req, planner, path, memory)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -223,8 +214,8 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(bytearray())
 
 
-def _read_encoded(reads: FileReads, shard: Shard, req: ReadItem, info: _StorageInfo,
-                  planner: LoadPlanner) -> torch.device | None:
+def _read_encoded(reads: FileReads, shard: Shard, req: ReadItem, info: _StorageInfo, planner: LoadPlanner,
+                  memory: Moves) -> None:
     """Read one item of an mmapckpt shard stored through DCP stream transforms (``_extension_registry``).
 
     Such items cannot be mapped: they are decoded into memory (straight into the target when a
@@ -251,7 +242,7 @@ def _read_encoded(reads: FileReads, shard: Shard, req: ReadItem, info: _StorageI
         return None
     buf = torch.empty(sizes, dtype=dtype)
     decode(stored, descriptors, path=shard.path, entry=name, into=_bytes_of(buf))
-    return reads.copy_region(buf, req, planner, shard.path, target=target)
+    reads.copy_region(buf, req, planner, shard.path, memory, target=target)
 
 
 def _stock_decode_limit(reads: FileReads, req: ReadItem) -> int:
@@ -261,13 +252,6 @@ def _stock_decode_limit(reads: FileReads, req: ReadItem) -> int:
         return decoded_limit(stored)
     dtype, sizes = reads.chunk_layout(req.storage_index, reads.root)
     return sizes.numel() * torch._utils._element_size(dtype) + (16 << 20)
-
-
-def _seal_pools(pool_for: Callable[[torch.device], StagingPool], devices: list[torch.device], run: bool) -> None:
-    """Staged reads run late (when the host leaves a buffer): run them, or after an error drop them, before
-    the file they read closes."""
-    for dev in set(devices):
-        pool_for(dev).seal(run=run)
 
 
 def _stored_chunk(storage_data: Any, sdm: Any, idx: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]] | None:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from ..io.direct_reads import DirectReads
-from ..io.staging import StagingPool, stage
+from ..io.mapped import MappedFile
+from ..io.staging import StagingPool
 from ..format.entries import ChunkInfo, EntryInfo
 from .backend import ChunkBackend
+from .moves import Moves
 
 __all__ = ["chunk_stager"]
 
@@ -22,35 +23,35 @@ def chunk_stager(files: ChunkBackend, infos: list[EntryInfo]) -> Iterator[Callab
     ``files`` is an open checkpoint's backend (``LazyCheckpoint.backend``).
 
     Chunks that are views over a file mapping (mmapckpt shards, aligned safetensors tensors)
-    are read from the file straight into the staging buffers (``preadv`` through
-    :class:`DirectReads`, which also starts the kernel's readahead on a cold file); others
+    are read from the file straight into the staging buffers (the staged move of
+    reading/moves.py, whose reads also start the kernel's readahead on a cold file); others
     (stock items, torch.save tensors, misaligned safetensors tensors) are built on the CPU
     and then staged. Used by ``load(device=...)`` and ``load_into`` with accelerator targets.
     """
     chunks = [c for info in infos for c in info.chunks]
-    ranges: dict[str, tuple[Any, list[tuple[int, int]]]] = {}
+    ranges: dict[str, tuple[MappedFile, list[tuple[int, int]]]] = {}
     for info in infos:
         for c in info.chunks:
             mapped = files.mapped(info, c)
             if mapped is not None and c.length:
                 ranges.setdefault(c.file, (mapped, []))[1].append((c.file_offset, c.length))
-    readers = {rel: DirectReads(m, ranges=sorted(r)) for rel, (m, r) in ranges.items()}
-    pools: set[StagingPool] = set()
+    pools: dict[torch.device, StagingPool] = {}
+    moves = {rel: Moves(m, ranges=sorted(r), pool_for=pools.__getitem__, stage_all=True)
+             for rel, (m, r) in ranges.items()}
+    memory = Moves(None, pool_for=pools.__getitem__, stage_all=True)
 
     def stage_chunk(pool: StagingPool, info: EntryInfo, c: ChunkInfo, dst: torch.Tensor,
                     done: Callable[[], None] = lambda: None) -> None:
         src = files.chunk(info, c)
-        reader = readers.get(c.file) if files.mapped(info, c) is not None else None
-        pools.add(pool)
-        stage(pool, src, dst, done, reader.reader_for(src, info.name) if reader is not None else None)
+        pools[dst.device] = pool
+        by = moves.get(c.file) if files.mapped(info, c) is not None else None
+        (by or memory).move(src, dst, lambda: info.name, done)
 
     ok = False
     try:
         yield stage_chunk
         ok = True
     finally:
-        for pool in pools:  # the pools read late: before the files close
-            pool.seal(run=ok)
-        for r in readers.values():
-            r.close()
+        for m in (*moves.values(), memory):  # the pools read late: sealed before the files close
+            m.close(ok=ok)
     files.check_unchanged(chunks)
