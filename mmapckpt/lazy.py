@@ -1,6 +1,6 @@
 """Lazy access to a checkpoint: ``mmapckpt.open`` (shaped like ``safetensors.safe_open``) and ``mmapckpt.load``.
 
-Works on every checkpoint ``format/locate.py`` finds: mmapckpt and stock DCP
+Works on every checkpoint ``reading/locate.py`` finds: mmapckpt and stock DCP
 (``FileSystemWriter``) directories, safetensors files and Hugging Face directories
 (sharded with an index, or one ``model.safetensors``), and ``torch.save`` files.
 A tensor stored as one chunk in an mmapckpt shard or a safetensors file is returned
@@ -354,7 +354,7 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
 
 
 def _load_to_device(ckpt: LazyCheckpoint, names: list[str], pool: StagingPool) -> dict[str, torch.Tensor]:
-    """Every chunk through the staging pool into one device tensor per name (read from the files, format/stager.py)."""
+    """Every chunk through the staging pool into one device tensor per name (read from the files, reading/stager.py)."""
     out: dict[str, torch.Tensor] = {}
     with chunk_stager(ckpt.backend, [ckpt.info(n) for n in names]) as stage_chunk:
         for n in names:

@@ -1,7 +1,7 @@
 """Sources for flat files: a safetensors file (or HF-sharded directory) and a torch.save state dict.
 
 The bytes are read by the format wing (``format/safetensors.py`` parses and checks the
-header, ``format/torchfile.py`` loads with ``weights_only=True``), the same readers
+header, ``reading/torchfile.py`` loads with ``weights_only=True``), the same readers
 ``mmapckpt.open`` uses. They present the metadata ``dcp.save`` would write for the same state dict on one
 rank (one chunk per tensor, one file ``__0_0.distcp``), so every writer treats them
 like a DCP checkpoint.

@@ -25,7 +25,7 @@ from ..format.entries import paused_gc
 from ..format.metadata import METADATA_NAME
 from ..storage.base import CheckpointStorage
 from ..storage.commits import read_metadata
-from ..storage.location import storage_for
+from ..storage.location import is_url, storage_for
 from ..io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool
 from .bytes_read import BytesRead
 from .compat import reader_compat
@@ -187,4 +187,9 @@ class MmapReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         s = os.fspath(checkpoint_id)
-        return "://" not in s and os.path.isfile(os.path.join(s, METADATA_NAME))
+        if is_url(s):
+            try:
+                return storage_for(s).exists(METADATA_NAME)
+            except CheckpointError:
+                return False
+        return os.path.isfile(os.path.join(s, METADATA_NAME))

@@ -24,10 +24,10 @@ from ..errors import CheckpointError, CheckpointNotFoundError, FormatError
 from ..format.entries import EntryInfo
 from ..format.metadata import METADATA_NAME
 from ..format.safetensors import entry_infos
-from ..io.files import open_inside, refuse_url
+from ..io.files import open_inside
 from ..storage.commits import read_index, read_user_metadata
 from ..storage.local import LocalFile, LocalStorage
-from ..storage.location import storage_for
+from ..storage.location import is_url, storage_for
 from .backend import ChunkBackend
 from .chunks import ChunkFiles
 from .safetensors_files import SafetensorsFile, SafetensorsFiles, is_safetensors_file
@@ -125,7 +125,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         IncompleteCheckpointError: DCP shards without committed metadata.
     """
     p = os.fspath(path)
-    refuse_url(p, CheckpointNotFoundError)
+    if is_url(p):  # a DCP checkpoint on another medium (storage/location.py); URLs of no medium are refused
+        storage = storage_for(p)
+        return storage.read_metadata(storage.find_metadata()).kind
     if os.path.isdir(p):
         storage = LocalStorage(p)
         if storage.exists(METADATA_NAME):

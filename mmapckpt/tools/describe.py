@@ -14,7 +14,6 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from ..conversion.common import label
 from ..conversion.detect import open_source
 from ..errors import IncompleteCheckpointError, TruncatedFileError
-from ..io.files import open_inside
 from ..format import layout as fmt
 from ..io.progress import human_bytes
 from .wording import count
@@ -125,13 +124,13 @@ def _check_files(src: Any) -> None:
     if not storage or src.kind not in ("mmapckpt", "dcp"):
         return
     for rel, indices in src.layout:
-        full = open_inside(src.path, rel)
         end = max((storage[i].offset + storage[i].length for i in indices), default=0)
         try:
-            size = os.stat(full).st_size
-        except FileNotFoundError:
+            with src.storage.open_file(rel) as f:
+                size, full = f.size, f.path
+        except IncompleteCheckpointError as e:
             raise IncompleteCheckpointError("shard file named in the metadata is missing; run `mmapckpt verify` "
-                                            "for every problem", path=full, entry=label(indices[0])) from None
+                                            "for every problem", path=e.path, entry=label(indices[0])) from None
         if size < end:
             raise TruncatedFileError(f"file is {size} bytes but its records reach byte {end}; run `mmapckpt verify` "
                                      "for every problem", path=full)

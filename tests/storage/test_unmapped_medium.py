@@ -1,0 +1,154 @@
+"""Every reader goes through the storage seam: a medium that cannot map files gives the same bytes.
+
+``Unmapped`` is a second implementation of ``storage/base.py``'s ``CheckpointStorage`` for a
+location reached as ``unmapped://DIR``: its files have no mapping (as on an object store), so
+every byte must come through ``StoredFile.read_into``, which it counts. ``dcp.load`` with
+``MmapReader``, ``open``/``get_tensor``/``get_slice``, ``load`` and ``load_into`` read an mmapckpt
+checkpoint and a stock DCP one through it, bitwise equal to the local reads, and each read
+only through the seam (the bytes it counts; no file of the directory opened otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import assert_tree_equal, tensor_bytes
+
+import mmapckpt
+from mmapckpt.reading.shard import Shard
+from mmapckpt.storage import local, location
+from mmapckpt.storage.base import StoredFile
+
+
+class _UnmappedFile(StoredFile):
+    """A file of the medium: read by range only, every byte counted."""
+
+    def __init__(self, inner: local.LocalFile, counter: list[int]) -> None:
+        self.inner, self.counter = inner, counter
+        self.path, self.size, self.ident = "unmapped://" + inner.path, inner.size, inner.ident
+
+    def read_into(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
+        self.inner.read_into(offset, buf, entry=entry)
+        self.counter[0] += memoryview(buf).nbytes
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Unmapped(local.LocalStorage):
+    """A local directory served as a medium without mappings (``can_map`` False)."""
+
+    can_map = False
+    #: bytes read through the seam, by every instance (one per reader)
+    counter = [0]
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url.split("://", 1)[1])
+
+    def full(self, name: str) -> str:
+        return "unmapped://" + super().full(name)
+
+    def open_file(self, name: str) -> StoredFile:  # type: ignore[override]
+        return _UnmappedFile(super().open_file(name), self.counter)
+
+
+@pytest.fixture
+def medium():
+    location.register_scheme("unmapped", Unmapped)
+    Unmapped.counter[0] = 0
+    try:
+        yield Unmapped.counter
+    finally:
+        location.register_scheme("unmapped", None)
+
+
+def _sd() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"a": torch.randn(64, 33, generator=g).to(torch.bfloat16),
+            "b": torch.tensor([float("nan"), -0.0, 1.5, -2.0]),
+            "c": torch.arange(1000, dtype=torch.int64).reshape(10, 100),
+            "e": torch.empty(0, 5)}
+
+
+@pytest.fixture(params=["mmapckpt", "stock"])
+def ckpt(request, tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
+    sd = _sd()
+    path = str(tmp_path / "c")
+    writer = mmapckpt.MmapWriter(path) if request.param == "mmapckpt" else dcp.FileSystemWriter(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+    return path, sd
+
+
+def _stored_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+
+
+def test_dcp_load_reads_every_byte_through_the_seam(medium, ckpt) -> None:
+    path, sd = ckpt
+    got = {k: torch.full_like(v, 7) for k, v in sd.items()}
+    reader = mmapckpt.MmapReader("unmapped://" + path)
+    assert mmapckpt.MmapReader.validate_checkpoint_id("unmapped://" + path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(got, storage_reader=reader, no_dist=True)
+    assert_tree_equal(got, sd)
+    assert 0 < medium[0] <= _stored_bytes(path)  # everything came through read_into, nothing twice per byte
+
+
+def test_lazy_loaders_read_through_the_seam(medium, ckpt) -> None:
+    path, sd = ckpt
+    url = "unmapped://" + path
+    with mmapckpt.open(url) as f:
+        assert f.keys() == list(sd)
+        for k, v in sd.items():
+            t = f.get_tensor(k)
+            assert tensor_bytes(t) == tensor_bytes(v) and t.dtype == v.dtype and t.shape == v.shape
+        assert tensor_bytes(f.get_slice("c")[2:5, ::7]) == tensor_bytes(sd["c"][2:5, ::7])
+    assert_tree_equal(mmapckpt.load(url), sd)
+    targets = {k: torch.full_like(v, 3) for k, v in sd.items()}
+    assert mmapckpt.load_into(targets, url) == []
+    assert_tree_equal(targets, sd)
+    assert medium[0] > 0
+
+
+def test_views_of_a_medium_without_mappings_are_new_tensors(medium, tmp_path) -> None:
+    """On a local directory get_tensor returns a view of the file mapping; here it must be memory of its own."""
+    path = str(tmp_path / "c")
+    mmapckpt.save({"w": torch.arange(4096, dtype=torch.float32)}, path)
+    with mmapckpt.open(path) as f:
+        local_view = f.get_tensor("w")
+    with mmapckpt.open("unmapped://" + path) as f:
+        before = medium[0]
+        t = f.get_tensor("w")
+        assert medium[0] - before == 4096 * 4  # read whole, through the seam
+    t += 1  # its own memory: the file is unchanged
+    assert torch.equal(local_view, torch.arange(4096, dtype=torch.float32))
+
+
+def test_verify_style_checksums_hold_through_the_seam(medium, tmp_path) -> None:
+    """verify=True reads each entry's bytes through read_into and checks its CRC-32, as on a local directory."""
+    path = str(tmp_path / "c")
+    mmapckpt.save(_sd(), path)
+    assert_tree_equal(mmapckpt.load("unmapped://" + path, verify=True), _sd())
+    shard = os.path.join(path, "__0_0.distcp")
+    e = next(e for e in Shard(shard).header.entries if e.fqn == "c")
+    with open(shard, "r+b") as f:  # flip one bit of c's data
+        f.seek(e.offset + 100)
+        b = f.read(1)
+        f.seek(e.offset + 100)
+        f.write(bytes([b[0] ^ 1]))
+    assert tensor_bytes(mmapckpt.load(path)["c"]) != tensor_bytes(_sd()["c"])  # the flip is in c
+    with pytest.raises(mmapckpt.ChecksumError):
+        mmapckpt.load("unmapped://" + path, verify=True)
+
+
+def test_an_unknown_scheme_is_still_refused(tmp_path) -> None:
+    with pytest.raises(mmapckpt.CheckpointError, match="is a URL"):
+        mmapckpt.load("unmapped://" + str(tmp_path))
