@@ -2,10 +2,10 @@
 
 The preamble and the header's checksum and top level are checked before anything is
 mapped. Where the medium maps files (local ones) a chunk is a view over the mapping;
-where it cannot, a chunk is read into a new tensor (:meth:`Shard.view`). Every entry of the header is checked against the file's size when the header
-is first used (at once, unless ``check_entries=False``); readers that take each
-entry's place from the checkpoint metadata instead use :meth:`Shard.view`, which
-checks the one region it is given. Either way a view never reaches past the end of
+where it cannot, the chunk is read into a new tensor (:meth:`Shard.view`). Every entry of
+the header is checked against the file's size when the header is first used (at once,
+unless ``check_entries=False``); readers that take each entry's place from the checkpoint
+metadata instead use :meth:`Shard.view`, which checks the one region it is given. Either way a view never reaches past the end of
 the file as it was when opened (a file truncated later can still raise SIGBUS: see
 docs/reliability.md).
 """
@@ -41,15 +41,17 @@ def is_mmapckpt_shard(file: StoredFile) -> bool:
 
 
 class Shard:
-    """A validated, mapped mmapckpt shard file.
+    """A validated mmapckpt shard file, mapped where its medium maps.
 
     Attributes:
+        stored: the file as its storage opened it (``storage/base.py`` ``StoredFile``).
+        file: its mapping, or None where the medium has none.
         path: the file's path.
         header: its decoded header, every entry checked (decoded on first use).
         save_id: the id of the save that wrote it, if recorded.
         data_start: the first byte after the header.
         size: its size when opened.
-        ident: (st_dev, st_ino) of the file when opened.
+        ident: what identifies the file opened (``(st_dev, st_ino)`` locally).
     """
 
     def __init__(self, file: StoredFile | str, *, check_entries: bool = True) -> None:
