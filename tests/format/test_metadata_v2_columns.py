@@ -1,4 +1,4 @@
-"""The bulk check of the version-2 entry table (metabulk.py) against the per-entry walk it stands in for.
+"""The bulk check of the version-2 entry table (format/metadata/v2_columns.py) against the per-entry walk it stands in for.
 
 Every table is decoded twice: with ``ints_only=True`` (the bulk check runs, and falls back to
 the walk when in doubt) and with ``ints_only=False`` (the walk alone, what every table got
@@ -18,9 +18,9 @@ import torch.distributed.checkpoint as dcp
 import mmapckpt
 from helpers import metadata_with_doc
 from mmapckpt.storage.commits import read_index_file
-from mmapckpt.format import metabulk, metatable
-from mmapckpt.format import metadata as mf
-from mmapckpt.format.metaindex import InvalidMetadata
+from mmapckpt.format import layout as fmt
+from mmapckpt.format.metadata import v2, v2_columns as metabulk
+from mmapckpt.format.metadata.index import InvalidMetadata
 
 
 def _state() -> dict[str, Any]:
@@ -39,7 +39,7 @@ def doc(tmp_path_factory) -> dict[str, Any]:
 
 def _decode(doc: dict[str, Any], ints_only: bool, entries_only: bool = False) -> tuple[str, Any]:
     try:
-        ix = metatable.index_table(copy.deepcopy(doc), "x/.metadata", ints_only=ints_only, entries_only=entries_only)
+        ix = v2.decode(copy.deepcopy(doc), "x/.metadata", ints_only=ints_only, entries_only=entries_only)
     except (InvalidMetadata, mmapckpt.CheckpointError) as e:
         return "refused", f"{type(e).__name__}: {e}"
     except (IndexError, ValueError):  # index_table's caller turns these into FormatError
@@ -60,7 +60,7 @@ def _same(doc: dict[str, Any]) -> str:
 def test_the_bulk_check_takes_a_table_of_the_common_shape(doc) -> None:
     t = doc["table"]
     assert len(t["dtypes"]) >= 4 and -1 in t["rows"]  # several dtypes, bytes items among the tensors
-    got = metabulk.bulk_index(t["names"], t["files"], [mf.fmt.DTYPES[n] for n in t["dtypes"]], t["rows"],
+    got = metabulk.bulk_index(t["names"], t["files"], [fmt.DTYPES[n] for n in t["dtypes"]], t["rows"],
                               t["transforms"], True)
     assert got is not None  # not a fallback: the bulk path itself is what is compared below
     assert _same(doc) == "ok"
@@ -104,7 +104,7 @@ def test_other_changes_to_the_table_are_judged_as_the_walk_judges_them(doc, chan
 
 
 def test_table_entries_are_built_on_first_use(doc) -> None:
-    ix = metatable.index_table(copy.deepcopy(doc), "x/.metadata", ints_only=True, entries_only=True)
+    ix = v2.decode(copy.deepcopy(doc), "x/.metadata", ints_only=True, entries_only=True)
     entries = ix.entries
     assert isinstance(entries, metabulk.TableEntries)
     assert list(entries) == doc["table"]["names"] and len(entries) == len(doc["table"]["names"])
@@ -181,7 +181,7 @@ def test_table_entries_are_built_once_when_threads_ask_at_the_same_time(doc, mon
         return build(*args)
 
     monkeypatch.setattr(metabulk, "_build", slow_build)
-    entries = metatable.index_table(copy.deepcopy(doc), "x/.metadata", ints_only=True, entries_only=True).entries
+    entries = v2.decode(copy.deepcopy(doc), "x/.metadata", ints_only=True, entries_only=True).entries
     got: list[Any] = []
     threads = [threading.Thread(target=lambda: got.append(entries["w"])) for _ in range(4)]
     for t in threads:
@@ -227,7 +227,7 @@ def test_records_sharing_bytes_are_judged_in_bulk_as_the_walk_judges_them(tmp_pa
     else:
         rows[o + 1], rows[o + 2] = rows[a + 1], rows[a + 2]
     t = doc["table"]
-    bulk = metabulk.bulk_index(t["names"], t["files"], [mf.fmt.DTYPES[n] for n in t["dtypes"]], rows, t["transforms"],
+    bulk = metabulk.bulk_index(t["names"], t["files"], [fmt.DTYPES[n] for n in t["dtypes"]], rows, t["transforms"],
                                True)
     assert (bulk is not None) == bulk_ok
     assert _same(doc) == ("ok" if bulk_ok else "refused")

@@ -2,11 +2,11 @@
 
 The table's common shape (every tensor stored as one whole chunk, no stream transforms,
 every value sound) is what ``mmapckpt.save`` and a single-process ``dcp.save`` write. For
-it, the per-entry Python loop of ``metatable._walk`` (about 3 microseconds an entry) is
+it, the per-entry Python loop of ``v2._walk`` (about 3 microseconds an entry) is
 replaced by one short loop that finds where each entry's values start, then by ``map``,
 ``zip``, ``set``, ``min`` and ``max`` over whole columns of ``rows``, which run in C.
 
-The contract: :func:`bulk_index` returns what ``metatable._walk`` returns for the same
+The contract: :func:`bulk_index` returns what ``v2._walk`` returns for the same
 table, or None, and it returns None whenever ``_walk`` would refuse the table (or whenever
 the table is of another shape). The caller then runs ``_walk``, which names the defect.
 Nothing is refused here, so every message stays ``_walk``'s.
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from . import layout as fmt
-from .entries import ChunkInfo, EntryInfo, paused_gc
-from .tiling import shape_fits
+from .. import layout as fmt
+from ..entries import ChunkInfo, EntryInfo, paused_gc
+from ..tiling import shape_fits
 
 __all__ = ["bulk_index", "TableEntries"]
 

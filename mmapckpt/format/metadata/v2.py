@@ -22,15 +22,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..errors import FormatError
-from .entries import safe_relative_path
-from . import layout as fmt
-from .entries import ChunkInfo, EntryInfo
-from .metabulk import bulk_index
-from .metaindex import InvalidMetadata, MetaIndex
-from .tiling import check_entries
+from ...errors import FormatError
+from .. import layout as fmt
+from ..entries import ChunkInfo, EntryInfo, safe_relative_path
+from ..tiling import check_entries
+from .index import InvalidMetadata, MetaIndex, top_fields
+from .v2_columns import bulk_index
 
-__all__ = ["encode_table", "index_table", "planner_paths", "encode_planner_data"]
+__all__ = ["encode", "decode", "encode_table", "encode_planner_data", "planner_paths"]
 
 
 def encode_table(md: Metadata) -> dict[str, Any]:
@@ -74,6 +73,11 @@ def encode_table(md: Metadata) -> dict[str, Any]:
         fqn, off = next(iter(recs))
         raise ValueError(f"storage record of {fqn!r}{'' if off is None else list(off)} matches no entry")
     return {"names": names, "dtypes": list(dtypes), "files": list(files), "rows": rows, "transforms": transforms}
+
+
+def encode(md: Metadata) -> dict[str, Any]:
+    """The version-2 body's fields that describe the entries (in the body's key order)."""
+    return {"planner_data": encode_planner_data(md), "table": encode_table(md)}
 
 
 def encode_planner_data(md: Metadata) -> Any:
@@ -149,25 +153,18 @@ def _transforms(raw: Any) -> dict[int, tuple[str, ...]]:
     return out
 
 
-def index_table(doc: Any, path: str, *, ints_only: bool = False, entries_only: bool = False) -> MetaIndex:
-    """Validate a version-2 body into the index of entries (as metaindex.index_doc does for version 1).
+def decode(doc: Any, path: str, *, ints_only: bool = False, entries_only: bool = False) -> MetaIndex:
+    """Validate a version-2 body into the index of entries (as v1.decode does for version 1).
 
     Its ``doc`` keeps the body's small top-level fields, ``planner_data`` in its compact form
     (:func:`planner_paths` expands it). ``ints_only``: the document's numbers are all integers
     and it holds no ``true`` or ``false``, which lets a table of the common shape be checked in
-    bulk (metabulk.py). ``entries_only``: its ``requires_grad`` and ``record_index`` may be left
+    bulk (v2_columns.py). ``entries_only``: its ``requires_grad`` and ``record_index`` may be left
     empty (what ``read_index_file`` returns needs neither).
     """
     if type(doc) is not dict:
         raise InvalidMetadata("metadata must be a JSON object")
-    sm = doc.get("storage_meta")
-    if sm is not None and type(sm) is not dict:
-        raise InvalidMetadata("'storage_meta' must be an object")
-    save_id = None if sm is None else sm.get("save_id")
-    if save_id is not None and type(save_id) is not str:
-        raise InvalidMetadata("save_id must be a string or null")
-    top = {k: doc.get(k) for k in ("version", "planner_data", "storage_meta")}
-    top["table"] = True  # marks the compact planner_data
+    save_id, top = top_fields(doc)
     table = doc.get("table")
     if type(table) is not dict:
         raise InvalidMetadata("'table' must be an object")
