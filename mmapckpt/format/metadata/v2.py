@@ -154,13 +154,19 @@ def _transforms(raw: Any) -> dict[int, tuple[str, ...]]:
 
 
 def decode(doc: Any, path: str, *, ints_only: bool = False, entries_only: bool = False) -> MetaIndex:
-    """Validate a version-2 body into the index of entries (as v1.decode does for version 1).
+    """Validate a version-2 body into the index of entries: the one decoder of version 2.
 
-    Its ``doc`` keeps the body's small top-level fields, ``planner_data`` in its compact form
-    (:func:`planner_paths` expands it). ``ints_only``: the document's numbers are all integers
-    and it holds no ``true`` or ``false``, which lets a table of the common shape be checked in
-    bulk (v2_columns.py). ``entries_only``: its ``requires_grad`` and ``record_index`` may be left
-    empty (what ``read_index_file`` returns needs neither).
+    The table's header (names, files, dtypes) is checked here. A table of the common shape
+    (every tensor one whole chunk, no stream transforms) is then read column by column
+    (v2_columns.py), which takes it only if every value is sound; any other table, and every
+    table with a defect, is read entry by entry (:func:`_walk`), which names the defect. Both
+    end in the rules of ``tiling.check_entries`` (the columns in their column form).
+
+    ``ints_only``: the parse found only integers and no ``true`` or ``false`` in the document,
+    so the rows need no look at their types here. ``entries_only``: the index's
+    ``requires_grad`` and ``record_index`` may be left empty and its entries built on first use
+    (what ``read_index_file`` returns needs neither). Its ``doc`` keeps the body's small
+    top-level fields, ``planner_data`` in its compact form (:func:`planner_paths` expands it).
     """
     if type(doc) is not dict:
         raise InvalidMetadata("metadata must be a JSON object")
@@ -173,14 +179,19 @@ def decode(doc: Any, path: str, *, ints_only: bool = False, entries_only: bool =
     dtypes = []
     for n in _strings(table.get("dtypes"), "dtypes"):
         dtypes.append(fmt.DTYPES[n] if n in fmt.DTYPES else fmt.dtype_from_name(n, path=path))  # raises if unknown
-    # The bulk check refuses (None) a name given twice too; the message is the one below.
-    bulk = bulk_index(names, files, dtypes, table.get("rows"), table.get("transforms", {}), ints_only, entries_only)
-    if bulk is not None:
-        return MetaIndex(bulk[0], save_id, top, bulk[1], bulk[2], {})  # type: ignore[arg-type]
-    if len(set(names)) != len(names):
+    name_set = frozenset(names)
+    if len(name_set) != len(names):
         raise InvalidMetadata("the table names an entry twice")
-    rows = _ints(table.get("rows"))
-    tf = _transforms(table.get("transforms", {}))
+    rows, tf_raw = table.get("rows"), table.get("transforms", {})
+    if not ints_only:  # the parse could not tell (a float, true or false somewhere): look at the rows
+        rows = _ints(rows)
+    if tf_raw == {}:
+        bulk = bulk_index(names, name_set, files, dtypes, rows, entries_only)
+        if bulk is not None:
+            return MetaIndex(bulk[0], save_id, top, bulk[1], bulk[2], {})  # type: ignore[arg-type]
+    if ints_only:
+        rows = _ints(rows)
+    tf = _transforms(tf_raw)
     try:
         return _walk(names, files, dtypes, rows, tf, path, top, save_id)
     except FormatError:
@@ -191,6 +202,7 @@ def decode(doc: Any, path: str, *, ints_only: bool = False, entries_only: bool =
 
 def _walk(names: list[str], files: list[str], dtypes: list[Any], rows: list[int], tf: dict[int, tuple[str, ...]],
           path: str, top: dict[str, Any], save_id: str | None) -> MetaIndex:
+    """The table read entry by entry: any shape, every defect named (rows of integers in [-1, 2**63))."""
     entries: dict[str, EntryInfo] = {}
     grad: set[str] = set()
     hints: dict[Any, int] = {}
