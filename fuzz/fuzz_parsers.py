@@ -26,7 +26,7 @@ import torch.distributed.checkpoint  # noqa: F401
 
 with atheris.instrument_imports(include=["mmapckpt"]):
     from mmapckpt.format import layout as fmt
-    from mmapckpt.format import stockmeta as _stockmeta
+    from mmapckpt.format.metadata import stock as _stockmeta
     from mmapckpt.format import metadata as metafile
     from mmapckpt.errors import CheckpointError
 

@@ -10,7 +10,7 @@ noisy machine slows every operation alike, medians of R:
   ``check_entries`` made a no-op: the difference is what the checks cost) and ``tiling``
   (``tiling_problem`` on the chunks alone);
 - for ``--entries`` whole tensors of one chunk each (the common table, checked in bulk):
-  ``decode`` and ``unchecked`` (the bulk range check ``metabulk._disjoint`` made a no-op).
+  ``decode`` and ``unchecked`` (the bulk range check ``format/metadata/v2_columns.py`` ``_disjoint`` made a no-op).
 
 It prints microseconds per chunk (or entry) and the checks' share of the decode.
 """
@@ -81,12 +81,12 @@ def _timed(ops: dict[str, Callable[[], object]], repeats: int) -> dict[str, floa
 def measure_layout(path: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...],
                    repeats: int) -> dict[str, float]:
     """Seconds of the decode, the decode without the checks, and the tiling check alone."""
-    from ..format import metatable
+    from ..format.metadata import v2
     from ..storage.commits import read_index_file
     from ..format.tiling import tiling_problem
 
     def unchecked() -> object:
-        with _patched(metatable, "check_entries", lambda entries, path: None):
+        with _patched(v2, "check_entries", lambda entries, path: None):
             return read_index_file(path)
 
     return _timed({"decode": lambda: read_index_file(path), "unchecked": unchecked,
@@ -94,11 +94,11 @@ def measure_layout(path: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...
 
 
 def _bulk(path: str, repeats: int) -> dict[str, float]:
-    from ..format import metabulk
+    from ..format.metadata import v2_columns
     from ..storage.commits import read_index_file
 
     def unchecked() -> object:
-        with _patched(metabulk, "_disjoint", lambda *a: True):
+        with _patched(v2_columns, "_disjoint", lambda *a: True):
             return read_index_file(path)
 
     return _timed({"decode": lambda: read_index_file(path), "unchecked": unchecked}, repeats)

@@ -56,7 +56,7 @@ def operations(ck: str, st: str) -> dict[str, Callable[[], object]]:
     """The operations compared, by name (``safetensors`` is the reference)."""
     from safetensors import safe_open
 
-    from ..format.metadata import _META_PRE, METADATA_NAME
+    from ..format.metadata.framing import META_PREAMBLE, METADATA_NAME
     from ..storage.commits import read_index_file, read_metadata_file
     from ..lazy import open as open_ckpt
 
@@ -76,7 +76,7 @@ def operations(ck: str, st: str) -> dict[str, Callable[[], object]]:
 
     def body_json() -> object:
         with open(meta, "rb") as f:
-            return json.loads(f.read()[_META_PRE.size:])
+            return json.loads(f.read()[META_PREAMBLE.size:])
 
     return {"safetensors": st_keys, "index": lambda: read_index_file(meta), "open_keys": open_keys,
             "index_all": index_all, "metadata": lambda: read_metadata_file(meta),

@@ -32,7 +32,7 @@ from ..errors import (
     SizeMismatchError,
 )
 from ..format import layout as fmt
-from ..format.lazymeta import StorageRecords
+from ..format.metadata.records import StorageRecords
 from ..format.metadata import KIND_MMAPCKPT
 from ..format.stock import load_tensor
 from ..format.transforms import StreamTransforms, decoded_limit
@@ -256,7 +256,7 @@ def _stock_decode_limit(reads: FileReads, req: ReadItem) -> int:
 
 def _stored_chunk(storage_data: Any, sdm: Any, idx: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]] | None:
     """(dtype, shape) of the stored tensor chunk ``idx`` names, or None: from MmapReader's index
-    (format/lazymeta.py, no DCP record built) or from DCP's records."""
+    (format/metadata/records.py, no DCP record built) or from DCP's records."""
     if type(storage_data) is StorageRecords:
         found = storage_data.chunk(idx)
         return None if found is None or found[0].kind != "tensor" else (found[0].dtype, found[1].sizes)

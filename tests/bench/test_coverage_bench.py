@@ -7,7 +7,7 @@ import os
 import pytest
 
 from mmapckpt.bench import coverage
-from mmapckpt.format import metatable
+from mmapckpt.format.metadata import v2
 from mmapckpt.storage.commits import read_index_file
 
 
@@ -26,9 +26,9 @@ def test_the_written_layout_is_what_the_decoder_reads_and_the_no_op_is_undone(tm
     coverage.write_layout(path, rows, (5, 3), tensors=2)
     _, entries, _ = read_index_file(path)
     assert [(c.offsets, c.sizes) for c in entries["layer1.weight"].chunks] == rows
-    checker = metatable.check_entries
+    checker = v2.check_entries
     times = coverage.measure_layout(path, rows, (5, 3), 1)
-    assert set(times) == {"decode", "unchecked", "tiling"} and metatable.check_entries is checker
+    assert set(times) == {"decode", "unchecked", "tiling"} and v2.check_entries is checker
     coverage.write_layout(path, rows[:4], (5, 3))  # a gap: the real check is back in place
     with pytest.raises(Exception, match="hold 12 of the tensor's 15"):
         read_index_file(path)

@@ -17,6 +17,7 @@ import torch
 import mmapckpt
 from mmapckpt.format import layout as fmt
 from mmapckpt.format import metadata as mf
+from mmapckpt.format.metadata.framing import META_PREAMBLE
 from helpers import assert_bitwise_equal, dcp_save, tensor_bytes
 from strategies import ALL_DTYPES, flatten, tensor_from_bytes
 
@@ -162,7 +163,7 @@ def test_dtype_table_matches_the_code(reader) -> None:
 def test_constants_match_the_code() -> None:
     text = doc_text()
     assert f'"{fmt._PREAMBLE.format}"' in text
-    assert f'"{mf._META_PRE.format}"' in text
+    assert f'"{META_PREAMBLE.format}"' in text
     assert f"**{fmt.MAX_HEADER_SIZE}**" in text
     assert " ".join(f"{b:02x}" for b in fmt.MAGIC) in text
     assert " ".join(f"{b:02x}" for b in mf.META_MAGIC) in text

@@ -1,4 +1,4 @@
-"""The on-demand DCP Metadata MmapReader plans with (format/lazymeta.py) against the eager one.
+"""The on-demand DCP Metadata MmapReader plans with (format/metadata/records.py) against the eager one.
 
 Every checkpoint's ``.metadata`` is decoded both ways: the lazy mappings must hold the
 very records ``to_dcp`` builds (index hints included), answer the reader's and the fast
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 import mmapckpt
 from helpers import Invert, assert_tree_equal
 from mmapckpt.format import metadata as mf
-from mmapckpt.format.lazymeta import StateDictRecords, StorageRecords
+from mmapckpt.format.metadata.records import StateDictRecords, StorageRecords
 from strategies import fresh_like, state_dicts
 
 

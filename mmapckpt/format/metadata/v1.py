@@ -1,47 +1,96 @@
-"""The body of an mmapckpt ``.metadata`` file, validated once into the index of entries.
+"""Version 1 of the ``.metadata`` body: one JSON object per item and per storage record.
 
-The JSON document is checked in one pass straight into ``EntryInfo``/``ChunkInfo``
-records (what the lazy loader and ``load_into`` use as they are); DCP's ``Metadata``
-objects are built from that index only for ``dcp.load`` (:func:`to_dcp`). Messages
-are built only on failure: a valid file of many entries is decoded at the speed of
-the JSON parser.
+What mmapckpt wrote before the entry table (v2.py); still read, and written by
+``encode_metadata(md, major=1)``. Its body (docs/format.md, section 3.2)::
+
+    {"version": ..., "state_dict_metadata": {fqn: {"type": "bytes"} | {"type": "tensor", "dtype",
+     "requires_grad", "size", "chunks": [{"offsets", "sizes"}, ...]}, ...},
+     "planner_data": {fqn: path, ...} | null, "storage_data": [{"fqn", "offset", "index",
+     "relative_path", "file_offset", "length"[, "transform_descriptors"]}, ...], "storage_meta": ...}
+
+:func:`decode` checks it in one pass into the index (index.py) and ends in
+``tiling.check_entries``, as every decoder does.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from ..errors import FormatError
-from .entries import safe_relative_path
-from . import layout as fmt
-from .entries import ChunkInfo, EntryInfo
-from .tiling import check_entries
+from ...errors import FormatError
+from .. import layout as fmt
+from ..entries import ChunkInfo, EntryInfo, safe_relative_path
+from ..tiling import check_entries
+from .index import InvalidMetadata, MetaIndex, need, top_fields
 
-__all__ = ["InvalidMetadata", "MetaIndex", "dcp_record", "dcp_top", "index_doc", "to_dcp"]
+__all__ = ["encode", "decode", "planner_data"]
 
 
-class InvalidMetadata(Exception):
-    """A defect of the document; the caller raises FormatError naming the file."""
+# --------------------------------------------------------------------------- encoding
+def _enc_planner_data(pd: Any) -> Any:
+    if pd is None:
+        return None
+    ok = isinstance(pd, dict) and all(
+        isinstance(k, str) and isinstance(v, (tuple, list)) and all(type(p) in (str, int) for p in v)
+        for k, v in pd.items()
+    )
+    if not ok:
+        raise TypeError(
+            "mmapckpt stores only the default planners' planner_data ({fqn: path of str/int keys}); "
+            f"got {type(pd).__name__}, which could not be stored without pickle"
+        )
+    return {k: list(v) for k, v in pd.items()}
 
 
-def _need(cond: bool, what: str) -> None:
-    if not cond:
-        raise InvalidMetadata(what)
+def _enc_item(md: Any) -> dict[str, Any]:
+    if isinstance(md, BytesStorageMetadata):
+        return {"type": "bytes"}
+    return {
+        "type": "tensor",
+        "dtype": fmt.dtype_name(md.properties.dtype),
+        "requires_grad": bool(md.properties.requires_grad),
+        "size": list(md.size),
+        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+    }
 
 
+def _canonical_records(md: Metadata) -> list[tuple[MetadataIndex, Any]]:
+    """Storage records in the order of the items and chunks they store, so that encoding is canonical."""
+    rank: dict[tuple[str, Any], int] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        for c in getattr(item, "chunks", None) or [None]:
+            rank[(fqn, None if c is None else tuple(c.offsets))] = len(rank)
+    return sorted((md.storage_data or {}).items(), key=lambda kv: rank.get(
+        (kv[0].fqn, None if kv[0].offset is None else tuple(kv[0].offset)), len(rank)))
+
+
+def _enc_records(md: Metadata) -> list[dict[str, Any]]:
+    storage = []
+    for idx, info in _canonical_records(md):
+        rec = {
+            "fqn": idx.fqn,
+            "offset": None if idx.offset is None else list(idx.offset),
+            "index": idx.index,
+            "relative_path": info.relative_path,
+            "file_offset": info.offset,
+            "length": info.length,
+        }
+        if getattr(info, "transform_descriptors", None):  # stored encoded: MmapWriter(_extensions=...)
+            rec["transform_descriptors"] = [str(d) for d in info.transform_descriptors]
+        storage.append(rec)
+    return storage
+
+
+def encode(md: Metadata) -> dict[str, Any]:
+    """The version-1 body's fields that describe the entries, of DCP ``Metadata`` whose storage_data
+    values are ``_StorageInfo`` records (in the body's key order)."""
+    return {"state_dict_metadata": {k: _enc_item(v) for k, v in md.state_dict_metadata.items()},
+            "planner_data": _enc_planner_data(md.planner_data), "storage_data": _enc_records(md)}
+
+
+# --------------------------------------------------------------------------- decoding
 def _dims(v: Any, what: str, fqn: str) -> tuple[int, ...]:
     """A JSON list of at most MAX_NDIM integers in [0, 2**63), as a tuple (messages are built on failure only)."""
     if type(v) is list and len(v) <= fmt.MAX_NDIM:
@@ -54,25 +103,7 @@ def _dims(v: Any, what: str, fqn: str) -> tuple[int, ...]:
     raise InvalidMetadata(f"{what} of {fqn!r} must be a list of integers in [0, 2**63)")
 
 
-def _opt_str(v: Any, what: str) -> str | None:
-    _need(v is None or isinstance(v, str), f"{what} must be a string or null")
-    return v
-
-
-class MetaIndex(NamedTuple):
-    """A validated mmapckpt ``.metadata``: the entries, and what DCP's ``Metadata`` also carries."""
-
-    entries: dict[str, EntryInfo]
-    save_id: str | None
-    doc: dict[str, Any]  # the document's version, planner_data and storage_meta (not its entries)
-    requires_grad: set[str]
-    record_index: dict[tuple[str, tuple[int, ...] | None], int]  # MetadataIndex.index hints
-    #: the stream-transform descriptors of items stored encoded (MmapWriter(_extensions=...)), by key
-    transforms: dict[tuple[str, tuple[int, ...] | None], tuple[str, ...]] = {}
-
-
 _Record = tuple  # (relative_path, file_offset, length)
-_V1 = object()  # to_dcp: planner_data from a version-1 document
 
 
 def _transform_list(v: Any, fqn: str) -> tuple[str, ...]:
@@ -84,7 +115,7 @@ def _transform_list(v: Any, fqn: str) -> tuple[str, ...]:
 def _records(raw: Any, path: str, record_index: dict[Any, int],
              transforms: dict[Any, tuple[str, ...]]) -> dict[tuple[str, Any], _Record]:
     """The storage records by (fqn, chunk offsets or None)."""
-    _need(type(raw) is list, "'storage_data' must be a list")
+    need(type(raw) is list, "'storage_data' must be a list")
     recs: dict[tuple[str, Any], _Record] = {}
     rels: set[str] = set()
     for r in raw:
@@ -163,10 +194,11 @@ def _whole_chunk(fqn: str, v: dict[str, Any], size_raw: list[Any], size: tuple[i
     return (ChunkInfo(zeros, size, *rec),)
 
 
-def index_doc(doc: Any, path: str) -> MetaIndex:
-    _need(type(doc) is dict, "metadata must be a JSON object")
+def decode(doc: Any, path: str) -> MetaIndex:
+    """Validate a version-1 body into the index of entries; InvalidMetadata or FormatError on a defect."""
+    need(type(doc) is dict, "metadata must be a JSON object")
     sdm = doc.get("state_dict_metadata")
-    _need(type(sdm) is dict, "'state_dict_metadata' must be an object")
+    need(type(sdm) is dict, "'state_dict_metadata' must be an object")
     record_index: dict[Any, int] = {}
     transforms: dict[Any, tuple[str, ...]] = {}
     recs = _records(doc.get("storage_data"), path, record_index, transforms)
@@ -210,86 +242,15 @@ def index_doc(doc: Any, path: str) -> MetaIndex:
     if missing:
         raise FormatError("metadata has no storage record for this entry", path=path, entry=missing[0])
     check_entries(entries.values(), path)  # shapes torch can make, exact tiling, no aliasing but tied weights
-    sm = doc.get("storage_meta")
-    _need(sm is None or type(sm) is dict, "'storage_meta' must be an object")
-    save_id = None if sm is None else _opt_str(sm.get("save_id"), "save_id")
-    # Only the small top-level fields are kept: the entries' JSON is freed by the caller while
-    # the collector is still paused (freeing 100,000 entries' dicts later cost 2.6 us an entry).
-    top = {k: doc.get(k) for k in ("version", "planner_data", "storage_meta")}
+    save_id, top = top_fields(doc)
     return MetaIndex(entries, save_id, top, grad, record_index, transforms)
 
 
-def _descriptors(ix: MetaIndex, key: tuple[str, tuple[int, ...] | None]) -> list[str] | None:
-    t = ix.transforms.get(key)
-    return None if t is None else list(t)
-
-
-def _planner_data(raw: Any) -> dict[str, tuple[Any, ...]] | None:
+def planner_data(raw: Any) -> dict[str, tuple[Any, ...]] | None:
+    """DCP's ``planner_data`` of a version-1 index (its ``doc["planner_data"]``)."""
     if raw is None:
         return None
-    _need(type(raw) is dict, "'planner_data' must be an object")
+    need(type(raw) is dict, "'planner_data' must be an object")
     for v in raw.values():
-        _need(type(v) is list and all(type(p) in (str, int) for p in v), "planner_data paths must be lists")
+        need(type(v) is list and all(type(p) in (str, int) for p in v), "planner_data paths must be lists")
     return {k: tuple(v) for k, v in raw.items()}
-
-
-def _storage_meta(raw: Any) -> StorageMeta | None:
-    if raw is None:
-        return None
-    mods = raw.get("modules", [])
-    _need(type(mods) is list and all(isinstance(m, str) for m in mods), "'modules' must be strings")
-    return StorageMeta(checkpoint_id=_opt_str(raw.get("checkpoint_id"), "checkpoint_id"),
-                       save_id=_opt_str(raw.get("save_id"), "save_id"), modules=list(mods))
-
-
-def dcp_record(ix: MetaIndex, name: str, e: EntryInfo, zeros: dict[int, torch.Size]
-               ) -> tuple[Any, list[tuple[MetadataIndex, _StorageInfo]]]:
-    """One entry's DCP records: its ``state_dict_metadata`` value and its ``storage_data`` items.
-
-    ``zeros`` holds the all-zero offsets by rank, shared between calls (``torch.Size`` is immutable).
-    """
-    hints = ix.record_index
-    if e.kind == "object":
-        c = e.chunks[0]
-        return BytesStorageMetadata(), [(MetadataIndex(name, None, hints.get((name, None))), _StorageInfo(
-            c.file, c.file_offset, c.length, transform_descriptors=_descriptors(ix, (name, None))))]
-    size = torch.Size(e.shape)
-    chunks = []
-    records = []
-    for c in e.chunks:
-        off = zeros.get(len(c.offsets)) if not any(c.offsets) else None
-        if off is None:
-            off = torch.Size(c.offsets)
-            if not any(c.offsets):
-                zeros[len(c.offsets)] = off
-        chunks.append(ChunkStorageMetadata(offsets=off, sizes=size if c.sizes == e.shape else torch.Size(c.sizes)))
-        records.append((MetadataIndex(name, off, hints.get((name, c.offsets))), _StorageInfo(
-            c.file, c.file_offset, c.length,
-            transform_descriptors=_descriptors(ix, (name, c.offsets)) if ix.transforms else None)))
-    return TensorStorageMetadata(TensorProperties(dtype=e.dtype, requires_grad=name in ix.requires_grad),
-                                 size, chunks), records
-
-
-def dcp_top(ix: MetaIndex, planner_data: Any = _V1) -> dict[str, Any]:
-    """The fields of DCP's ``Metadata`` other than the entries' records (planner_data, storage_meta, version)."""
-    pd = _planner_data(ix.doc.get("planner_data")) if planner_data is _V1 else planner_data
-    return {"planner_data": pd, "storage_meta": _storage_meta(ix.doc.get("storage_meta")),
-            "version": _opt_str(ix.doc.get("version"), "version")}
-
-
-def to_dcp(ix: MetaIndex, planner_data: Any = _V1) -> Metadata:
-    """DCP's ``Metadata`` for an index (what ``dcp.load`` plans with).
-
-    The immutable ``torch.Size`` objects are shared where values are equal (a whole
-    chunk's sizes are the tensor's size; all-zero offsets one object per rank), which
-    halves the objects built per entry; every mutable record is built per entry.
-    """
-    sdm: dict[str, Any] = {}
-    storage: dict[MetadataIndex, _StorageInfo] = {}
-    zeros: dict[int, torch.Size] = {}
-    for name, e in ix.entries.items():
-        sdm[name], records = dcp_record(ix, name, e, zeros)
-        storage.update(records)
-    return Metadata(state_dict_metadata=sdm, storage_data=storage, **dcp_top(ix, planner_data))
-
-

@@ -148,7 +148,7 @@ def test_a_chunk_without_a_storage_record_is_refused_naming_it(ckpt) -> None:
 def test_planner_data_is_expanded_to_what_was_saved(pd, sdm_names) -> None:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-    from mmapckpt.format.metatable import encode_planner_data, planner_paths
+    from mmapckpt.format.metadata.v2 import encode_planner_data, planner_paths
 
     md = Metadata(state_dict_metadata={k: BytesStorageMetadata() for k in sdm_names}, planner_data=pd)
     raw = json.loads(json.dumps(encode_planner_data(md)))
@@ -168,7 +168,7 @@ def test_the_planner_data_rule_is_the_majority_rule(pd) -> None:
     name whole (counted the plain way here), also through its shortcut for all-whole dicts."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from mmapckpt.format.metatable import encode_planner_data, planner_paths
+    from mmapckpt.format.metadata.v2 import encode_planner_data, planner_paths
 
     pd = {k: (k,) if v is None else tuple(v) for k, v in pd.items()}  # None: the usual whole-name path
     md = Metadata(state_dict_metadata={}, planner_data=pd)

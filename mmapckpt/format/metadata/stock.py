@@ -27,11 +27,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import FormatError, UnsafePickleError
-from .entries import safe_relative_path
-from . import layout as fmt
-from .entries import ChunkInfo, EntryInfo
-from .tiling import check_entries
+from ...errors import FormatError, UnsafePickleError
+from .. import layout as fmt
+from ..entries import ChunkInfo, EntryInfo, safe_relative_path
+from ..tiling import check_entries
 
 __all__ = ["decode_stock", "decode_stock_index", "stock_index"]
 

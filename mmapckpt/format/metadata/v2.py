@@ -22,15 +22,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..errors import FormatError
-from .entries import safe_relative_path
-from . import layout as fmt
-from .entries import ChunkInfo, EntryInfo
-from .metabulk import bulk_index
-from .metaindex import InvalidMetadata, MetaIndex
-from .tiling import check_entries
+from ...errors import FormatError
+from .. import layout as fmt
+from ..entries import ChunkInfo, EntryInfo, safe_relative_path
+from ..tiling import check_entries
+from .index import InvalidMetadata, MetaIndex, top_fields
+from .v2_columns import bulk_index
 
-__all__ = ["encode_table", "index_table", "planner_paths", "encode_planner_data"]
+__all__ = ["encode", "decode", "encode_table", "encode_planner_data", "planner_paths"]
 
 
 def encode_table(md: Metadata) -> dict[str, Any]:
@@ -74,6 +73,11 @@ def encode_table(md: Metadata) -> dict[str, Any]:
         fqn, off = next(iter(recs))
         raise ValueError(f"storage record of {fqn!r}{'' if off is None else list(off)} matches no entry")
     return {"names": names, "dtypes": list(dtypes), "files": list(files), "rows": rows, "transforms": transforms}
+
+
+def encode(md: Metadata) -> dict[str, Any]:
+    """The version-2 body's fields that describe the entries (in the body's key order)."""
+    return {"planner_data": encode_planner_data(md), "table": encode_table(md)}
 
 
 def encode_planner_data(md: Metadata) -> Any:
@@ -149,25 +153,24 @@ def _transforms(raw: Any) -> dict[int, tuple[str, ...]]:
     return out
 
 
-def index_table(doc: Any, path: str, *, ints_only: bool = False, entries_only: bool = False) -> MetaIndex:
-    """Validate a version-2 body into the index of entries (as metaindex.index_doc does for version 1).
+def decode(doc: Any, path: str, *, ints_only: bool = False, entries_only: bool = False) -> MetaIndex:
+    """Validate a version-2 body into the index of entries: the one decoder of version 2.
 
-    Its ``doc`` keeps the body's small top-level fields, ``planner_data`` in its compact form
-    (:func:`planner_paths` expands it). ``ints_only``: the document's numbers are all integers
-    and it holds no ``true`` or ``false``, which lets a table of the common shape be checked in
-    bulk (metabulk.py). ``entries_only``: its ``requires_grad`` and ``record_index`` may be left
-    empty (what ``read_index_file`` returns needs neither).
+    The table's header (names, files, dtypes) is checked here. A table of the common shape
+    (every tensor one whole chunk, no stream transforms) is then read column by column
+    (v2_columns.py), which takes it only if every value is sound; any other table, and every
+    table with a defect, is read entry by entry (:func:`_walk`), which names the defect. Both
+    end in the rules of ``tiling.check_entries`` (the columns in their column form).
+
+    ``ints_only``: the parse found only integers and no ``true`` or ``false`` in the document,
+    so the rows need no look at their types here. ``entries_only``: the index's
+    ``requires_grad`` and ``record_index`` may be left empty and its entries built on first use
+    (what ``read_index_file`` returns needs neither). Its ``doc`` keeps the body's small
+    top-level fields, ``planner_data`` in its compact form (:func:`planner_paths` expands it).
     """
     if type(doc) is not dict:
         raise InvalidMetadata("metadata must be a JSON object")
-    sm = doc.get("storage_meta")
-    if sm is not None and type(sm) is not dict:
-        raise InvalidMetadata("'storage_meta' must be an object")
-    save_id = None if sm is None else sm.get("save_id")
-    if save_id is not None and type(save_id) is not str:
-        raise InvalidMetadata("save_id must be a string or null")
-    top = {k: doc.get(k) for k in ("version", "planner_data", "storage_meta")}
-    top["table"] = True  # marks the compact planner_data
+    save_id, top = top_fields(doc)
     table = doc.get("table")
     if type(table) is not dict:
         raise InvalidMetadata("'table' must be an object")
@@ -176,14 +179,19 @@ def index_table(doc: Any, path: str, *, ints_only: bool = False, entries_only: b
     dtypes = []
     for n in _strings(table.get("dtypes"), "dtypes"):
         dtypes.append(fmt.DTYPES[n] if n in fmt.DTYPES else fmt.dtype_from_name(n, path=path))  # raises if unknown
-    # The bulk check refuses (None) a name given twice too; the message is the one below.
-    bulk = bulk_index(names, files, dtypes, table.get("rows"), table.get("transforms", {}), ints_only, entries_only)
-    if bulk is not None:
-        return MetaIndex(bulk[0], save_id, top, bulk[1], bulk[2], {})  # type: ignore[arg-type]
-    if len(set(names)) != len(names):
+    name_set = frozenset(names)
+    if len(name_set) != len(names):
         raise InvalidMetadata("the table names an entry twice")
-    rows = _ints(table.get("rows"))
-    tf = _transforms(table.get("transforms", {}))
+    rows, tf_raw = table.get("rows"), table.get("transforms", {})
+    if not ints_only:  # the parse could not tell (a float, true or false somewhere): look at the rows
+        rows = _ints(rows)
+    if tf_raw == {}:
+        bulk = bulk_index(names, name_set, files, dtypes, rows, entries_only)
+        if bulk is not None:
+            return MetaIndex(bulk[0], save_id, top, bulk[1], bulk[2], {})  # type: ignore[arg-type]
+    if ints_only:
+        rows = _ints(rows)
+    tf = _transforms(tf_raw)
     try:
         return _walk(names, files, dtypes, rows, tf, path, top, save_id)
     except FormatError:
@@ -194,6 +202,7 @@ def index_table(doc: Any, path: str, *, ints_only: bool = False, entries_only: b
 
 def _walk(names: list[str], files: list[str], dtypes: list[Any], rows: list[int], tf: dict[int, tuple[str, ...]],
           path: str, top: dict[str, Any], save_id: str | None) -> MetaIndex:
+    """The table read entry by entry: any shape, every defect named (rows of integers in [-1, 2**63))."""
     entries: dict[str, EntryInfo] = {}
     grad: set[str] = set()
     hints: dict[Any, int] = {}

@@ -1,15 +1,16 @@
-"""The version-2 entry table checked and decoded column by column, at the speed of C loops.
+"""How the version-2 decoder (v2.py) reads a table of the common shape: column by column, in C loops.
 
 The table's common shape (every tensor stored as one whole chunk, no stream transforms,
 every value sound) is what ``mmapckpt.save`` and a single-process ``dcp.save`` write. For
-it, the per-entry Python loop of ``metatable._walk`` (about 3 microseconds an entry) is
+it, the per-entry Python loop of ``v2._walk`` (about 3 microseconds an entry) is
 replaced by one short loop that finds where each entry's values start, then by ``map``,
 ``zip``, ``set``, ``min`` and ``max`` over whole columns of ``rows``, which run in C.
 
-The contract: :func:`bulk_index` returns what ``metatable._walk`` returns for the same
-table, or None, and it returns None whenever ``_walk`` would refuse the table (or whenever
-the table is of another shape). The caller then runs ``_walk``, which names the defect.
-Nothing is refused here, so every message stays ``_walk``'s.
+The contract with ``v2.decode``, its one caller: :func:`bulk_index` returns what
+``v2._walk`` returns for the same table, or None, and it returns None whenever ``_walk``
+would refuse the table (or whenever the table is of another shape). ``v2.decode`` then
+runs ``_walk``, which names the defect. Nothing is refused here, so every message is
+``_walk``'s (or, for the header checked before either runs, ``v2.decode``'s).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from . import layout as fmt
-from .entries import ChunkInfo, EntryInfo, paused_gc
-from .tiling import shape_fits
+from .. import layout as fmt
+from ..entries import ChunkInfo, EntryInfo, paused_gc
+from ..tiling import shape_fits
 
 __all__ = ["bulk_index", "TableEntries"]
 
@@ -38,17 +39,17 @@ _entry = partial(tuple.__new__, EntryInfo)
 Bulk = tuple[Mapping[str, EntryInfo], set[str], dict[Any, int]]
 
 
-def bulk_index(names: list[str], files: list[str], dtypes: list[Any], rows: Any, tf_raw: Any,
-               ints_only: bool, entries_only: bool = False) -> Bulk | None:
+def bulk_index(names: list[str], name_set: frozenset[str], files: list[str], dtypes: list[Any], rows: Any,
+               entries_only: bool = False) -> Bulk | None:
     """(entries, requires_grad names, MetadataIndex hints) of a table of the common shape, or None.
 
-    ``ints_only``: the caller knows every number of the document is an integer and that it
-    holds no ``true``/``false`` (json.loads' hooks and a look at the text tell that at no
-    cost an entry); a set or a sum of values cannot tell ``True`` or ``1.0`` from ``1``.
-    ``entries_only``: the entries are a :class:`TableEntries`, built on first use, and the
+    The caller (``v2.decode``) has checked the names (``name_set``: each once), files and dtypes,
+    and that the rows hold no value of another type than ``int`` (a set or a sum of values
+    cannot tell ``True`` or ``1.0`` from ``1``; strings, nulls, lists and objects are refused
+    here). ``entries_only``: the entries are a :class:`TableEntries`, built on first use, and the
     requires_grad names and hints are left empty (a reader of entries needs neither).
     """
-    if not ints_only or tf_raw != {} or type(rows) is not list or not names:
+    if type(rows) is not list or not names:
         return None
     try:
         checked = _check(names, files, dtypes, rows)
@@ -58,7 +59,7 @@ def bulk_index(names: list[str], files: list[str], dtypes: list[Any], rows: Any,
         return None
     if checked is None:
         return None
-    starts, codes, name_set = checked
+    starts, codes = checked
     if entries_only:
         return TableEntries(names, name_set, starts, codes, rows, files, dtypes), set(), {}
     return _build(names, starts, codes, rows, files, dtypes, True)
@@ -110,11 +111,10 @@ def _sizes(rows: list[Any], at: list[int], nds: list[int]) -> list[tuple[int, ..
 
 
 def _check(names: list[str], files: list[str], dtypes: list[Any],
-           rows: list[Any]) -> tuple[list[int], list[int], frozenset[str]] | None:
-    """(where each entry starts, each entry's dtype code, the names) if every value is sound, else None."""
+           rows: list[Any]) -> tuple[list[int], list[int]] | None:
+    """(where each entry starts, each entry's dtype code) if every value is sound, else None."""
     starts = _starts(names, rows)
-    name_set = frozenset(names)
-    if starts is None or len(name_set) != len(names):
+    if starts is None:
         return None
     codes = _col(rows, starts, 0)
     in_files = frozenset(range(len(files)))
@@ -139,7 +139,7 @@ def _check(names: list[str], files: list[str], dtypes: list[Any],
             return None
     if not _disjoint(records, rows, starts, codes):
         return None
-    return starts, codes, name_set
+    return starts, codes
 
 
 def _disjoint(records: list[tuple[list[int], list[int], list[int]]], rows: list[Any], starts: list[int],

@@ -1,15 +1,19 @@
-"""The bulk check of the version-2 entry table (metabulk.py) against the per-entry walk it stands in for.
+"""The version-2 decoder's column path (format/metadata/v2_columns.py) against its per-entry walk.
 
-Every table is decoded twice: with ``ints_only=True`` (the bulk check runs, and falls back to
-the walk when in doubt) and with ``ints_only=False`` (the walk alone, what every table got
-before). Both must refuse the same tables with the same message, and agree on the rest.
+``v2.decode`` reads a table of the common shape by columns, and falls back to the walk
+when in doubt. Every table is decoded with the column path made to decline (the walk
+alone) and as it is, with ``ints_only`` True (the parse vouched for the rows' types) and
+False (the decoder looks at them itself): all must refuse the same tables with the same
+message, and agree on the rest.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from contextlib import nullcontext
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -18,9 +22,9 @@ import torch.distributed.checkpoint as dcp
 import mmapckpt
 from helpers import metadata_with_doc
 from mmapckpt.storage.commits import read_index_file
-from mmapckpt.format import metabulk, metatable
-from mmapckpt.format import metadata as mf
-from mmapckpt.format.metaindex import InvalidMetadata
+from mmapckpt.format import layout as fmt
+from mmapckpt.format.metadata import v2, v2_columns
+from mmapckpt.format.metadata.index import InvalidMetadata
 
 
 def _state() -> dict[str, Any]:
@@ -37,20 +41,31 @@ def doc(tmp_path_factory) -> dict[str, Any]:
     return json.loads((path / ".metadata").read_bytes()[24:])
 
 
-def _decode(doc: dict[str, Any], ints_only: bool, entries_only: bool = False) -> tuple[str, Any]:
+def _decode(doc: dict[str, Any], ints_only: bool, entries_only: bool = False, columns: bool = True) -> tuple[str, Any]:
+    """The decoder's outcome; ``columns=False``: with the column path made to decline (the walk alone)."""
+    declined = nullcontext() if columns else mock.patch.object(v2, "bulk_index", lambda *a, **k: None)
     try:
-        ix = metatable.index_table(copy.deepcopy(doc), "x/.metadata", ints_only=ints_only, entries_only=entries_only)
+        with declined:
+            ix = v2.decode(copy.deepcopy(doc), "x/.metadata", ints_only=ints_only, entries_only=entries_only)
     except (InvalidMetadata, mmapckpt.CheckpointError) as e:
         return "refused", f"{type(e).__name__}: {e}"
-    except (IndexError, ValueError):  # index_table's caller turns these into FormatError
+    except (IndexError, ValueError):  # the decoder's caller turns these into FormatError
         return "refused", "cut short"
     return "ok", (dict(ix.entries), ix.requires_grad, ix.record_index, ix.transforms)
 
 
+def _vouched(doc: dict[str, Any]) -> bool:
+    """Whether the parse would say ``ints_only`` of the rows (no bool or float among them)."""
+    rows = doc["table"].get("rows")
+    return not (type(rows) in (list, tuple) and any(type(v) in (bool, float) for v in rows))
+
+
 def _same(doc: dict[str, Any]) -> str:
-    walk = _decode(doc, ints_only=False)
-    assert _decode(doc, ints_only=True) == walk
-    bulk_entries = _decode(doc, ints_only=True, entries_only=True)
+    walk = _decode(doc, ints_only=False, columns=False)
+    assert _decode(doc, ints_only=False) == walk
+    if _vouched(doc):
+        assert _decode(doc, ints_only=True) == walk
+    bulk_entries = _decode(doc, ints_only=_vouched(doc), entries_only=True)
     assert bulk_entries[0] == walk[0]
     if walk[0] == "ok":
         assert bulk_entries[1][0] == walk[1][0]  # the entries; grad and hints are left out
@@ -60,8 +75,9 @@ def _same(doc: dict[str, Any]) -> str:
 def test_the_bulk_check_takes_a_table_of_the_common_shape(doc) -> None:
     t = doc["table"]
     assert len(t["dtypes"]) >= 4 and -1 in t["rows"]  # several dtypes, bytes items among the tensors
-    got = metabulk.bulk_index(t["names"], t["files"], [mf.fmt.DTYPES[n] for n in t["dtypes"]], t["rows"],
-                              t["transforms"], True)
+    assert t["transforms"] == {}
+    got = v2_columns.bulk_index(t["names"], frozenset(t["names"]), t["files"], [fmt.DTYPES[n] for n in t["dtypes"]],
+                                t["rows"])
     assert got is not None  # not a fallback: the bulk path itself is what is compared below
     assert _same(doc) == "ok"
     ok = _decode(doc, ints_only=True)[1]
@@ -70,7 +86,7 @@ def test_the_bulk_check_takes_a_table_of_the_common_shape(doc) -> None:
     assert ok[2][("w", (0, 0))] == 0 and ("opt.step", None) not in ok[2]  # DCP gives bytes items no index
 
 
-HOSTILE = [-3, -2, -1, 0, 1, 2, 3, 7, 64, 65, 79, 80, 2**63 - 1, 2**63, 2**70, "1", None, [1], {}]
+HOSTILE = [-3, -2, -1, 0, 1, 2, 3, 7, 64, 65, 79, 80, 2**63 - 1, 2**63, 2**70, "1", None, [1], {}, True, False, 1.0]
 
 
 def test_every_value_of_the_rows_changed_is_judged_as_the_walk_judges_it(doc) -> None:
@@ -104,13 +120,13 @@ def test_other_changes_to_the_table_are_judged_as_the_walk_judges_them(doc, chan
 
 
 def test_table_entries_are_built_on_first_use(doc) -> None:
-    ix = metatable.index_table(copy.deepcopy(doc), "x/.metadata", ints_only=True, entries_only=True)
+    ix = v2.decode(copy.deepcopy(doc), "x/.metadata", ints_only=True, entries_only=True)
     entries = ix.entries
-    assert isinstance(entries, metabulk.TableEntries)
+    assert isinstance(entries, v2_columns.TableEntries)
     assert list(entries) == doc["table"]["names"] and len(entries) == len(doc["table"]["names"])
     assert "w" in entries and "nope" not in entries and entries._built is None  # names alone
     assert entries["w"].shape == (5, 4) and entries._built is not None
-    assert entries == _decode(doc, ints_only=False)[1][0] and entries.get("nope") is None
+    assert entries == _decode(doc, ints_only=False, columns=False)[1][0] and entries.get("nope") is None
 
 
 @pytest.mark.parametrize("name", ["true", "a.false", "1.5"])
@@ -119,7 +135,7 @@ def test_a_document_with_true_false_or_a_float_in_it_is_still_read(tmp_path, nam
     mmapckpt.save(sd, tmp_path / "c")
     path = tmp_path / "c" / ".metadata"
     _, entries, _ = read_index_file(path)
-    assert not isinstance(entries, metabulk.TableEntries)  # the walk read it
+    assert isinstance(entries, v2_columns.TableEntries)  # the rows' types looked at: the columns read it
     assert entries[name].shape == (4,) and list(entries) == [name, "w"]
     raw = path.read_bytes()
     doc = json.loads(raw[24:])
@@ -140,7 +156,7 @@ def test_tables_of_tensors_only_are_read_in_bulk_as_the_walk_reads_them(tmp_path
     doc = json.loads((tmp_path / "c" / ".metadata").read_bytes()[24:])
     assert _same(doc) == "ok"
     _, entries, _ = read_index_file(tmp_path / "c" / ".metadata")
-    assert isinstance(entries, metabulk.TableEntries)
+    assert isinstance(entries, v2_columns.TableEntries)
     assert {k: (e.dtype, e.shape) for k, e in entries.items()} == {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()}
 
 
@@ -173,15 +189,15 @@ def test_table_entries_are_built_once_when_threads_ask_at_the_same_time(doc, mon
     import time
 
     calls = []
-    build = metabulk._build
+    build = v2_columns._build
 
     def slow_build(*args: Any) -> Any:
         calls.append(1)
         time.sleep(0.2)  # every thread asks while the first one builds
         return build(*args)
 
-    monkeypatch.setattr(metabulk, "_build", slow_build)
-    entries = metatable.index_table(copy.deepcopy(doc), "x/.metadata", ints_only=True, entries_only=True).entries
+    monkeypatch.setattr(v2_columns, "_build", slow_build)
+    entries = v2.decode(copy.deepcopy(doc), "x/.metadata", ints_only=True, entries_only=True).entries
     got: list[Any] = []
     threads = [threading.Thread(target=lambda: got.append(entries["w"])) for _ in range(4)]
     for t in threads:
@@ -200,7 +216,7 @@ def _rec_at(rows: list[Any], starts: list[int], i: int) -> int:
 
 def _layout(doc: dict[str, Any]) -> tuple[list[str], list[int]]:
     t = doc["table"]
-    starts = metabulk._starts(t["names"], t["rows"])
+    starts = v2_columns._starts(t["names"], t["rows"])
     assert starts is not None
     return t["names"], starts
 
@@ -227,7 +243,8 @@ def test_records_sharing_bytes_are_judged_in_bulk_as_the_walk_judges_them(tmp_pa
     else:
         rows[o + 1], rows[o + 2] = rows[a + 1], rows[a + 2]
     t = doc["table"]
-    bulk = metabulk.bulk_index(t["names"], t["files"], [mf.fmt.DTYPES[n] for n in t["dtypes"]], rows, t["transforms"],
-                               True)
+    assert t["transforms"] == {}
+    bulk = v2_columns.bulk_index(t["names"], frozenset(t["names"]), t["files"], [fmt.DTYPES[n] for n in t["dtypes"]],
+                                 rows)
     assert (bulk is not None) == bulk_ok
     assert _same(doc) == ("ok" if bulk_ok else "refused")

@@ -1,18 +1,19 @@
-"""DCP's ``Metadata`` of an mmapckpt checkpoint with its per-entry records built on demand.
+"""DCP's ``Metadata`` of a validated index (index.py), built at once or on demand.
 
-``to_dcp`` builds six DCP objects an entry (a ``TensorStorageMetadata`` with its
+:func:`to_dcp` builds six DCP objects an entry (a ``TensorStorageMetadata`` with its
 properties, size and chunk list, a ``MetadataIndex`` and a ``_StorageInfo``): about
 5 us an entry, most of what ``MmapReader.read_metadata`` costs on a many-entry
-checkpoint. Here ``state_dict_metadata`` and ``storage_data`` are read-only mappings over
-the validated index (every entry is checked before they are made, so building the records
-raises nothing). Names, their number and membership come from the index; the records are
-built, all at once as ``to_dcp`` builds them, when the first one is asked for. mmapckpt's
-own planners and reader ask the index instead (:meth:`StateDictRecords.entry`,
+checkpoint. :func:`lazy_dcp` makes ``state_dict_metadata`` and ``storage_data`` read-only
+mappings over the index instead (every entry is checked before they are made, so building
+the records raises nothing). Names, their number and membership come from the index; the
+records are built, all at once as ``to_dcp`` builds them, when the first one is asked for.
+mmapckpt's own planners and reader ask the index instead (:meth:`StateDictRecords.entry`,
 :meth:`StorageRecords.chunk`, :meth:`StorageRecords.info`), so a ``dcp.load`` with
 ``FastLoadPlanner`` builds none for the tensors it plans itself.
 
-Both mappings hold the same records as ``to_dcp``'s dicts (``tests/format/test_lazymeta.py``
-compares them), compare equal to them, and pickle and copy as plain dicts.
+Both mappings hold the same records as ``to_dcp``'s dicts (``tests/format/test_records.py``
+compares them), compare equal to them, and pickle and copy as plain dicts. The index's
+``planner_data`` is each version's own form: the caller expands it (v1.py, v2.py).
 """
 
 from __future__ import annotations
@@ -21,13 +22,86 @@ import threading
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from .entries import ChunkInfo, EntryInfo, paused_gc
-from .metaindex import _V1, MetaIndex, dcp_top, to_dcp
+from ..entries import ChunkInfo, EntryInfo, paused_gc
+from .index import MetaIndex, need, opt_str
 
-__all__ = ["StateDictRecords", "StorageRecords", "lazy_dcp"]
+__all__ = ["StateDictRecords", "StorageRecords", "dcp_record", "lazy_dcp", "to_dcp"]
+
+
+def _descriptors(ix: MetaIndex, key: tuple[str, tuple[int, ...] | None]) -> list[str] | None:
+    t = ix.transforms.get(key)
+    return None if t is None else list(t)
+
+
+def _storage_meta(raw: Any) -> StorageMeta | None:
+    if raw is None:
+        return None
+    mods = raw.get("modules", [])
+    need(type(mods) is list and all(isinstance(m, str) for m in mods), "'modules' must be strings")
+    return StorageMeta(checkpoint_id=opt_str(raw.get("checkpoint_id"), "checkpoint_id"),
+                       save_id=opt_str(raw.get("save_id"), "save_id"), modules=list(mods))
+
+
+def dcp_record(ix: MetaIndex, name: str, e: EntryInfo, zeros: dict[int, torch.Size]
+               ) -> tuple[Any, list[tuple[MetadataIndex, _StorageInfo]]]:
+    """One entry's DCP records: its ``state_dict_metadata`` value and its ``storage_data`` items.
+
+    ``zeros`` holds the all-zero offsets by rank, shared between calls (``torch.Size`` is immutable).
+    """
+    hints = ix.record_index
+    if e.kind == "object":
+        c = e.chunks[0]
+        return BytesStorageMetadata(), [(MetadataIndex(name, None, hints.get((name, None))), _StorageInfo(
+            c.file, c.file_offset, c.length, transform_descriptors=_descriptors(ix, (name, None))))]
+    size = torch.Size(e.shape)
+    chunks = []
+    records = []
+    for c in e.chunks:
+        off = zeros.get(len(c.offsets)) if not any(c.offsets) else None
+        if off is None:
+            off = torch.Size(c.offsets)
+            if not any(c.offsets):
+                zeros[len(c.offsets)] = off
+        chunks.append(ChunkStorageMetadata(offsets=off, sizes=size if c.sizes == e.shape else torch.Size(c.sizes)))
+        records.append((MetadataIndex(name, off, hints.get((name, c.offsets))), _StorageInfo(
+            c.file, c.file_offset, c.length,
+            transform_descriptors=_descriptors(ix, (name, c.offsets)) if ix.transforms else None)))
+    return TensorStorageMetadata(TensorProperties(dtype=e.dtype, requires_grad=name in ix.requires_grad),
+                                 size, chunks), records
+
+
+def _top(ix: MetaIndex, planner_data: Any) -> dict[str, Any]:
+    """The fields of DCP's ``Metadata`` other than the entries' records (planner_data, storage_meta, version)."""
+    return {"planner_data": planner_data, "storage_meta": _storage_meta(ix.doc.get("storage_meta")),
+            "version": opt_str(ix.doc.get("version"), "version")}
+
+
+def to_dcp(ix: MetaIndex, planner_data: Any) -> Metadata:
+    """DCP's ``Metadata`` for an index (what ``dcp.load`` plans with), with ``planner_data`` as expanded.
+
+    The immutable ``torch.Size`` objects are shared where values are equal (a whole
+    chunk's sizes are the tensor's size; all-zero offsets one object per rank), which
+    halves the objects built per entry; every mutable record is built per entry.
+    """
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    zeros: dict[int, torch.Size] = {}
+    for name, e in ix.entries.items():
+        sdm[name], records = dcp_record(ix, name, e, zeros)
+        storage.update(records)
+    return Metadata(state_dict_metadata=sdm, storage_data=storage, **_top(ix, planner_data))
 
 
 class _Records:
@@ -168,8 +242,8 @@ class StorageRecords(Mapping[MetadataIndex, _StorageInfo]):
         return f"StorageRecords({len(self)} records)"
 
 
-def lazy_dcp(ix: MetaIndex, planner_data: Any = _V1) -> Metadata:
-    """DCP's ``Metadata`` for a validated index, its records built on demand (see the module)."""
+def lazy_dcp(ix: MetaIndex, planner_data: Any) -> Metadata:
+    """As :func:`to_dcp`, its records built on demand (see the module)."""
     records = _Records(ix)
     return Metadata(state_dict_metadata=StateDictRecords(records),  # type: ignore[arg-type]
-                    storage_data=StorageRecords(records), **dcp_top(ix, planner_data))
+                    storage_data=StorageRecords(records), **_top(ix, planner_data))

@@ -1,0 +1,133 @@
+"""The ``.metadata`` file's codec: encoding by version, decoding by kind and version.
+
+Encoding writes version 2 (the entry table, v2.py) or, asked for, version 1 (v1.py)
+inside the framing (framing.py). Decoding reads the framing, then hands the body to its
+version's one decoder (v1.decode, v2.decode), which validates it once into the index of
+entries (index.py) that the lazy loader uses as it is; DCP's ``Metadata`` objects are
+built from that index only for ``dcp.load`` (records.py). Stock DCP checkpoints keep a
+pickled ``Metadata``, read by stock.py without running code. Every defect raises
+FormatError (or a subclass) naming the file, and the entry where there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ...errors import FormatError
+from ..entries import EntryInfo, paused_gc
+from . import v1, v2
+from .framing import (
+    KIND_MMAPCKPT,
+    META_MAJOR,
+    META_MINOR,
+    META_MINOR_USER,
+    USER_METADATA_KEY,
+    body_of,
+    check_user_metadata,
+    frame,
+    major_of,
+    parse_body,
+)
+from .index import InvalidMetadata, MetaIndex
+from .records import lazy_dcp, to_dcp
+from .stock import decode_stock, decode_stock_index
+
+__all__ = ["encode_metadata", "decode_index", "decode_metadata", "decode_metadata_lazy", "decode_metadata_file",
+           "decode_index_file"]
+
+
+def encode_metadata(md: Metadata, user_metadata: Mapping[str, str] | None = None, *, major: int = META_MAJOR) -> bytes:
+    """Encode DCP ``Metadata`` whose storage_data values are ``_StorageInfo`` records.
+
+    ``user_metadata`` ({str: str}, as safetensors' ``__metadata__``) is stored as the body's
+    ``user_metadata`` key. ``major``: 2 (the entry table, v2.py) or 1 (one JSON object per
+    item and record, what mmapckpt wrote before; a 1.x file with user metadata is minor 1).
+    """
+    user = check_user_metadata(user_metadata)
+    sm = md.storage_meta
+    doc: dict[str, Any] = {"version": md.version}
+    if major == 1:
+        doc.update(v1.encode(md))
+    elif major == META_MAJOR:
+        doc.update(v2.encode(md))
+    else:
+        raise ValueError(f"cannot write metadata version {major}")
+    doc["storage_meta"] = None if sm is None else {
+        "checkpoint_id": None if sm.checkpoint_id is None else os.fspath(sm.checkpoint_id),
+        "save_id": sm.save_id,
+        "modules": list(sm.modules),
+    }
+    if user is not None:
+        doc[USER_METADATA_KEY] = user
+    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return frame(major, META_MINOR_USER if user is not None and major == 1 else META_MINOR, body)
+
+
+def _decoding(data: bytes, path: str, build: Callable[[MetaIndex, int], Any], *, entries_only: bool = False) -> Any:
+    """``build(index, major)`` of a file's bytes, every defect a FormatError naming ``path``."""
+    body = body_of(data, path)
+    major = major_of(data)
+    try:
+        with paused_gc():
+            doc, ints_only = parse_body(body)
+            ix = v1.decode(doc, path) if major == 1 else \
+                v2.decode(doc, path, ints_only=ints_only, entries_only=entries_only)
+            del doc  # freed before the collector resumes, so that it never walks the document
+            return build(ix, major)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"metadata is not valid JSON: {e}", path=path) from None
+    except InvalidMetadata as e:
+        raise FormatError(f"invalid metadata: {e}", path=path) from None
+
+
+def _planner_data(ix: MetaIndex, major: int) -> Any:
+    """DCP's ``planner_data`` of an index, from the form its version stores."""
+    raw = ix.doc.get("planner_data")
+    return v1.planner_data(raw) if major == 1 else v2.planner_paths(raw, ix.entries)
+
+
+def decode_index(data: bytes, path: str) -> MetaIndex:
+    """Decode an mmapckpt ``.metadata`` file's bytes into its index; every defect raises FormatError."""
+    return _decoding(data, path, lambda ix, major: ix)
+
+
+def decode_metadata(data: bytes, path: str) -> Metadata:
+    """Decode an mmapckpt ``.metadata`` file's bytes into DCP ``Metadata``; every defect raises FormatError."""
+    return _decoding(data, path, lambda ix, major: to_dcp(ix, _planner_data(ix, major)))
+
+
+def decode_metadata_lazy(data: bytes, path: str) -> Metadata:
+    """As :func:`decode_metadata`, with the entries' records built on demand (records.py)."""
+    return _decoding(data, path, lambda ix, major: lazy_dcp(ix, _planner_data(ix, major)))
+
+
+def decode_metadata_file(kind: str, data: bytes, path: str, *, lazy: bool = False) -> Metadata:
+    """A ``.metadata`` file's bytes of either kind (``framing.metadata_kind``) as DCP Metadata.
+
+    ``lazy``: an mmapckpt file's ``state_dict_metadata`` and ``storage_data`` are read-only
+    mappings whose records are built on first access (records.py); every entry is
+    checked before this returns either way.
+    """
+    if kind != KIND_MMAPCKPT:
+        return decode_stock(data, path)
+    return decode_metadata_lazy(data, path) if lazy else decode_metadata(data, path)
+
+
+def decode_index_file(kind: str, data: bytes, path: str) -> tuple[Mapping[str, EntryInfo], str | None]:
+    """A ``.metadata`` file's bytes of either kind as (entries by name, save id).
+
+    Every entry is checked before this returns. For a version-2 table of the common shape the
+    entries are a ``v2_columns.TableEntries``: names, ``len`` and ``in`` come from the table's
+    names, and the ``EntryInfo`` records are built all at once on first access.
+    """
+    if kind == KIND_MMAPCKPT:
+        return _decoding(data, path, lambda ix, major: (ix.entries, ix.save_id), entries_only=True)
+    md, entries = decode_stock_index(data, path)  # the index the check was made through, not built again
+    return entries, getattr(md.storage_meta, "save_id", None)
