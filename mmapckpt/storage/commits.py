@@ -12,7 +12,7 @@ saves. Files of other names are never touched. A save holds the location's lock
 
 Reading: :func:`read_metadata` (DCP ``Metadata``), :func:`read_index` (the entry index the
 lazy loader uses), :func:`read_user_metadata`; each reads the commit through the storage and
-decodes it with ``format/metadata.py``.
+decodes it with ``format/metadata/`` (codec.py).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ _TEMP = re.compile(r"\.(__\d+_\d+(\.[0-9a-f]{8})?\.distcp|(__\d+)?\.metadata)\.t
 
 # --------------------------------------------------------------------------- reading a commit
 def read_metadata(storage: CheckpointStorage, name: str = METADATA_NAME, *, lazy: bool = False) -> tuple[str, Metadata]:
-    """(kind, DCP Metadata) of commit file ``name`` (see ``format/metadata.py`` ``decode_metadata_file``)."""
+    """(kind, DCP Metadata) of commit file ``name`` (see ``format/metadata/codec.py`` ``decode_metadata_file``)."""
     f = storage.read_metadata(name)
     return f.kind, decode_metadata_file(f.kind, f.data, f.full, lazy=lazy)
 
