@@ -90,8 +90,8 @@ class _At:
 
 def write_shard(storage: CheckpointStorage, name: str, entries: Sequence[ShardEntry],
                 resolve: Callable[[Any], Any], *, save_id: str | None, options: ShardOptions,
-                aliases: Mapping[int, int] | None = None,
-                advance: Callable[[int], None] | None = None) -> tuple[list[fmt.Entry], str]:
+                aliases: Mapping[int, int] | None = None, advance: Callable[[int], None] | None = None,
+                one_at_a_time: bool = False) -> tuple[list[fmt.Entry], str]:
     """Write ``entries`` as shard ``name`` of ``storage``; return the written entries (offset, length, CRC-32),
     in input order, and how the bytes travelled (``FileOutput.how``, or ``"encoded"``).
 
@@ -102,6 +102,10 @@ def write_shard(storage: CheckpointStorage, name: str, entries: Sequence[ShardEn
             ``j``'s record. Not with ``options.transforms``.
         advance: called with a tensor entry's length once its bytes are written (an alias's with its
             canonical entry's), for progress reports.
+        one_at_a_time: ``resolve`` gives new memory for each tensor (a conversion reading its source): each
+            one's checksum is awaited once it is written, and it is let go before the next is resolved, so
+            at most one is held. Otherwise (a state dict's tensors, which live on anyway) checksums may lag
+            behind the writes.
     """
     out: FileOutput | None = None
     at = _At()
@@ -113,7 +117,7 @@ def write_shard(storage: CheckpointStorage, name: str, entries: Sequence[ShardEn
         own = [i for i in range(len(entries)) if i not in aliases] if aliases else range(len(entries))
         first = min((plan.entries[i].offset for i in own), default=plan.file_size)
         out = storage.create_file(name, plan.file_size, head=first, direct=options.direct, sync=options.sync)
-        crcs = _write_entries(out, plan, entries, own, resolve, aliases or {}, advance, at)
+        crcs = _write_entries(out, plan, entries, own, resolve, aliases or {}, advance, one_at_a_time, at)
     except BaseException as e:
         if out is not None:
             out.abort()
@@ -142,7 +146,7 @@ _CRC_THREAD_MIN = 1 << 20
 
 def _write_entries(out: FileOutput, plan: fmt.ShardPlan, entries: Sequence[ShardEntry], own: Sequence[int],
                    resolve: Callable[[Any], Any], aliases: Mapping[int, int],
-                   advance: Callable[[int], None] | None, at: _At) -> list[int]:
+                   advance: Callable[[int], None] | None, one_at_a_time: bool, at: _At) -> list[int]:
     """The bytes of the entries ``own`` (not aliases) in file order, then the header; every entry's CRC-32."""
     extra = {}  # canonical entry -> its aliases' lengths, reported with it
     if advance is not None:
@@ -169,12 +173,17 @@ def _write_entries(out: FileOutput, plan: fmt.ShardPlan, entries: Sequence[Shard
                 raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
             # small entries inline: a hand-off to the thread costs more than their checksum
             if len(buf) >= _CRC_THREAD_MIN:
-                crcs.append(crc_pool.submit(zlib.crc32, buf))
+                held = [buf]  # the thread's only hold on the bytes: emptied once their checksum is known
+                crcs.append(crc_pool.submit(_crc_of, held))
                 big = True
             else:
+                held = None
                 crcs.append(zlib.crc32(buf))
             out.put(offset, buf)
             buf = None
+            if one_at_a_time and held is not None:
+                crcs[-1] = crcs[-1].result()
+                held.clear()
             if advance is not None and e.kind != fmt.KIND_BYTES:
                 advance(e.length + extra.get(i, 0))
         at.index = None
@@ -185,6 +194,10 @@ def _write_entries(out: FileOutput, plan: fmt.ShardPlan, entries: Sequence[Shard
         return crcs
     finally:
         crc_pool.shutdown(wait=True)
+
+
+def _crc_of(held: list[Any]) -> int:
+    return zlib.crc32(held[0])
 
 
 def _with_aliases(crcs: list[int], own: Sequence[int], aliases: Mapping[int, int]) -> list[int]:
