@@ -99,7 +99,7 @@ def write_shard(storage: CheckpointStorage, name: str, entries: Sequence[ShardEn
         resolve: a tensor entry's ``data`` -> the tensor (any device), called once per entry, in order.
         aliases: ``{i: j}``, ``j < i``: entry ``i`` is an exact alias of entry ``j`` (tied weights,
             format/aliases.py), which is not itself an alias: its bytes are written once, and ``i`` gets
-            ``j``'s record. Not with ``options.transforms``.
+            ``j``'s record. With ``options.transforms`` every entry is encoded on its own (none is an alias).
         advance: called with a tensor entry's length once its bytes are written (an alias's with its
             canonical entry's), for progress reports.
         one_at_a_time: ``resolve`` gives new memory for each tensor (a conversion reading its source): each
