@@ -327,7 +327,8 @@ def _write_failed(e: OSError, tmp: str, target: str) -> OSError:
     if isinstance(e, CheckpointError) and not isinstance(e, CheckpointWriteError):
         return e
     where = e.path if isinstance(e, CheckpointError) else e.filename
-    reason = e.message.removeprefix("writing failed: ") if isinstance(e, CheckpointError) else str(e)
+    reason = (e.message.removeprefix("writing failed: ").removeprefix("writing shard failed: ")  # the sinks' words
+              if isinstance(e, CheckpointError) else str(e))
     inside = isinstance(where, str) and where.startswith(tmp + os.sep)
     cause = e.__cause__ if isinstance(e, CheckpointError) else e
     state = "was left as it was" if os.path.lexists(target) else "was not created"

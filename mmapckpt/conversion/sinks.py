@@ -15,7 +15,6 @@ import json
 import os
 import pickle
 import uuid
-import zlib
 from typing import Any
 
 import torch
@@ -27,12 +26,13 @@ from ..format import layout as fmt
 from ..format.metadata import METADATA_NAME, encode_metadata
 from ..io.files import atomic_write, fsync_dir, map_file, pwrite_all
 from ..io.progress import Progress
+from ..storage.local import LocalStorage
+from ..writing.shard import ShardEntry, ShardOptions, write_shard
 from .common import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, Source, Writing, label, tensor_chunk_sizes
 
 __all__ = ["write_mmapckpt", "write_dcp", "write_safetensors", "write_torch", "raw_bytes"]
 
 _ST_CODES = {dt: code for code, dt in SAFETENSORS_DTYPES.items()}
-_ALIGN = 4096
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -66,21 +66,31 @@ def _out_metadata(src: Source, storage: dict[MetadataIndex, _StorageInfo], check
 
 
 # --------------------------------------------------------------------------- DCP: mmapckpt
+#: How the conversion writes each shard (writing/shard.py, the writer MmapWriter uses): page-aligned
+#: entries, buffered, fsynced before it is renamed into place.
+_SHARD = ShardOptions(alignment=4096, direct=False, sync=True)
+
+
 def write_mmapckpt(src: Source, out_dir: str, *, checkpoint_id: str, progress: Progress,
                    user_metadata: dict[str, str] | None = None) -> list[str]:
-    """Write ``src`` as an mmapckpt checkpoint in ``out_dir``, one shard per source file.
+    """Write ``src`` as an mmapckpt checkpoint in ``out_dir``, one shard per source file, with the
+    shard writer ``MmapWriter`` uses (writing/shard.py).
 
     Chunks the source stores at one place (tied weights of an mmapckpt checkpoint) are
     written once, under each name (format/aliases.py).
     """
     os.makedirs(out_dir)
+    out = LocalStorage(out_dir)
     sizes = tensor_chunk_sizes(src.metadata)
     save_id = str(uuid.uuid4())  # a new checkpoint: its shards and metadata name the same new save
     storage: dict[MetadataIndex, _StorageInfo] = {}
     for rel, items in src.layout:
-        for idx, info in _write_mmapckpt_shard(src, os.path.join(out_dir, rel), rel, items, sizes, save_id,
-                                               progress):
-            storage[idx] = info
+        entries = _mmapckpt_entries(src, items, sizes)
+        done, _ = write_shard(out, rel, entries, src.read_tensor, save_id=save_id, options=_SHARD,
+                              aliases=_stored_aliases(src, items, entries), advance=progress.advance,
+                              one_at_a_time=True)
+        for e, idx in zip(done, items):
+            storage[idx] = _StorageInfo(rel, e.offset, e.length)
     md = _out_metadata(src, storage, checkpoint_id, save_id)
     try:
         data = encode_metadata(md, user_metadata)
@@ -90,15 +100,16 @@ def write_mmapckpt(src: Source, out_dir: str, *, checkpoint_id: str, progress: P
     return [rel for rel, _ in src.layout]
 
 
-def _write_mmapckpt_shard(src: Source, path: str, rel: str, items: list[MetadataIndex],
-                          sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]], save_id: str,
-                          progress: Progress) -> list[tuple[MetadataIndex, _StorageInfo]]:
-    specs, payloads = [], {}
+def _mmapckpt_entries(src: Source, items: list[MetadataIndex],
+                      sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]]) -> list[ShardEntry]:
+    """The shard writer's entries for one source file: non-tensor payloads read now (small; their length is
+    needed for the layout), tensor chunks read by the writer (``src.read_tensor``) when their turn comes."""
+    entries = []
     for idx in items:
         item = src.metadata.state_dict_metadata.get(idx.fqn)
-        if idx.offset is None:  # a non-tensor entry: small, read now to know its length
-            payloads[idx] = src.read_bytes(idx)
-            specs.append(fmt.EntrySpec(idx.fqn, None, fmt.KIND_BYTES, None, (), len(payloads[idx])))
+        if idx.offset is None:
+            payload = src.read_bytes(idx)
+            entries.append(ShardEntry(idx.fqn, None, fmt.KIND_BYTES, None, (), len(payload), payload))
             continue
         shape = sizes.get((idx.fqn, tuple(idx.offset)))
         if not isinstance(item, TensorStorageMetadata) or shape is None:
@@ -107,21 +118,9 @@ def _write_mmapckpt_shard(src: Source, path: str, rel: str, items: list[Metadata
         n = 1
         for s in shape:
             n *= s
-        specs.append(fmt.EntrySpec(idx.fqn, tuple(idx.offset), fmt.KIND_TENSOR, _mmapckpt_dtype(src, idx, item),
-                                   shape, n * item.properties.dtype.itemsize))
-    aliases = _stored_aliases(src, items, specs)
-    entries, file_size = fmt.layout_entries(specs, _ALIGN, save_id, aliases)
-    done: list[fmt.Entry] = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with Writing(path) as w:
-            _write_mmapckpt_entries(fd, w, src, items, entries, payloads, aliases, done, file_size, progress)
-            w.entry = None
-            pwrite_all(fd, fmt.encode_header(done, save_id), 0)
-            _fsync_file(fd)
-    finally:
-        os.close(fd)
-    return [(idx, _StorageInfo(rel, e.offset, e.length)) for e, idx in zip(done, items)]
+        entries.append(ShardEntry(idx.fqn, tuple(idx.offset), fmt.KIND_TENSOR, _mmapckpt_dtype(src, idx, item),
+                                  shape, n * item.properties.dtype.itemsize, idx))
+    return entries
 
 
 def _mmapckpt_dtype(src: Source, idx: MetadataIndex, item: TensorStorageMetadata) -> str:
@@ -133,28 +132,7 @@ def _mmapckpt_dtype(src: Source, idx: MetadataIndex, item: TensorStorageMetadata
                               path=src.path, entry=label(idx)) from None
 
 
-def _write_mmapckpt_entries(fd: int, w: Writing, src: Source, items: list[MetadataIndex], entries: list[fmt.Entry],
-                            payloads: dict[MetadataIndex, bytes], aliases: dict[int, int], done: list[fmt.Entry],
-                            file_size: int, progress: Progress) -> None:
-    os.ftruncate(fd, file_size)
-    for i, (e, idx) in enumerate(zip(entries, items)):
-        w.entry = label(idx)
-        if i in aliases:  # the same bytes as an entry already written
-            done.append(e._replace(crc32=done[aliases[i]].crc32))
-            progress.advance(e.length)
-            continue
-        buf = payloads[idx] if idx in payloads else raw_bytes(src.read_tensor(idx))
-        if len(buf) != e.length:
-            raise FormatError(f"read {len(buf)} bytes, expected {e.length}", path=src.path, entry=label(idx))
-        if e.length:
-            pwrite_all(fd, buf, e.offset)
-        done.append(e._replace(crc32=zlib.crc32(buf)))
-        del buf
-        if idx not in payloads:
-            progress.advance(e.length)
-
-
-def _stored_aliases(src: Source, items: list[MetadataIndex], specs: list[fmt.EntrySpec]) -> dict[int, int]:
+def _stored_aliases(src: Source, items: list[MetadataIndex], specs: list[ShardEntry]) -> dict[int, int]:
     """{position: earlier position} of tensor chunks the source stores at the same (file, offset, length)
     with the same dtype and shape: tied weights, which the output stores once too."""
     if src.metadata.storage_data is None:

@@ -73,6 +73,7 @@ def stage_to_host(items: Iterable[Any], resolve: Callable[[Any], torch.Tensor],
             if t.device.type == "cpu":
                 if not pending:  # nothing ahead of it: handed over as it is
                     yield item, t
+                    t = None  # not held while the next one is resolved (a conversion reads one at a time)
                     continue
                 staged = _Staged(item, t)
             else:

@@ -384,6 +384,28 @@ def test_bytes_identical_to_the_source_chunks(tmp_path) -> None:
     assert tensor_bytes(mmapckpt.load(tmp_path / "m2")["a"]) == tensor_bytes(sd["a"])
 
 
+def test_mmapckpt_output_is_byte_for_byte_what_the_writer_of_saves_writes(tmp_path, monkeypatch) -> None:
+    """One shard writer (writing/shard.py) serves saves and conversions: with the same save id, an mmapckpt
+    checkpoint converted to mmapckpt has exactly the source's shard files (tied weights, payloads, two files)."""
+    import uuid
+
+    fixed = uuid.UUID(int=11)
+    monkeypatch.setattr(uuid, "uuid4", lambda: fixed)  # the same save id in every header
+    g = torch.Generator().manual_seed(4)
+    emb = torch.randn(300, 40, generator=g)
+    sd = {"emb": emb, "head": emb, "h": torch.randn(3, 5000, generator=g).to(torch.bfloat16),
+          "cols": torch.randn(32, 33, generator=g).t(), "e": torch.empty(0, 3), "s": torch.tensor(3.0)}
+    mmapckpt.save(sd, tmp_path / "saved")  # tied weights stored once
+    dcp.save({**sd, "step": 7, "cfg": {"lr": 0.1}}, storage_writer=MmapWriter(tmp_path / "dcp", thread_count=2),
+             no_dist=True)
+    for name in ("saved", "dcp"):
+        convert(tmp_path / name, tmp_path / f"{name}-out", to="mmapckpt")
+        shards = sorted(n for n in os.listdir(tmp_path / name) if n.endswith(".distcp"))
+        assert shards == sorted(n for n in os.listdir(tmp_path / f"{name}-out") if n.endswith(".distcp"))
+        for n in shards:
+            assert (tmp_path / name / n).read_bytes() == (tmp_path / f"{name}-out" / n).read_bytes(), (name, n)
+
+
 # --------------------------------------------------------------------------- bounded memory
 _MEASURE = r'''
 import json, os, sys, tempfile, threading, time

@@ -102,6 +102,8 @@ def test_every_sink_turns_a_file_size_limit_into_a_checkpoint_write_error(tmp_pa
         assert os.strerror(errno.EFBIG) in got["message"] and case["dst"] in got["message"], f"{name}: {got}"
         assert ("was left as it was" if got["existed"] else "was not created") in got["message"], f"{name}: {got}"
         assert got["unchanged"] and got["siblings"] == [], f"{name}: {got}"
+        assert "writing failed" not in got["message"] and "shard failed" not in got["message"], \
+            f"{name}: the sink's words stay under 'conversion failed writing FILE': {got}"
         if name.startswith("dcp"):  # the stock writer's items are written one torch.save at a time
             assert got["entry"] == "layers.0.w@[0]", f"{name}: {got}"
     assert len(results) == 11

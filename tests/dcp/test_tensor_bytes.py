@@ -1,11 +1,11 @@
-"""shard_writer._tensor_bytes: a tensor's bytes in C order, whatever its dtype, layout or flags."""
+"""writing/tensors.py tensor_bytes: a tensor's bytes in C order, whatever its dtype, layout or flags."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mmapckpt.dcp.shard_writer import _tensor_bytes
+from mmapckpt.writing.tensors import tensor_bytes as _tensor_bytes
 from mmapckpt.format.dtypes import DTYPES
 
 _ALL = sorted({d for d, _ in DTYPES.values()}, key=str)  # every dtype a shard can hold
