@@ -21,12 +21,11 @@ from torch.futures import Future
 from ..errors import CheckpointExistsError, CheckpointWriteError
 from ..format.entries import paused_gc
 from ..format.metadata import check_user_metadata, encode_metadata
-from ..io.files import refuse_url
 from .compat import writer_compat
 from ..storage.base import CheckpointStorage, Lock
 from ..storage.commits import commit_files, existing_shards, metadata_name, remove_stale, shard_name
 from ..storage.local import writable_local_path
-from ..storage.location import storage_for
+from ..storage.location import is_url, storage_for
 from .shard_writer import WriterOptions, chunk_nbytes, write_files
 
 __all__ = ["MmapWriter", "WriterOptions"]
@@ -110,7 +109,7 @@ class MmapWriter(StorageWriter):
                                    _extensions, serialization_format)
         self.single_file_per_rank = single_file_per_rank
         self.path = os.fspath(path)
-        refuse_url(self.path, CheckpointWriteError)
+        storage_for(self.path, error=CheckpointWriteError)  # a URL of no medium is refused here, before any plan
         self.options = WriterOptions(thread_count, sync_files, alignment, overwrite, direct_io, transforms)
         self.user_metadata = check_user_metadata(metadata)  # TypeError before any file is touched
         #: shard file name -> "direct" (O_DIRECT), "buffered" or "encoded" (stream transforms), for the last save
@@ -126,7 +125,7 @@ class MmapWriter(StorageWriter):
         self.release()  # a save of this writer that failed before its commit
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
-            refuse_url(self.path, CheckpointWriteError)
+            storage_for(self.path, error=CheckpointWriteError)
         self.save_id = str(uuid.uuid4())
         self.write_paths = {}
 
@@ -215,7 +214,14 @@ class MmapWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return writable_local_path(os.fspath(checkpoint_id))
+        s = os.fspath(checkpoint_id)
+        if is_url(s):
+            try:
+                storage_for(s, error=CheckpointWriteError)
+            except CheckpointWriteError:
+                return False
+            return True
+        return writable_local_path(s)
 
     @property
     def write_path(self) -> str | None:

@@ -152,3 +152,19 @@ def test_verify_style_checksums_hold_through_the_seam(medium, tmp_path) -> None:
 def test_an_unknown_scheme_is_still_refused(tmp_path) -> None:
     with pytest.raises(mmapckpt.CheckpointError, match="is a URL"):
         mmapckpt.load("unmapped://" + str(tmp_path))
+
+
+def test_saves_write_through_the_seam(medium, tmp_path) -> None:
+    """MmapWriter and mmapckpt.save on the medium: the same files a local save writes, loaded back bitwise."""
+    path = str(tmp_path / "c")
+    url = "unmapped://" + path
+    assert mmapckpt.MmapWriter.validate_checkpoint_id(url)
+    sd = _sd()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=mmapckpt.MmapWriter(url), no_dist=True)
+    assert_tree_equal(mmapckpt.load(path), sd)
+    mmapckpt.save({k: v + 1 for k, v in sd.items() if v.is_floating_point()}, url)  # over it: old or new
+    assert_tree_equal(mmapckpt.load(url), {k: v + 1 for k, v in sd.items() if v.is_floating_point()})
+    names = sorted(os.listdir(path))  # the new shard took a new name; the old one was removed after the commit
+    assert len(names) == 2 and names[0] == ".metadata" and names[1].startswith("__0_0.") and names[1] != "__0_0.distcp"
