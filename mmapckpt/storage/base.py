@@ -8,9 +8,11 @@ here removes. :class:`CheckpointStorage` is a location; every file of it is read
 
 What each medium must provide, and what it may:
 
-- reading any byte range of a file into a caller's buffer (:meth:`StoredFile.read_into`): the
-  primitive every copy path uses, into a target tensor, a pinned staging buffer or a broadcast
-  buffer. Every medium has it.
+- reading any byte range of a file into a caller's buffer (:meth:`StoredFile.read_into`): a
+  target tensor, a pinned staging buffer, a broadcast buffer. Every medium has it, and on a
+  medium without mappings every byte is read through it. (A local file's bulk reads into
+  targets and staging buffers are the same ``preadv``, batched and threaded by
+  ``io/direct_reads.py`` over the mapped file: reading/moves.py.)
 - a mapped view of the file (:attr:`StoredFile.mapping`): where the medium has one (local
   files), tensors are built over it without copying; elsewhere it is None and readers build
   tensors by reading (:attr:`CheckpointStorage.can_map` says which, before a file is opened).
