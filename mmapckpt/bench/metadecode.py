@@ -27,7 +27,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
