@@ -127,11 +127,11 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     p = os.fspath(path)
     if is_url(p):  # a DCP checkpoint on another medium (storage/location.py); URLs of no medium are refused
         storage = storage_for(p)
-        return storage.read_metadata(storage.find_metadata()).kind
+        return storage.commit_kind(storage.find_metadata())
     if os.path.isdir(p):
         storage = LocalStorage(p)
         if storage.exists(METADATA_NAME):
-            return storage.read_metadata(METADATA_NAME).kind
+            return storage.commit_kind(METADATA_NAME)
         if index_file(p) is not None or os.path.isfile(os.path.join(p, SAFETENSORS_SINGLE)):
             return "safetensors"
         try:

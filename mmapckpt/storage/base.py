@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import BadMagicError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError, TruncatedFileError
 from ..format.metadata import MAX_METADATA_SIZE, METADATA_NAME, metadata_kind
@@ -129,18 +129,13 @@ class Lock(abc.ABC):
         """Let the next save in."""
 
 
-class CommitFile(tuple):  # type: ignore[type-arg]
-    """A commit file as read: ``(name, full name, kind, bytes)``; kind is ``"mmapckpt"`` or ``"dcp"``."""
+class CommitFile(NamedTuple):
+    """A commit file as read; ``kind`` is ``"mmapckpt"`` or ``"dcp"``."""
 
-    __slots__ = ()
-
-    def __new__(cls, name: str, full: str, kind: str, data: bytes) -> CommitFile:
-        return super().__new__(cls, (name, full, kind, data))
-
-    name = property(lambda self: self[0])
-    full = property(lambda self: self[1])
-    kind = property(lambda self: self[2])
-    data = property(lambda self: self[3])
+    name: str
+    full: str
+    kind: str
+    data: bytes
 
 
 class CheckpointStorage(abc.ABC):
@@ -183,7 +178,7 @@ class CheckpointStorage(abc.ABC):
         with self.open_file(name) as f:
             if f.size > limit:
                 raise FormatError(f"file of {f.size} bytes exceeds the limit of {limit}", path=f.path)
-            return bytes(f.read(0, f.size))
+            return f.read(0, f.size)  # type: ignore[return-value]  # a bytearray: decoders take either, no copy
 
     @abc.abstractmethod
     def list(self) -> list[str]:
@@ -219,10 +214,23 @@ class CheckpointStorage(abc.ABC):
             BadMagicError: neither mmapckpt nor stock DCP metadata.
         """
         data = self.read_file(name, MAX_METADATA_SIZE)
-        kind = metadata_kind(data[:8])
+        return CommitFile(name, self.full(name), self._kind(name, bytes(data[:8])), data)
+
+    def commit_kind(self, name: str = METADATA_NAME) -> str:
+        """The kind of commit file ``name`` (``"mmapckpt"`` or ``"dcp"``) from its first bytes, reading no more.
+
+        Raises:
+            BadMagicError: neither mmapckpt nor stock DCP metadata.
+        """
+        with self.open_file(name) as f:
+            head = bytes(f.read(0, min(8, f.size)))
+        return self._kind(name, head)
+
+    def _kind(self, name: str, head: bytes) -> str:
+        kind = metadata_kind(head)
         if kind is None:
             raise BadMagicError("neither mmapckpt nor stock DCP metadata (unknown leading bytes)", path=self.full(name))
-        return CommitFile(name, self.full(name), kind, data)
+        return kind
 
     # ------------------------------------------------------------------ writing
     @abc.abstractmethod

@@ -168,3 +168,15 @@ def test_saves_write_through_the_seam(medium, tmp_path) -> None:
     assert_tree_equal(mmapckpt.load(url), {k: v + 1 for k, v in sd.items() if v.is_floating_point()})
     names = sorted(os.listdir(path))  # the new shard took a new name; the old one was removed after the commit
     assert len(names) == 2 and names[0] == ".metadata" and names[1].startswith("__0_0.") and names[1] != "__0_0.distcp"
+
+
+def test_open_reads_the_commit_once_and_the_shard_headers_only(medium, tmp_path) -> None:
+    """``open`` reads the metadata once (its kind from the first 8 bytes), each shard's magic and header, and
+    no tensor byte: what it reads through the seam is exactly that."""
+    path = str(tmp_path / "c")
+    mmapckpt.save(_sd(), path)
+    meta = os.path.getsize(os.path.join(path, ".metadata"))
+    headers = sum(8 + Shard(os.path.join(path, n)).data_start for n in os.listdir(path) if n.endswith(".distcp"))
+    with mmapckpt.open("unmapped://" + path) as f:
+        assert medium[0] == 8 + meta + headers
+        assert f.keys() == list(_sd())
