@@ -10,7 +10,8 @@ called ``s3:``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..io.files import refuse_url
@@ -19,8 +20,12 @@ from .local import LocalStorage
 
 __all__ = ["storage_for", "register_scheme", "is_url"]
 
+#: The storage of a URL of a scheme: ``factory(url, options)``, ``options`` the caller's
+#: ``storage_options`` (``{}`` where none were given).
+StorageFactory = Callable[[str, Mapping[str, Any]], CheckpointStorage]
+
 #: scheme -> the storage of a URL of that scheme
-_SCHEMES: dict[str, Callable[[str], CheckpointStorage]] = {}
+_SCHEMES: dict[str, StorageFactory] = {}
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
@@ -28,17 +33,21 @@ def is_url(location: str | os.PathLike[str]) -> bool:
     return "://" in os.fspath(location)
 
 
-def register_scheme(scheme: str, factory: Callable[[str], CheckpointStorage] | None) -> None:
-    """Serve URLs ``scheme://...`` with ``factory(url)`` (None: stop serving them)."""
+def register_scheme(scheme: str, factory: StorageFactory | None) -> None:
+    """Serve URLs ``scheme://...`` with ``factory(url, options)`` (None: stop serving them)."""
     if factory is None:
         _SCHEMES.pop(scheme, None)
     else:
         _SCHEMES[scheme] = factory
 
 
-def storage_for(location: str | os.PathLike[str], *,
-                error: type[CheckpointError] = CheckpointNotFoundError) -> CheckpointStorage:
+def storage_for(location: str | os.PathLike[str], *, error: type[CheckpointError] = CheckpointNotFoundError,
+                options: Mapping[str, Any] | None = None) -> CheckpointStorage:
     """The storage of the checkpoint at ``location`` (a directory path, or a URL of a registered scheme).
+
+    ``options`` (a caller's ``storage_options``: credentials, endpoint, request sizes) go to the
+    medium of a URL; a local directory takes none and ignores them, so that one script can
+    name either.
 
     Raises:
         ``error``: ``location`` is a URL of a scheme no storage serves.
@@ -47,6 +56,6 @@ def storage_for(location: str | os.PathLike[str], *,
     if is_url(s):
         factory = _SCHEMES.get(s.split("://", 1)[0])
         if factory is not None:
-            return factory(s)
+            return factory(s, dict(options or {}))
         refuse_url(s, error)
     return LocalStorage(s)

@@ -47,7 +47,7 @@ class Unmapped(local.LocalStorage):
     #: bytes read through the seam, by every instance (one per reader)
     counter = [0]
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, options: Any = None) -> None:
         super().__init__(url.split("://", 1)[1])
 
     def full(self, name: str) -> str:
