@@ -22,6 +22,8 @@ from .errors import (
     FormatError,
     IncompleteCheckpointError,
     SizeMismatchError,
+    StorageAccessError,
+    StorageUnavailableError,
     TruncatedFileError,
     UnknownDtypeError,
     UnsafePathError,
@@ -74,6 +76,8 @@ __all__ = [
     "ChecksumError",
     "SizeMismatchError",
     "CheckpointWriteError",
+    "StorageAccessError",
+    "StorageUnavailableError",
     "checkpoint_error",
     "__version__",
 ]

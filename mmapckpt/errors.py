@@ -20,7 +20,9 @@ Each subclass also derives from the built-in exception users already catch::
         │   └── UnsafePickleError                             stock metadata naming a class outside DCP's
         ├── ChecksumError                (ValueError)         data bytes do not match their checksum
         ├── SizeMismatchError            (ValueError)         stored chunk and target disagree
-        └── CheckpointWriteError         (OSError)            a save failed (disk full, permissions)
+        ├── CheckpointWriteError         (OSError)            a save failed (disk full, permissions)
+        ├── StorageAccessError           (PermissionError)    an object store refused the credentials
+        └── StorageUnavailableError      (ConnectionError)    an object store unreachable, or failing past its retries
 
 Messages name the file, the entry and what is wrong.
 """
@@ -46,6 +48,8 @@ __all__ = [
     "ChecksumError",
     "SizeMismatchError",
     "CheckpointWriteError",
+    "StorageAccessError",
+    "StorageUnavailableError",
 ]
 
 
@@ -154,3 +158,11 @@ class SizeMismatchError(CheckpointError, ValueError):
 class CheckpointWriteError(CheckpointError, OSError):
     """Writing a checkpoint failed; no committed checkpoint was left behind."""
 
+
+
+class StorageAccessError(CheckpointError, PermissionError):
+    """The storage refused the request: wrong or missing credentials, or no permission (object stores)."""
+
+
+class StorageUnavailableError(CheckpointError, ConnectionError):
+    """The storage could not be reached, or kept failing after the retries allowed (object stores)."""

@@ -1,8 +1,8 @@
 """Which storage a location names: the one place a path or URL becomes a ``CheckpointStorage``.
 
 A local or mounted directory is a :class:`~mmapckpt.storage.local.LocalStorage`. A URL
-(``scheme://...``) is the storage registered for its scheme (:func:`register_scheme`: the
-object-store implementation registers ``s3``; tests register a medium without mappings); a
+(``scheme://...``) is the storage registered for its scheme (:func:`register_scheme`: ``s3``
+is served by ``storage/s3/``, imported on first use; tests register a medium without mappings); a
 URL of any other scheme is refused with what to do, rather than becoming a local directory
 called ``s3:``.
 """
@@ -24,8 +24,16 @@ __all__ = ["storage_for", "register_scheme", "is_url"]
 #: ``storage_options`` (``{}`` where none were given).
 StorageFactory = Callable[[str, Mapping[str, Any]], CheckpointStorage]
 
+
+
+def _s3(url: str, options: Mapping[str, Any]) -> CheckpointStorage:
+    """``s3://BUCKET/PREFIX``: imported on first use (the ``s3`` extra's boto3 is imported then)."""
+    from .s3.storage import S3Storage
+    return S3Storage(url, options)
+
+
 #: scheme -> the storage of a URL of that scheme
-_SCHEMES: dict[str, StorageFactory] = {}
+_SCHEMES: dict[str, StorageFactory] = {"s3": _s3}
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:

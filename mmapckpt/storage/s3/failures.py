@@ -1,0 +1,105 @@
+"""What an object store's failures mean for a checkpoint: each botocore error as a CheckpointError.
+
+botocore retries transient failures itself (timeouts, 5xx, throttling: the ``standard`` mode
+with the bound of ``S3Options.retries``); what reaches here has used up its retries or is not
+transient. A missing bucket or object is a ``CheckpointNotFoundError`` (or the ``missing`` class a
+caller names), refused credentials a ``StorageAccessError``, an unreachable or failing store a
+``StorageUnavailableError``, each naming the URL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    CheckpointNotFoundError,
+    StorageAccessError,
+    StorageUnavailableError,
+)
+
+__all__ = ["error_code", "is_missing", "is_precondition_failed", "storage_error", "write_error",
+           "TRANSIENT_STREAM_ERRORS"]
+
+_ACCESS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken",
+           "TokenRefreshRequired", "AllAccessDisabled", "AuthorizationHeaderMalformed", "403"}
+_MISSING_KEY = {"NoSuchKey", "404", "NotFound"}
+
+
+def error_code(e: BaseException) -> str | None:
+    """The S3 error code of a botocore ClientError (``"NoSuchKey"``, ``"404"`` for a HEAD), else None."""
+    response = getattr(e, "response", None)
+    if not isinstance(response, dict):
+        return None
+    code = response.get("Error", {}).get("Code")
+    return str(code) if code is not None else None
+
+
+def is_missing(e: BaseException) -> bool:
+    """A missing object (not a missing bucket)."""
+    return error_code(e) in _MISSING_KEY
+
+
+def is_precondition_failed(e: BaseException) -> bool:
+    """A conditional request refused (``If-Match``/``If-None-Match``): 412 PreconditionFailed."""
+    return error_code(e) in ("PreconditionFailed", "412")
+
+
+def storage_error(e: BaseException, url: str, *, what: str, entry: str | None = None,
+                  missing: type[CheckpointError] = CheckpointNotFoundError) -> CheckpointError:
+    """The CheckpointError for botocore's ``e`` raised while doing ``what`` on ``url``."""
+    _, botocore = _botocore()
+    exc = botocore.exceptions
+    code = error_code(e)
+    if isinstance(e, (exc.NoCredentialsError, exc.PartialCredentialsError)):
+        return StorageAccessError(f"{what}: no credentials for the object store (set AWS_ACCESS_KEY_ID and "
+                                  "AWS_SECRET_ACCESS_KEY, a profile, storage_options key/secret, or anon=True "
+                                  "for a public bucket)", path=url, entry=entry)
+    if code == "NoSuchBucket":
+        return missing(f"{what}: no such bucket (create it first, or check the URL)", path=url, entry=entry)
+    if code in _MISSING_KEY:
+        return missing(f"{what}: no such object", path=url, entry=entry)
+    if code in _ACCESS:
+        return StorageAccessError(f"{what}: the object store refused the credentials or the request ({code}); "
+                                  "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or storage_options) and the "
+                                  "bucket's permissions", path=url, entry=entry)
+    if isinstance(e, (exc.EndpointConnectionError, exc.ConnectTimeoutError, exc.ReadTimeoutError,
+                      exc.ConnectionClosedError, exc.ProxyConnectionError)) or isinstance(e, TRANSIENT_STREAM_ERRORS):
+        return StorageUnavailableError(f"{what}: the object store is unreachable or stopped answering ({e}); "
+                                       "check AWS_ENDPOINT_URL / storage_options endpoint_url and the network",
+                                       path=url, entry=entry)
+    status = (getattr(e, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if code in ("SlowDown", "Throttling", "ServiceUnavailable", "InternalError", "RequestTimeout") or (
+            isinstance(status, int) and status >= 500):
+        return StorageUnavailableError(f"{what}: the object store kept failing past the retries allowed "
+                                       f"({code or status}); try again later", path=url, entry=entry)
+    return CheckpointError(f"{what}: {type(e).__name__}: {e}"[:600], path=url, entry=entry)
+
+
+def write_error(e: BaseException, url: str, *, what: str) -> CheckpointError:
+    """:func:`storage_error` for a write: refused credentials and an unreachable store keep their classes,
+    everything else (a missing bucket included) is a CheckpointWriteError."""
+    err = storage_error(e, url, what=what, missing=CheckpointWriteError)
+    if isinstance(err, (StorageAccessError, StorageUnavailableError, CheckpointWriteError)):
+        return err
+    return CheckpointWriteError(err.message, path=url)
+
+
+def _botocore() -> tuple[Any, Any]:
+    from .options import boto
+    return boto()
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    """Errors of a response body's stream that a retry from the bytes already read may cure."""
+    out: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        import urllib3.exceptions as u
+        out += [u.ProtocolError, u.ReadTimeoutError, u.IncompleteRead]
+    except ImportError:  # the s3 extra is not installed: nothing streams
+        pass
+    return tuple(out)
+
+
+TRANSIENT_STREAM_ERRORS = _stream_errors()

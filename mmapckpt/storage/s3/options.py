@@ -1,0 +1,159 @@
+"""How an ``s3://`` location is reached: its bucket and prefix, the client's settings, the client.
+
+Settings come, as boto3 and the AWS CLI take them, from the standard environment
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, the shared config files), and a caller's
+``storage_options`` override them. Keys of ``storage_options`` (s3fs's names where s3fs has one):
+
+- credentials and endpoint: ``key``, ``secret``, ``token``, ``profile``, ``anon`` (unsigned
+  requests), ``endpoint_url``, ``region_name``, ``addressing_style`` (``"path"`` by default
+  where an endpoint is given, as S3-compatible stores want), ``client_kwargs`` (a dict
+  whose ``endpoint_url``/``region_name`` are taken as s3fs takes them);
+- transfers: ``part_size`` (bytes of one ranged GET, default 16 MiB), ``concurrency`` (GETs in
+  flight, default 16), ``upload_part_size`` (default 16 MiB; at least 5 MiB, as S3 requires),
+  ``upload_concurrency`` (parts in flight per shard, default 4), ``retries`` (attempts per request
+  after the first, default 5), ``connect_timeout`` and ``read_timeout`` (seconds, 5 and 60),
+  ``lock_lease`` (seconds a save's lock lives without renewal, default 120).
+
+An unknown key is refused (a misspelt option would otherwise be ignored silently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from ...errors import CheckpointError
+
+__all__ = ["S3Options", "parse_url", "client_for", "boto"]
+
+MiB = 1 << 20
+#: S3's bounds on a multipart upload: parts of at least 5 MiB (but the last), at most 10,000 parts
+MIN_PART = 5 * MiB
+MAX_PARTS = 10_000
+
+_ALIASES = {"aws_access_key_id": "key", "aws_secret_access_key": "secret", "aws_session_token": "token",
+            "region": "region_name", "profile_name": "profile"}
+
+
+@dataclasses.dataclass(frozen=True)
+class S3Options:
+    """The settings of one client and its transfers (see the module docstring for each)."""
+
+    key: str | None = None
+    secret: str | None = None
+    token: str | None = None
+    profile: str | None = None
+    anon: bool = False
+    endpoint_url: str | None = None
+    region_name: str | None = None
+    addressing_style: str | None = None
+    part_size: int = 16 * MiB
+    concurrency: int = 16
+    upload_part_size: int = 16 * MiB
+    upload_concurrency: int = 4
+    retries: int = 5
+    connect_timeout: float = 5.0
+    read_timeout: float = 60.0
+    lock_lease: float = 120.0
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any] | None) -> S3Options:
+        """The options a caller's ``storage_options`` give (the environment fills in the rest, in the client)."""
+        given = dict(options or {})
+        for k, v in (given.pop("client_kwargs", None) or {}).items():
+            if k not in ("endpoint_url", "region_name"):
+                raise CheckpointError(f"storage_options: client_kwargs[{k!r}] is not taken (endpoint_url and "
+                                      "region_name are)")
+            given.setdefault(k, v)
+        for old, new in _ALIASES.items():
+            if old in given:
+                given.setdefault(new, given.pop(old))
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise CheckpointError(f"storage_options: unknown option(s) {unknown} for s3:// (known: {sorted(names)})")
+        out = cls(**given)
+        if out.part_size < 1 or out.concurrency < 1 or out.upload_concurrency < 1 or out.retries < 0:
+            raise CheckpointError("storage_options: part_size, concurrency and upload_concurrency must be positive, "
+                                  "retries not negative")
+        if out.upload_part_size < MIN_PART:
+            raise CheckpointError(f"storage_options: upload_part_size must be at least {MIN_PART} bytes (5 MiB), "
+                                  "as S3 requires of multipart uploads")
+        return out
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``(bucket, prefix)`` of ``s3://BUCKET/PREFIX`` (the prefix without slashes at either end; may be empty)."""
+    rest = url.split("://", 1)[1]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise CheckpointError("an s3:// URL needs a bucket: s3://BUCKET/PREFIX", path=url)
+    return bucket, prefix.strip("/")
+
+
+def boto() -> tuple[Any, Any]:
+    """``(boto3, botocore)``, imported on first use: ``import mmapckpt`` never imports them.
+
+    Raises:
+        CheckpointError: the ``s3`` extra is not installed.
+    """
+    try:
+        import boto3
+        import botocore
+        import botocore.config  # noqa: F401
+        import botocore.exceptions  # noqa: F401
+    except ImportError:
+        raise CheckpointError("s3:// checkpoints need the s3 extra (boto3): pip install 'mmapckpt[s3]'") from None
+    return boto3, botocore
+
+
+_clients: dict[tuple[Any, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _environment() -> tuple[str | None, ...]:
+    names = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+             "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_CONFIG_FILE",
+             "AWS_SHARED_CREDENTIALS_FILE")
+    return tuple(os.environ.get(n) for n in names)
+
+
+def client_for(opts: S3Options) -> Any:
+    """A boto3 S3 client for ``opts`` and the current environment, made once and shared (boto3's
+    clients are thread-safe; its sessions are not, so each client gets its own)."""
+    key = (opts, _environment())
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = _make_client(opts)
+        return client
+
+
+def _make_client(opts: S3Options) -> Any:
+    boto3, botocore = boto()
+    session = boto3.session.Session(profile_name=opts.profile) if opts.profile else boto3.session.Session()
+    endpoint = opts.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    region = opts.region_name or os.environ.get("AWS_REGION") or session.region_name or "us-east-1"
+    style = opts.addressing_style or ("path" if endpoint else "auto")
+    config = botocore.config.Config(
+        region_name=region,
+        s3={"addressing_style": style},
+        # the bounded retries of botocore's standard mode (timeouts, 5xx, throttling), on every call
+        retries={"max_attempts": opts.retries + 1, "mode": "standard"},
+        connect_timeout=opts.connect_timeout, read_timeout=opts.read_timeout,
+        max_pool_connections=max(opts.concurrency, opts.upload_concurrency) * 2 + 4,
+        # shards carry their own CRC-32s; the aws-chunked trailing checksums of newer clients
+        # cost CPU and are refused by many S3-compatible stores
+        request_checksum_calculation="when_required", response_checksum_validation="when_required",
+        signature_version=botocore.UNSIGNED if opts.anon else None,
+    )
+    kwargs: dict[str, Any] = {"config": config}
+    if endpoint:
+        kwargs["endpoint_url"] = endpoint
+    if opts.key is not None or opts.secret is not None:
+        kwargs.update(aws_access_key_id=opts.key, aws_secret_access_key=opts.secret, aws_session_token=opts.token)
+    return session.client("s3", **kwargs)

@@ -1,0 +1,191 @@
+"""A checkpoint under an object-store prefix: ``s3://BUCKET/PREFIX``, the second implementation of the seam.
+
+The objects are the local checkpoint's files, byte for byte, under ``PREFIX/``: the per-rank
+shard objects, ``.metadata``, per-rank commits (so ``aws s3 sync`` of a local checkpoint is a
+checkpoint here, and back).
+
+- Reading: :class:`S3File` is one object version (its size and ETag from a HEAD); every byte is
+  read with ranged GETs straight into the caller's buffer (``reads.py``), conditional on that
+  ETag. There is no mapping (``can_map`` False): readers build tensors by reading.
+- Writing: shards are multipart uploads (``uploads.py``) under names no commit uses
+  (``storage/commits.py`` ``shard_name``), so no object a committed checkpoint references is
+  ever overwritten; the commit is one PUT of ``.metadata``, atomic on S3 (readers see the old
+  object or the new one); what no commit references is removed after it.
+- Removing: after a commit, what no commit references (``storage/commits.py`` ``remove_stale``);
+  uploads left in progress by a killed save are listed as files and aborted as they are removed.
+- Locking: a leased lock object created with a conditional write (``lock.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ...errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, UnsafePathError
+from ..base import CheckpointStorage, Lock, StoredFile
+from .failures import is_missing, storage_error, write_error
+from .lock import LOCK_NAME, S3Lock
+from .options import S3Options, client_for, parse_url
+from .reads import ObjectReads
+from .uploads import S3Output
+
+__all__ = ["S3Storage", "S3File", "TransferStats"]
+
+
+class TransferStats:
+    """What a storage's reads took from the store: bytes received and GET requests (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.requests = 0
+
+    def add(self, nbytes: int, requests: int) -> None:
+        with self._lock:
+            self.bytes += nbytes
+            self.requests += requests
+
+
+class S3File(StoredFile):
+    """One object, open for ranged reads of the version it had when opened."""
+
+    def __init__(self, storage: S3Storage, name: str, head: dict[str, Any]) -> None:
+        self.path = storage.full(name)
+        self.size = int(head["ContentLength"])
+        etag = head.get("ETag")
+        self.ident = (etag, head.get("LastModified"))
+        self._reads = ObjectReads(storage.client, storage.bucket, storage.key(name), etag, self.size, self.path,
+                                  storage.opts, storage.stats.add)
+
+    def read_into(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
+        self._reads.read([(offset, buf)], entry)
+
+    def read_batch(self, fetches: list[tuple[int, Any]], *, entry: str | None = None) -> None:
+        self._reads.read(fetches, entry)
+
+
+class S3Storage(CheckpointStorage):
+    """The checkpoint at ``s3://BUCKET/PREFIX`` (see the module docstring)."""
+
+    can_map = False
+
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
+        self.location = url.rstrip("/")
+        self.bucket, self.prefix = parse_url(url)
+        self.opts = S3Options.of(options)
+        self.client = client_for(self.opts)
+        #: bytes and requests of every read made through this storage
+        self.stats = TransferStats()
+        self._uploads: dict[str, list[str]] = {}  # name -> ids of uploads in progress, as list() found them
+
+    # ------------------------------------------------------------------ naming
+    def key(self, name: str) -> str:
+        """The object key of file ``name`` (refused where it would leave the prefix)."""
+        if not name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
+            raise UnsafePathError(f"file name {name!r} leaves the checkpoint's prefix", path=self.location)
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def full(self, name: str) -> str:
+        return f"{self.location}/{name}"
+
+    # ------------------------------------------------------------------ reading
+    def _head(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=self.key(name))  # type: ignore[no-any-return]
+        except CheckpointError:
+            raise
+        except Exception as e:
+            if is_missing(e):
+                return None
+            raise storage_error(e, self.full(name), what="looking up the object") from e
+
+    def exists(self, name: str) -> bool:
+        return self._head(name) is not None
+
+    def is_location(self) -> bool:
+        try:
+            r = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._dir(), MaxKeys=1)
+        except Exception as e:
+            raise storage_error(e, self.location, what="listing the checkpoint") from e
+        return bool(r.get("KeyCount") or r.get("Contents"))
+
+    def open_file(self, name: str) -> S3File:
+        head = self._head(name)
+        if head is None:
+            raise IncompleteCheckpointError("no such object", path=self.full(name))
+        return S3File(self, name, head)
+
+    def list(self) -> list[str]:
+        """The objects under the prefix (not below it), and the names of uploads still in progress there
+        (a killed save's, which :meth:`remove` aborts, as a local save's temporary files are removed)."""
+        names: list[str] = []
+        uploads: dict[str, list[str]] = {}
+        d = self._dir()
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=d,
+                                                                               Delimiter="/"):
+                names += [o["Key"][len(d):] for o in page.get("Contents", ())]
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=d,
+                                                                                      Delimiter="/"):
+                for u in page.get("Uploads", ()):
+                    uploads.setdefault(u["Key"][len(d):], []).append(u["UploadId"])
+        except Exception as e:
+            err = storage_error(e, self.location, what="listing the checkpoint")
+            if isinstance(err, CheckpointNotFoundError):
+                return []
+            raise err from e
+        self._uploads = uploads
+        names += [n for n in uploads if n not in set(names)]
+        return [n for n in names if n and "/" not in n and n != LOCK_NAME]
+
+    def _dir(self) -> str:
+        return f"{self.prefix}/" if self.prefix else ""
+
+    # ------------------------------------------------------------------ writing
+    def prepare(self) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except Exception as e:
+            raise write_error(e, self.location, what=f"the bucket {self.bucket!r} cannot be written") from e
+
+    def create_file(self, name: str, size: int | None, *, head: int, direct: bool, sync: bool) -> S3Output:
+        return S3Output(self.client, self.bucket, self.key(name), self.full(name), size, head=head, opts=self.opts)
+
+    def commit(self, name: str, data: bytes, *, sync: bool) -> None:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=bytes(data))
+        except Exception as e:
+            raise write_error(e, self.full(name), what="committing the metadata failed") from e
+
+    def remove(self, names: Iterable[str], *, sync: bool) -> None:
+        """Delete these objects and abort the uploads in progress under these names (a killed save's);
+        errors are ignored: what stays is removed next time."""
+        names = list(names)
+        keys = [{"Key": self.key(n)} for n in names]
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            try:
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000], "Quiet": True})
+            except Exception:
+                pass
+        for n in names:
+            for upload_id in self._uploads.pop(n, ()):
+                try:
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key(n), UploadId=upload_id)
+                except Exception:
+                    pass
+
+    def lock(self, *, shared: bool = False) -> Lock:
+        if shared:
+            return _NoLock()
+        return S3Lock(self.client, self.bucket, self.key(LOCK_NAME), self.full(LOCK_NAME), lease=self.opts.lock_lease)
+
+    def sync(self) -> None:
+        """Nothing to do: an object is durable once its PUT or its upload's completion has answered."""
+
+
+class _NoLock(Lock):
+    """The lock of a per-rank save on an object store: none (its ranks write disjoint objects)."""
+
+    def release(self) -> None:
+        pass

@@ -1,0 +1,154 @@
+"""A shard written to an object store: a multipart upload streamed from the tensors' bytes.
+
+The shard writer hands pieces at ascending offsets and the head (offset 0) last. Pieces are
+gathered into parts of ``upload_part_size`` bytes (at least 5 MiB, as S3 requires of every
+part but the last; larger where the shard would need more than 10,000 parts) and each full
+part is uploaded at once, at most ``upload_concurrency`` parts in flight, so memory stays
+within ``(upload_concurrency + 2) * upload_part_size`` whatever the shard's size. The first
+part, which holds the head, is kept until :meth:`S3Output.finish` and uploaded last; part
+numbers, not upload order, place parts in the object. A shard smaller than one part is one
+PUT. The object appears under its name only when the upload completes: a save that fails
+aborts its upload, and a save killed before completing leaves an incomplete upload that the
+next save to the location aborts (``S3Storage.remove``), never an object.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ...errors import CheckpointError
+from ..base import FileOutput
+from .failures import write_error
+from .options import MAX_PARTS, MIN_PART, S3Options
+
+__all__ = ["S3Output", "part_size_for"]
+
+
+def part_size_for(size: int | None, wanted: int) -> int:
+    """The part size for an object of ``size`` bytes: ``wanted``, raised (in MiB steps) to fit in 10,000 parts."""
+    if size is None or size <= wanted * MAX_PARTS:
+        return max(wanted, MIN_PART)
+    mib = 1 << 20
+    return -(-size // MAX_PARTS // mib) * mib + mib
+
+
+class S3Output(FileOutput):
+    """Shard ``key`` being written (see the module docstring)."""
+
+    how = "multipart"
+
+    def __init__(self, client: Any, bucket: str, key: str, url: str, size: int | None, *, head: int,
+                 opts: S3Options) -> None:
+        self.client, self.bucket, self.key, self.path = client, bucket, key, url
+        self.size, self.head, self.opts = size, head, opts
+        self.part_size = part_size_for(size, opts.upload_part_size)
+        self._buf = bytearray()  # the part being gathered
+        self._start = 0  # its offset in the object
+        self._first: bytearray | None = None  # part 1 (holds the head), uploaded by finish()
+        self._end = 0  # the end of the last piece
+        self._upload_id: str | None = None
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._threads: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ the pieces
+    def put(self, offset: int, data: Any) -> None:
+        mv = memoryview(data).cast("B")
+        if offset < self._end:
+            raise ValueError(f"piece at {offset} before the end of the previous one ({self._end})")
+        if offset > self._end:  # alignment padding: zeros, as a local file's holes read
+            self._append(memoryview(bytes(offset - self._end)))
+        self._append(mv)
+        self._end = offset + len(mv)
+
+    def _append(self, mv: memoryview) -> None:
+        while len(mv):
+            room = self.part_size - len(self._buf)
+            self._buf += mv[:room]
+            mv = mv[room:]
+            if len(self._buf) == self.part_size:
+                self._seal_part()
+
+    def _seal_part(self) -> None:
+        buf, self._buf = self._buf, bytearray()
+        number = self._start // self.part_size + 1
+        self._start += len(buf)
+        if number == 1:
+            self._first = buf
+            return
+        self._upload(number, buf)
+
+    def _upload(self, number: int, buf: bytearray) -> None:
+        if self._upload_id is None:
+            try:
+                self._upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.key)["UploadId"]
+            except Exception as e:
+                raise self._error(e, "starting the upload") from e
+            self._threads = ThreadPoolExecutor(self.opts.upload_concurrency, thread_name_prefix="mmapckpt-s3-put")
+        while sum(not f.done() for f in self._parts) >= self.opts.upload_concurrency:
+            _wait_one(self._parts)
+        assert self._threads is not None
+        self._parts.append(self._threads.submit(self._put_part, number, buf))
+
+    def _put_part(self, number: int, buf: bytearray) -> dict[str, Any]:
+        try:
+            r = self.client.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                                        PartNumber=number, Body=buf)
+        except Exception as e:
+            raise self._error(e, f"uploading part {number}") from e
+        return {"PartNumber": number, "ETag": r["ETag"]}
+
+    # ------------------------------------------------------------------ the end
+    def finish(self, head: bytes) -> None:
+        if self.size is not None and self._end < self.size:
+            self._append(memoryview(bytes(self.size - self._end)))
+            self._end = self.size
+        first = self._first if self._first is not None else self._buf
+        if len(head) > len(first):
+            raise ValueError(f"head of {len(head)} bytes is longer than the first part ({len(first)})")
+        first[:len(head)] = head
+        if self._first is None:  # the whole object is one part: one PUT
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self.key, Body=bytes(first))
+            except Exception as e:
+                raise self._error(e, "writing") from e
+            return
+        self._upload(1, first)
+        if self._buf:
+            self._upload(self._start // self.part_size + 1, self._buf)
+            self._buf = bytearray()
+        parts = sorted((f.result() for f in self._parts), key=lambda p: p["PartNumber"])
+        try:
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                                                  MultipartUpload={"Parts": parts})
+        except Exception as e:
+            raise self._error(e, "completing the upload") from e
+        self._close_threads()
+
+    def abort(self) -> None:
+        self._close_threads()
+        self._buf, self._first = bytearray(), None
+        upload_id, self._upload_id = self._upload_id, None
+        if upload_id is not None:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=upload_id)
+            except Exception:
+                pass  # an upload left incomplete is aborted by the next save (S3Storage.remove)
+
+    def _close_threads(self) -> None:
+        threads, self._threads = self._threads, None
+        if threads is not None:
+            threads.shutdown(wait=True, cancel_futures=True)
+
+    def _error(self, e: BaseException, what: str) -> BaseException:
+        if isinstance(e, CheckpointError):
+            return e
+        return write_error(e, self.path, what=what)
+
+
+def _wait_one(futures: list[Future[dict[str, Any]]]) -> None:
+    """Wait until one of the running part uploads is done (raising its error)."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+    running = [f for f in futures if not f.done()]
+    for f in wait(running, return_when=FIRST_COMPLETED).done:
+        f.result()
