@@ -22,6 +22,7 @@ from .reading.moves import Moves
 from .reading.regions import read_tensor
 from .reading.stager import chunk_stager
 from .io.mapped import MappedFile
+from .storage.base import StoredFile
 from .io.staging import (
     DEFAULT_STAGING_BUFFERS,
     DEFAULT_STAGING_BYTES,
@@ -95,11 +96,12 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
 
 
 def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]]) -> None:
-    """CPU targets: a tensor stored whole as a view over a mapped file moves by the file's strategy (a direct
-    read into a contiguous target: reading/moves.py); the others are assembled from their chunks and copied."""
+    """CPU targets: a tensor stored whole as a view over a mapped file (or a region of an object) moves by the
+    file's strategy (a direct read into a contiguous target: reading/moves.py); the others are assembled from
+    their chunks and copied."""
     files = ckpt.backend
-    ranges: dict[str, tuple[MappedFile, list[tuple[int, int]]]] = {}
-    direct: set[str] = set()  # names whose one chunk is a view over a mapped file
+    ranges: dict[str, tuple[MappedFile | StoredFile, list[tuple[int, int]]]] = {}
+    direct: set[str] = set()  # names whose one chunk is a view over a mapped file, or a region of an object
     for name, _, info in plan:
         c = info.whole
         mapped = files.mapped(info, c) if c is not None else None
@@ -113,7 +115,9 @@ def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]])
         for name, t, info in plan:
             if name in direct:
                 c = info.whole
-                moves[c.file].move(files.chunk(info, c), t.detach(), lambda: name, _nothing)  # type: ignore[union-attr]
+                lazy = isinstance(ranges[c.file][0], StoredFile)  # type: ignore[union-attr]
+                moves[c.file].move(files.chunk(info, c, lazy=lazy), t.detach(), lambda: name,  # type: ignore[union-attr]
+                                   _nothing)
             else:  # assembled from its chunks, or a stock item
                 memory.move(read_tensor(files, info), t.detach(), lambda: name, _nothing)
         for m in moves.values():

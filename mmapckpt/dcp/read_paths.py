@@ -126,7 +126,7 @@ class FileReads:
         # the staging buffers (accelerators) instead of copying out of the mapping. Only for
         # planners whose commit_tensor does nothing: a planner of its own keeps the mapped path.
         defer = _defers_safely(planner)
-        moves = Moves(shard.file, read=self.direct_reads and defer, ranges=ranges, pool_for=self.pool_for,
+        moves = Moves(shard.source, read=self.direct_reads and defer, ranges=ranges, pool_for=self.pool_for,
                       stage_all=self.stage_cpu)
         accept_view = getattr(planner, "accept_view", None)
         ok = False
@@ -156,11 +156,16 @@ class FileReads:
             taken.append((info.offset, info.length, None))
             return None
         dtype, sizes = self.chunk_layout(idx, path)
-        view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes)
+        # Unmapped (an object): a placeholder the moves read from the file (reading/fetches.py).
+        lazy = shard.file is None and defer
+        view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes, lazy=lazy)
         # Zero-copy hook (mmapckpt.ZeroCopyLoadPlanner): a planner with accept_view(req, view)
         # may keep the mapped view of the whole stored chunk instead of having it copied.
-        if accept_view is not None and accept_view(req, view):
-            return None  # not read here: the planner keeps the mapped view
+        if accept_view is not None:
+            if lazy:  # no mapping to keep a view of: the chunk read into memory is offered instead
+                view = moves.fetches.materialize(view)  # type: ignore[union-attr]
+            if accept_view(req, view):
+                return None  # not read here: the planner keeps the mapped view
         taken.append((info.offset, info.length, _region_bytes(req, dtype)))
         self.copy_region(view, req, planner, path, moves, defer)
 

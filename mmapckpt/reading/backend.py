@@ -14,6 +14,7 @@ import torch
 
 from ..format.entries import ChunkInfo, EntryInfo
 from ..io.mapped import MappedFile
+from ..storage.base import StoredFile
 
 __all__ = ["ChunkBackend"]
 
@@ -28,12 +29,15 @@ class ChunkBackend(Protocol):
 
     pickled_objects: bool
 
-    def chunk(self, info: EntryInfo, c: ChunkInfo) -> torch.Tensor:
-        """Chunk ``c`` of ``info`` as a CPU tensor: a view over a mapping where it can be, else a new tensor."""
+    def chunk(self, info: EntryInfo, c: ChunkInfo, *, lazy: bool = False) -> torch.Tensor:
+        """Chunk ``c`` of ``info`` as a CPU tensor: a view over a mapping where it can be, else a new tensor.
+        ``lazy``, where :meth:`mapped` gave a file without a mapping: a placeholder for a ``Moves`` of that
+        file to read (reading/fetches.py)."""
         ...
 
-    def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | None:
-        """The mapping :meth:`chunk` returns a view of (direct reads go around it), or None."""
+    def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | StoredFile | None:
+        """What :meth:`chunk`'s bytes are read from by a ``Moves`` (reading/moves.py): the mapping it returns
+        a view of (direct reads go around it), the file where it has no mapping, or None (a copy in memory)."""
         ...
 
     def advise(self, c: ChunkInfo, advice: int) -> None:

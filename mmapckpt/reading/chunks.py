@@ -96,12 +96,13 @@ class ChunkFiles:
                 f"shard was written by save {sid}, but the metadata belongs to save {save_id}: "
                 "the checkpoint was replaced while it was being opened", path=shard.path)
 
-    def chunk(self, info: EntryInfo, c: ChunkInfo) -> torch.Tensor:
-        """The chunk as a CPU tensor: a view over the mapping, or a stock item loaded whole."""
+    def chunk(self, info: EntryInfo, c: ChunkInfo, *, lazy: bool = False) -> torch.Tensor:
+        """The chunk as a CPU tensor: a view over the mapping (or read, or a placeholder: ``lazy``), or a stock
+        item loaded whole."""
         shard = self.shards.get(c.file)
         if shard is not None:
             view = shard.view((info.name, c.offsets), c.file_offset, c.length, info.dtype,  # type: ignore[arg-type]
-                              c.sizes)
+                              c.sizes, lazy=lazy)
             if self.verify:
                 self._verify(shard, info.name, c.offsets)
             return view
@@ -112,10 +113,11 @@ class ChunkFiles:
                                     f"{list(c.sizes)}", path=self.storage.full(c.file), entry=label)
         return t
 
-    def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | None:
-        """The mapping ``chunk`` returns a view of (for direct reads), or None (a stock item, loaded whole)."""
+    def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | StoredFile | None:
+        """The mapping ``chunk`` returns a view of (for direct reads), the file where it has no mapping, or
+        None (a stock item, loaded whole)."""
         shard = self.shards.get(c.file)
-        return shard.file if shard is not None else None
+        return shard.source if shard is not None else None
 
     def object_bytes(self, info: EntryInfo) -> bytes:
         c = info.chunks[0]

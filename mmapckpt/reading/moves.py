@@ -12,6 +12,9 @@ the strategy for each pair (:meth:`Moves.strategy`) and hands the pair to it:
   straight into the target (io/direct_reads.py), queued while the plan is walked and run at
   the end of the file (:meth:`Moves.finish`), which also starts the kernel's readahead of a
   cold file at once;
+- :class:`Fetched`: a file without a mapping (an object): its sources are placeholders
+  (reading/fetches.py), read straight into contiguous CPU targets in batches at the end of
+  the file, or into memory first and copied;
 - :class:`MappedCopy`: everything else, and what the others fall back to: ``Tensor.copy_`` out
   of the source.
 
@@ -31,8 +34,10 @@ from ..io import staging
 from ..io.direct_reads import DirectReads
 from ..io.mapped import MappedFile
 from ..io.staging import StagingPool, stage
+from ..storage.base import StoredFile
+from .fetches import FetchReads, is_placeholder
 
-__all__ = ["Move", "MappedCopy", "DirectRead", "Staged", "Moves"]
+__all__ = ["Move", "MappedCopy", "DirectRead", "Fetched", "Staged", "Moves"]
 
 Done = Callable[[], None]
 #: The entry's name for errors, made only where a strategy needs it (most copies never do).
@@ -73,18 +78,37 @@ class DirectRead:
         return self.reads.worth_reading(src) and self.reads.take(src, dst, done, label())
 
 
+class Fetched:
+    """Reads of a file without a mapping straight into contiguous CPU targets (deferred to :meth:`Moves.finish`);
+    other targets get the region read into memory and copied."""
+
+    name = "fetched"
+
+    def __init__(self, reads: FetchReads) -> None:
+        self.reads = reads
+
+    def take(self, src: torch.Tensor, dst: torch.Tensor, label: Label, done: Done) -> bool:
+        if self.reads.take(src, dst, done, label()):
+            return True
+        dst.copy_(self.reads.materialize(src, label()))
+        done()
+        return True
+
+
 class Staged:
     """Through the pinned staging ring of the target's device, its buffers read from the file where they can be."""
 
     name = "staged"
 
-    def __init__(self, pool_for: Callable[[torch.device], StagingPool], reads: DirectReads | None) -> None:
+    def __init__(self, pool_for: Callable[[torch.device], StagingPool], reads: DirectReads | FetchReads | None) -> None:
         self.pool_for, self.reads = pool_for, reads
         #: the devices this file's moves went to (their pools are sealed before the file closes)
         self.devices: set[torch.device] = set()
 
     def take(self, src: torch.Tensor, dst: torch.Tensor, label: Label, done: Done) -> bool:
         read = self.reads.reader_for(src, label()) if self.reads is not None else None
+        if read is None and isinstance(self.reads, FetchReads):
+            src = self.reads.materialize(src, label())  # a placeholder not contiguous in the file
         device = dst.device
         self.devices.add(device)
         stage(self.pool_for(device), src, dst, done, read)
@@ -95,8 +119,9 @@ class Moves:
     """The moves of one file's regions into their targets, and the choice between them.
 
     Args:
-        mapping: the file's mapping, whose views the sources are (None: sources are in memory,
-            only copies and staging without reads apply).
+        mapping: the file's mapping, whose views the sources are, or the file itself where it has
+            no mapping (its sources are placeholders: reading/fetches.py); None: sources are in
+            memory, only copies and staging without reads apply.
         read: allow :class:`DirectRead` for CPU targets (a caller whose ``done`` may run late).
         ranges: the (offset, length) of the regions that will be moved, for the cache probe and the
             readahead of a cold file.
@@ -104,12 +129,20 @@ class Moves:
         stage_all: stage CPU targets too (tests of the pipeline on a machine without an accelerator).
     """
 
-    def __init__(self, mapping: MappedFile | None, *, read: bool = True, ranges: list[tuple[int, int]] = (),  # type: ignore[assignment]
+    def __init__(self, mapping: MappedFile | StoredFile | None, *, read: bool = True,
+                 ranges: list[tuple[int, int]] = (),  # type: ignore[assignment]
                  pool_for: Callable[[torch.device], StagingPool] | None = None, stage_all: bool = False) -> None:
-        self.reads = DirectReads(mapping, enabled=read, ranges=ranges) if mapping is not None else None
         self.copy = MappedCopy()
-        self.direct = DirectRead(self.reads) if self.reads is not None and self.reads.enabled else None
-        self.staged = Staged(pool_for, self.reads) if pool_for is not None else None
+        self.reads: DirectReads | None = None
+        self.fetches: FetchReads | None = None
+        self.direct: DirectRead | Fetched | None = None
+        if isinstance(mapping, StoredFile):
+            self.fetches = FetchReads(mapping)
+            self.direct = Fetched(self.fetches) if read else None
+        elif mapping is not None:
+            self.reads = DirectReads(mapping, enabled=read, ranges=ranges)
+            self.direct = DirectRead(self.reads) if self.reads.enabled else None
+        self.staged = Staged(pool_for, self.reads or self.fetches) if pool_for is not None else None
         self.stage_all = stage_all
 
     def strategy(self, dst: torch.Tensor) -> Move:
@@ -124,14 +157,17 @@ class Moves:
         m = self.strategy(dst)
         if m.take(src, dst, label, done):
             return m
+        if self.fetches is not None and is_placeholder(src):
+            src = self.fetches.materialize(src, label())
         self.copy.take(src, dst, label, done)
         return self.copy
 
     def finish(self) -> None:
         """Run the direct reads queued (each target's ``done`` follows its read)."""
-        if self.reads is not None:
-            for done, _ in self.reads.run():
-                done()
+        for reads in (self.reads, self.fetches):
+            if reads is not None:
+                for done, _ in reads.run():
+                    done()
 
     def close(self, *, ok: bool) -> None:
         """Seal the staging pools this file's moves used (their reads run now, or after an error are dropped)

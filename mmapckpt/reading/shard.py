@@ -31,6 +31,7 @@ from ..format.transforms import StreamTransforms
 from ..io.mapped import MappedFile
 from ..storage.base import StoredFile
 from ..storage.local import LocalFile
+from .fetches import placeholder
 
 __all__ = ["Shard", "is_mmapckpt_shard", "encoded_bytes", "decode_entry"]
 
@@ -78,6 +79,11 @@ class Shard:
         # renamed over the path in between would pair this header with other bytes.
         #: the file mapped (views without copying), or None where its medium cannot map
         self.file: MappedFile | None = self.stored.mapping
+
+    @property
+    def source(self) -> MappedFile | StoredFile:
+        """What a ``Moves`` of this file's chunks reads from: the mapping, or the file where it has none."""
+        return self.file if self.file is not None else self.stored
 
     def close(self) -> None:
         """Release the file (views already built keep their mapping)."""
@@ -132,9 +138,11 @@ class Shard:
             raise FormatError("header entries are malformed", path=self.path) from None
 
     def view(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
-             shape: tuple[int, ...]) -> torch.Tensor:
+             shape: tuple[int, ...], *, lazy: bool = False) -> torch.Tensor:
         """The chunk ``key`` (fqn, chunk offsets), placed by the metadata at ``length`` bytes from ``offset``,
-        as a contiguous tensor of ``dtype`` and ``shape`` over the mapping (no copy).
+        as a contiguous tensor of ``dtype`` and ``shape`` over the mapping (no copy). A file without a
+        mapping is read into a new tensor; with ``lazy``, a placeholder stands for it instead, for a
+        ``Moves`` of :attr:`source` to read (reading/fetches.py).
 
         The shard header must describe the chunk in the same way (checked per chunk, without
         decoding every entry of the header), and the bytes must lie after the header, inside
@@ -148,6 +156,8 @@ class Shard:
             _refuse_region(self, key, offset, length)
         if self.file is not None:
             return self.file.view(offset, dtype, shape)
+        if lazy:
+            return placeholder(offset, dtype, shape)
         out = torch.empty(shape, dtype=dtype)
         if length:
             self.stored.read_into(offset, out.reshape(-1).view(torch.uint8).numpy(), entry=_label(key))

@@ -9,6 +9,7 @@ import torch
 
 from ..io.mapped import MappedFile
 from ..io.staging import StagingPool
+from ..storage.base import StoredFile
 from ..format.entries import ChunkInfo, EntryInfo
 from .backend import ChunkBackend
 from .moves import Moves
@@ -22,14 +23,14 @@ def chunk_stager(files: ChunkBackend, infos: list[EntryInfo]) -> Iterator[Callab
 
     ``files`` is an open checkpoint's backend (``LazyCheckpoint.backend``).
 
-    Chunks that are views over a file mapping (mmapckpt shards, aligned safetensors tensors)
-    are read from the file straight into the staging buffers (the staged move of
+    Chunks that are views over a file mapping (mmapckpt shards, aligned safetensors tensors), or
+    regions of a file without one (an object), are read from the file straight into the staging buffers (the staged move of
     reading/moves.py, whose reads also start the kernel's readahead on a cold file); others
     (stock items, torch.save tensors, misaligned safetensors tensors) are built on the CPU
     and then staged. Used by ``load(device=...)`` and ``load_into`` with accelerator targets.
     """
     chunks = [c for info in infos for c in info.chunks]
-    ranges: dict[str, tuple[MappedFile, list[tuple[int, int]]]] = {}
+    ranges: dict[str, tuple[MappedFile | StoredFile, list[tuple[int, int]]]] = {}
     for info in infos:
         for c in info.chunks:
             mapped = files.mapped(info, c)
@@ -42,9 +43,11 @@ def chunk_stager(files: ChunkBackend, infos: list[EntryInfo]) -> Iterator[Callab
 
     def stage_chunk(pool: StagingPool, info: EntryInfo, c: ChunkInfo, dst: torch.Tensor,
                     done: Callable[[], None] = lambda: None) -> None:
-        src = files.chunk(info, c)
+        source = files.mapped(info, c)
+        by = moves.get(c.file) if source is not None else None
+        src = files.chunk(info, c, lazy=True) if by is not None and isinstance(source, StoredFile) else \
+            files.chunk(info, c)
         pools[dst.device] = pool
-        by = moves.get(c.file) if files.mapped(info, c) is not None else None
         (by or memory).move(src, dst, lambda: info.name, done)
 
     ok = False

@@ -65,6 +65,12 @@ class StoredFile(abc.ABC):
             TruncatedFileError: the file ends before ``buf`` is full.
         """
 
+    def read_batch(self, fetches: list[tuple[int, Any]], *, entry: str | None = None) -> None:
+        """:meth:`read_into` for each ``(offset, buffer)`` of ``fetches``; a medium may run them together
+        (an object store: ranged GETs in parallel, neighbours joined into one request)."""
+        for offset, buf in fetches:
+            self.read_into(offset, buf, entry=entry)
+
     def read(self, offset: int, length: int, *, entry: str | None = None) -> bytearray:
         """``length`` bytes at ``offset``, in a new buffer; a range past the end raises TruncatedFileError first."""
         if offset < 0 or length < 0 or offset + length > self.size:
