@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ class MmapReader(StorageReader):
     """Reads mmapckpt (and stock DCP) checkpoints for ``dcp.load``.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory, or an object-store prefix ``s3://BUCKET/PREFIX``
+            (docs/object-storage.md).
         thread_count: shard files read in parallel.
         verify: check each entry's CRC-32 before using it (reads every byte of the entries used).
         direct_reads: read regions bound for contiguous CPU targets with ``preadv`` straight into
@@ -55,6 +57,8 @@ class MmapReader(StorageReader):
         read_once_group: the process group it sends over: ``dcp.load``'s (None: the world).
         read_once_piece_bytes: the size of each piece sent.
         read_once_min_share: read once only if at least this fraction of the bytes asked for is shared.
+        storage_options: settings of an object store's client (credentials, endpoint, request sizes;
+            docs/object-storage.md), overriding the ``AWS_*`` environment; ignored for a local path.
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -69,7 +73,8 @@ class MmapReader(StorageReader):
                  direct_reads: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES,
                  staging_buffers: int = DEFAULT_STAGING_BUFFERS, _extension_registry: Any = None,
                  read_once: bool = False, read_once_group: Any = None, read_once_piece_bytes: int = DEFAULT_PIECE_BYTES,
-                 read_once_min_share: float = DEFAULT_MIN_SHARE) -> None:
+                 read_once_min_share: float = DEFAULT_MIN_SHARE,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.transforms = reader_compat(_extension_registry)
         if thread_count < 1:
@@ -84,6 +89,7 @@ class MmapReader(StorageReader):
         #: the typed error of the last failed read_metadata (see mmapckpt.checkpoint_error)
         self.metadata_error: CheckpointError | None = None
         self.path = os.fspath(path)
+        self.storage_options = dict(storage_options or {})
         self.thread_count = thread_count
         self.verify = verify
         self.direct_reads = direct_reads
@@ -96,7 +102,7 @@ class MmapReader(StorageReader):
     @property
     def storage(self) -> CheckpointStorage:
         """Where the checkpoint read lives (storage/base.py)."""
-        return storage_for(self.path)
+        return storage_for(self.path, options=self.storage_options)
 
     # ------------------------------------------------------------------ DCP interface
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:

@@ -73,7 +73,8 @@ class MmapWriter(StorageWriter):
     """Writes a DCP checkpoint as raw, aligned tensor bytes behind a JSON header.
 
     Args:
-        path: the checkpoint directory (created if missing).
+        path: the checkpoint directory (created if missing), or an object-store prefix
+            ``s3://BUCKET/PREFIX`` (docs/object-storage.md).
         thread_count: files written in parallel per rank (one shard file each).
         sync_files: fsync every shard and the directory before the metadata commit.
         alignment: data offset alignment for entries at least this long (power of two >= 64).
@@ -84,6 +85,8 @@ class MmapWriter(StorageWriter):
             filesystem refuses O_DIRECT (tmpfs, some network filesystems) the shard is written
             buffered instead, automatically. ``write_paths`` records which path each shard took.
         metadata: user metadata ``{str: str}`` (as safetensors' ``save_file(metadata=)``), kept in ``.metadata``.
+        storage_options: settings of an object store's client (credentials, endpoint, part sizes;
+            docs/object-storage.md), overriding the ``AWS_*`` environment; ignored for a local path.
         _extensions: DCP stream transforms (``ZStandard()``, encryption, your own
             ``StreamTransformExtension``) that every item is written through, as with
             FileSystemWriter. Such items are stored encoded: loads decode them into memory
@@ -103,13 +106,15 @@ class MmapWriter(StorageWriter):
                  alignment: int = 4096, overwrite: bool = True, direct_io: bool = True,
                  single_file_per_rank: bool = True, per_thread_copy_ahead: int = 10_000_000,
                  cache_staged_state_dict: bool = False, _extensions: Any = None,
-                 serialization_format: Any = None, metadata: Mapping[str, str] | None = None) -> None:
+                 serialization_format: Any = None, metadata: Mapping[str, str] | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         transforms = writer_compat(single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
                                    _extensions, serialization_format)
         self.single_file_per_rank = single_file_per_rank
         self.path = os.fspath(path)
-        storage_for(self.path, error=CheckpointWriteError)  # a URL of no medium is refused here, before any plan
+        self.storage_options = dict(storage_options or {})
+        self.storage  # a URL of no medium (or bad storage_options) is refused here, before any plan
         self.options = WriterOptions(thread_count, sync_files, alignment, overwrite, direct_io, transforms)
         self.user_metadata = check_user_metadata(metadata)  # TypeError before any file is touched
         #: shard file name -> "direct" (O_DIRECT), "buffered" or "encoded" (stream transforms), for the last save
@@ -125,7 +130,7 @@ class MmapWriter(StorageWriter):
         self.release()  # a save of this writer that failed before its commit
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
-            storage_for(self.path, error=CheckpointWriteError)
+            self.storage
         self.save_id = str(uuid.uuid4())
         self.write_paths = {}
 
@@ -137,7 +142,7 @@ class MmapWriter(StorageWriter):
     @property
     def storage(self) -> CheckpointStorage:
         """Where this writer's checkpoint lives (storage/base.py)."""
-        return storage_for(self.path, error=CheckpointWriteError)
+        return storage_for(self.path, error=CheckpointWriteError, options=self.storage_options)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         storage = self.storage
