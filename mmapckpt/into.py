@@ -36,7 +36,8 @@ __all__ = ["load_into"]
 
 def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool = True,
               allow_cast: bool = False, staging_bytes: int = DEFAULT_STAGING_BYTES,
-              staging_buffers: int = DEFAULT_STAGING_BUFFERS) -> list[str]:
+              staging_buffers: int = DEFAULT_STAGING_BUFFERS,
+              storage_options: Mapping[str, Any] | None = None) -> list[str]:
     """Copy the checkpoint's tensors into the tensors of ``state_dict``, in place.
 
     Every tensor value of ``state_dict`` receives the full (unsharded) tensor of the same
@@ -55,6 +56,7 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
         staging_bytes: the size of each buffer of the pinned staging ring for accelerator
             targets (allocated for this call only when a target is on one).
         staging_buffers: the number of buffers in that ring.
+        storage_options: settings of an object store's client (see :func:`mmapckpt.open`).
 
     Returns:
         The names of ``state_dict``'s tensors that the checkpoint does not hold (empty when strict).
@@ -76,7 +78,7 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
     if meta:
         raise ValueError(f"{meta[0]!r} (and {len(meta) - 1} more) is on the meta device: it has no memory to load "
                          "into. Use model.load_state_dict(mmapckpt.load(path), assign=True) instead")
-    with LazyCheckpoint(path) as ckpt, paused_gc(), torch.no_grad():
+    with LazyCheckpoint(path, storage_options=storage_options) as ckpt, paused_gc(), torch.no_grad():
         missing = [n for n in targets if n not in ckpt]
         if missing and strict:
             raise KeyError(f"not in the checkpoint at {ckpt.path}: {sorted(missing)[:20]}")

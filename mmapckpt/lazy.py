@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
-from typing import Any, Callable, Collection, Iterator, Union, overload
+from typing import Any, Callable, Collection, Iterator, Mapping, Union, overload
 
 import torch
 
@@ -84,13 +84,14 @@ class LazyCheckpoint:
         framework: ``"pt"`` (or ``"torch"``).
         device: where ``get_tensor`` and slices return tensors (kept as the attribute ``device``).
         verify: check each mmapckpt entry's CRC-32 the first time it is read.
+        storage_options: settings of an object store's client (docs/object-storage.md).
 
     Attributes:
         kind: its format: ``"mmapckpt"``, ``"dcp"``, ``"safetensors"`` or ``"torch"``.
     """
 
     def __init__(self, path: str | os.PathLike[str], framework: str = "pt", device: str | torch.device = "cpu", *,
-                 verify: bool = False) -> None:
+                 verify: bool = False, storage_options: Mapping[str, Any] | None = None) -> None:
         if framework not in _FRAMEWORKS:
             raise ValueError(f"framework {framework!r} is not supported: mmapckpt returns torch tensors, so pass "
                              "framework='pt' (or 'torch')")
@@ -98,7 +99,7 @@ class LazyCheckpoint:
         check_device(self.device)
         self._to = None if self.device.type == "cpu" else self.device  # one test per get_tensor on the CPU
         self.path = os.fspath(path)
-        opened = open_backend(self.path, verify=verify)
+        opened = open_backend(self.path, verify=verify, storage_options=storage_options)
         self.kind, self._entries, self._user_metadata = opened.kind, opened.entries, opened.user_metadata
         self._files: ChunkBackend | None = opened.files
 
@@ -222,7 +223,7 @@ class LazyCheckpoint:
 
 
 def open(path: str | os.PathLike[str], framework: str = "pt", device: str | torch.device = "cpu", *,
-         verify: bool = False) -> LazyCheckpoint:
+         verify: bool = False, storage_options: Mapping[str, Any] | None = None) -> LazyCheckpoint:
     """Open a checkpoint for lazy reading, as ``safetensors.safe_open(path, framework, device)`` does.
 
     Args:
@@ -241,6 +242,9 @@ def open(path: str | os.PathLike[str], framework: str = "pt", device: str | torc
             returned as it is. Only mmapckpt checkpoints have checksums: for stock DCP,
             safetensors and torch.save files ``verify`` checks nothing more (their structure,
             headers and bounds are checked on open either way).
+        storage_options: for a ``path`` on an object store (``s3://BUCKET/PREFIX``), the settings
+            of its client (credentials, endpoint, request sizes; docs/object-storage.md),
+            overriding the ``AWS_*`` environment; ignored for a local path.
 
     Returns:
         A :class:`LazyCheckpoint`, usable as a context manager; ``metadata()`` gives the user
@@ -254,7 +258,7 @@ def open(path: str | os.PathLike[str], framework: str = "pt", device: str | torc
         ...     w = f.get_tensor("layer.weight")          # a view: nothing read yet
         ...     rows = f.get_slice("embed.weight")[100:200]
     """
-    return LazyCheckpoint(path, framework, device, verify=verify)
+    return LazyCheckpoint(path, framework, device, verify=verify, storage_options=storage_options)
 
 
 def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], bool]:
@@ -275,7 +279,8 @@ def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], 
 def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
          keys: KeySelector = None, allow_unpickle: bool = False, prefetch: bool = False, verify: bool = False,
          staging_bytes: int | None = None, staging_buffers: int | None = None,
-         buffer_bytes: int | None = None, num_buffers: int | None = None) -> dict[str, Any]:
+         buffer_bytes: int | None = None, num_buffers: int | None = None,
+         storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Load a checkpoint's full (unsharded) state dict as a flat ``{fqn: tensor}`` dict.
 
     Every format :func:`open` takes is accepted, with the same result for the same tensors.
@@ -305,6 +310,7 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         staging_buffers: the number of buffers in that ring.
         buffer_bytes: deprecated name of ``staging_bytes``.
         num_buffers: deprecated name of ``staging_buffers``.
+        storage_options: settings of an object store's client (see :func:`open`).
 
     Returns:
         ``{fqn: tensor}`` (plus objects with ``allow_unpickle``), ready for
@@ -318,7 +324,7 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
     device = torch.device(device)
     check_device(device)
     nbytes, count = staging_options(staging_bytes, staging_buffers, buffer_bytes, num_buffers, "mmapckpt.load")
-    with LazyCheckpoint(path, verify=verify) as ckpt:
+    with LazyCheckpoint(path, verify=verify, storage_options=storage_options) as ckpt:
         names, explicit = _select(ckpt.keys(), keys, ckpt.path)
         objects = [n for n in names if ckpt.info(n).kind == "object"]
         if objects and explicit and not allow_unpickle:

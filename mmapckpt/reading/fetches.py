@@ -80,16 +80,28 @@ class FetchReads:
         return _StoredRead(self.stored, _span(src)[0], label)
 
     def materialize(self, src: torch.Tensor, label: str | None = None) -> torch.Tensor:
-        """``src``'s values in memory: its span read (one read) and viewed with its strides (``src`` itself
-        where it is not a placeholder)."""
+        """``src``'s values in a new contiguous tensor (``src`` itself where it is not a placeholder): a
+        contiguous region in one read; a strided one as its contiguous runs, read together (neighbouring
+        runs are joined into one request by the medium), or its whole span where the runs are too many."""
         if not is_placeholder(src):
             return src
+        out = torch.empty(src.shape, dtype=src.dtype)
         if not src.numel():
-            return torch.empty(src.shape, dtype=src.dtype)
+            return out
+        flat = out.reshape(-1).view(torch.uint8).numpy()
         offset, length = _span(src)
-        buf = torch.empty(length, dtype=torch.uint8)
-        self.stored.read_into(offset, buf.numpy(), entry=label)
-        return buf.view(src.dtype).as_strided(src.shape, src.stride())
+        if src.is_contiguous():
+            self.stored.read_into(offset, flat, entry=label)
+            return out
+        runs = _runs(src, offset)
+        if runs is None:
+            buf = torch.empty(length, dtype=torch.uint8)
+            self.stored.read_into(offset, buf.numpy(), entry=label)
+            out.copy_(buf.view(src.dtype).as_strided(src.shape, src.stride()))
+            return out
+        step = len(flat) // len(runs)
+        self.stored.read_batch([(at, flat[i * step:(i + 1) * step]) for i, at in enumerate(runs)], entry=label)
+        return out
 
     def run(self) -> list[tuple[Any, torch.Tensor]]:
         """Read every queued region (together: ``StoredFile.read_batch``); return (token, target) of each."""
@@ -98,6 +110,30 @@ class FetchReads:
         jobs, self.jobs = self.jobs, []
         self.stored.read_batch([(o, b) for o, b, _, _, _ in jobs], entry=jobs[0][4] if len(jobs) == 1 else None)
         return [(token, target) for _, _, token, target, _ in jobs]
+
+
+#: A strided region is read as its contiguous runs when there are at most this many.
+_MAX_RUNS = 1 << 16
+
+
+def _runs(src: torch.Tensor, offset: int) -> list[int] | None:
+    """The file offsets of the contiguous runs of placeholder view ``src`` (which starts at ``offset``), in
+    row-major order, each as long as the largest block of trailing dimensions laid out contiguously; None
+    where they are more than ``_MAX_RUNS``."""
+    size = src.element_size()
+    expected, k = 1, src.dim()
+    while k > 0 and (src.shape[k - 1] == 1 or src.stride(k - 1) == expected):
+        expected *= src.shape[k - 1]
+        k -= 1
+    count = 1
+    for n in src.shape[:k]:
+        count *= n
+    if count > _MAX_RUNS:
+        return None
+    starts = torch.zeros((), dtype=torch.int64)
+    for d in range(k):  # every combination of the outer indices, row-major
+        starts = (starts.unsqueeze(-1) + torch.arange(src.shape[d]) * src.stride(d)).reshape(-1)
+    return (offset + starts.reshape(-1) * size).tolist()
 
 
 class _StoredRead:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from ..errors import CheckpointError, CheckpointNotFoundError, FormatError
@@ -117,7 +117,7 @@ def safetensors_files(path: str) -> tuple[dict[str, list[str] | None], str | Non
     return files, idx_path
 
 
-def detect_format(path: str | os.PathLike[str]) -> str:
+def detect_format(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> str:
     """The format of the checkpoint at ``path``: one of FORMATS.
 
     Raises:
@@ -126,7 +126,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     """
     p = os.fspath(path)
     if is_url(p):  # a DCP checkpoint on another medium (storage/location.py); URLs of no medium are refused
-        storage = storage_for(p)
+        storage = storage_for(p, options=storage_options)
         return storage.commit_kind(storage.find_metadata())
     if os.path.isdir(p):
         storage = LocalStorage(p)
@@ -201,7 +201,7 @@ def _open_safetensors(path: str) -> Opened:
     return Opened("safetensors", root, entries, SafetensorsFiles(root, opened), user_metadata)
 
 
-def open_backend(path: str, *, verify: bool = False) -> Opened:
+def open_backend(path: str, *, verify: bool = False, storage_options: Mapping[str, Any] | None = None) -> Opened:
     """Open the checkpoint at ``path`` (any of FORMATS) for lazy reading; see :class:`Opened`.
 
     ``verify`` turns on the CRC-32 check of mmapckpt entries; the other formats have no
@@ -209,13 +209,13 @@ def open_backend(path: str, *, verify: bool = False) -> Opened:
     """
     if os.path.basename(path) == METADATA_NAME and os.path.isfile(path):  # the commit file: its directory
         path = os.path.dirname(path) or "."
-    kind = detect_format(path)
+    kind = detect_format(path, storage_options=storage_options)
     if kind == "safetensors":
         return _open_safetensors(path)
     if kind == "torch":
         files, entries = TorchFiles.open(path)
         return Opened(kind, os.path.dirname(path) or ".", entries, files, _no_metadata)
-    storage = storage_for(path)
+    storage = storage_for(path, options=storage_options)
     meta = storage.find_metadata()
     kind, entries, save_id = read_index(storage, meta)
     read: list[dict[str, str] | None] = []

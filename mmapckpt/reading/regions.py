@@ -2,7 +2,8 @@
 
 ``get_slice(name)[index]`` takes ints (negative too), slices with positive steps and one
 Ellipsis over the global shape; each chunk contributes only the part the selection
-touches, so only those pages of the file are read.
+touches, so only those pages of the file are read (on a medium without mappings, only
+those bytes: reading/fetches.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 import torch
 
 from ..format.entries import EntryInfo
+from ..storage.base import StoredFile
 from .backend import ChunkBackend
+from .fetches import FetchReads
 
 __all__ = ["copy_selection", "normalize_index", "read_selection", "read_tensor"]
 
@@ -70,7 +73,12 @@ def copy_selection(files: ChunkBackend, info: EntryInfo, sel: list[tuple[int, in
             src.append(slice(start + k0 * step - off, start + (k1 - 1) * step - off + 1, step))
             dst.append(slice(k0, k1))
         else:
-            out[tuple(dst)].copy_(files.chunk(info, c)[tuple(src)])
+            source = files.mapped(info, c)
+            if isinstance(source, StoredFile):  # no mapping: only the selected bytes are read
+                part = FetchReads(source).materialize(files.chunk(info, c, lazy=True)[tuple(src)], info.name)
+            else:
+                part = files.chunk(info, c)[tuple(src)]
+            out[tuple(dst)].copy_(part)
     return out
 
 

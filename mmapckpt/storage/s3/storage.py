@@ -22,7 +22,13 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ...errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, UnsafePathError
+from ...errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    IncompleteCheckpointError,
+    UnsafePathError,
+)
 from ..base import CheckpointStorage, Lock, StoredFile
 from .failures import is_missing, storage_error, write_error
 from .lock import LOCK_NAME, S3Lock
@@ -147,6 +153,9 @@ class S3Storage(CheckpointStorage):
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except Exception as e:
+            if is_missing(e):  # HEAD has no body: a missing bucket is a bare 404
+                raise CheckpointWriteError(f"no such bucket {self.bucket!r} (create it first, or check the URL)",
+                                           path=self.location) from None
             raise write_error(e, self.location, what=f"the bucket {self.bucket!r} cannot be written") from e
 
     def create_file(self, name: str, size: int | None, *, head: int, direct: bool, sync: bool) -> S3Output:
