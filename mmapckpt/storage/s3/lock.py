@@ -59,7 +59,7 @@ class S3Lock(Lock):
             if held is None:
                 r = self.client.put_object(Bucket=self.bucket, Key=self.key, Body=self.body, IfNoneMatch="*")
             else:  # a dead save's lock: take it over, conditionally on the stale version
-                r = self.client.put_object(Bucket=self.bucket, Key=self.key, Body=self.body, IfMatch=held["ETag"])
+                r = self._put_if_match(held["ETag"])
         except Exception as e:
             if is_precondition_failed(e):
                 raise self._busy(self._head()) from None
@@ -72,6 +72,25 @@ class S3Lock(Lock):
             raise write_error(e, self.url, what="reading the save lock back") from e
         if body != self.body:
             raise self._busy(self._head())
+
+    def _put_if_match(self, etag: str) -> dict[str, Any]:
+        """Rewrite the lock object if it is still version ``etag``.
+
+        ``If-Match`` takes the quoted ETag (RFC 9110, S3); Ceph radosgw 16.2 compares the unquoted
+        one on PUT and refuses the quoted one with 412 although it matches. So a 412 is checked
+        against the object: where it still has ``etag``, the unquoted spelling is sent instead.
+        """
+        try:
+            return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=self.body,  # type: ignore[no-any-return]
+                                          IfMatch=etag)
+        except Exception as e:
+            if not (is_precondition_failed(e) and etag.startswith('"')):
+                raise
+            now = self._head()
+            if now is None or now.get("ETag") != etag:
+                raise
+        return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=self.body,  # type: ignore[no-any-return]
+                                      IfMatch=etag.strip('"'))
 
     def _head(self) -> dict[str, Any] | None:
         try:
@@ -92,7 +111,7 @@ class S3Lock(Lock):
     def _renew(self) -> None:
         while not self._stop.wait(self.lease / 4):
             try:
-                r = self.client.put_object(Bucket=self.bucket, Key=self.key, Body=self.body, IfMatch=self.etag)
+                r = self._put_if_match(self.etag)  # type: ignore[arg-type]
                 self.etag = r.get("ETag", self.etag)
             except Exception as e:
                 if is_precondition_failed(e) or is_missing(e):

@@ -1,0 +1,121 @@
+"""Saves to an object store killed at any moment, and concurrent saves, on the real radosgw.
+
+A child process overwrites one ``s3://`` checkpoint again and again (two versions in turn,
+several multipart parts each) and is SIGKILLed after a seeded random delay, six times.
+After every kill the checkpoint loads bitwise as one of the two versions (never a mix,
+never an error once one save has committed); the uploads and objects a killed save left
+are gone after the next save completes: only ``.metadata`` and the shard it references
+remain, and no multipart upload is in progress. A second save while one holds the
+location's lock is refused; a lock whose save died (not renewed past its lease) is taken
+over.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from s3_data import SMALL_PARTS, assert_same, state_dict
+
+import mmapckpt
+from mmapckpt import CheckpointWriteError
+
+#: Saves hold the location's lock with a lease of 2 s (renewed every 0.5 s): a killed save's lock
+#: expires 2 s later, and the next save waits for that (as a job restarted after a crash would).
+_OPTIONS = {**SMALL_PARTS, "lock_lease": 2}
+_CHILD = textwrap.dedent("""
+    import sys, time, warnings
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, sys.argv[2])
+    import mmapckpt
+    from s3_data import SMALL_PARTS, state_dict
+    versions = [state_dict(salt=1), state_dict(salt=2)]
+    options = {**SMALL_PARTS, "lock_lease": 2}
+    i = 0
+    while True:
+        try:
+            mmapckpt.save(versions[i % 2], sys.argv[1], storage_options=options)
+        except mmapckpt.CheckpointWriteError as e:  # the lock of the save killed before: expires in 2 s
+            assert "lock" in str(e), e
+            time.sleep(0.5)
+            continue
+        print(i % 2, flush=True)
+        i += 1
+""")
+
+
+def _objects(client, bucket: str, prefix: str) -> list[str]:
+    return sorted(o["Key"][len(prefix) + 1:]
+                  for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []))
+
+
+@pytest.mark.timeout(300)
+def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint(s3_env, s3_bucket, s3_server):
+    url = f"s3://{s3_bucket}/ckpt"
+    versions = [state_dict(salt=1), state_dict(salt=2)]
+    mmapckpt.save(versions[0], url, storage_options=_OPTIONS)
+    client = s3_server.client()
+    rng = random.Random(1234)
+    here = os.path.dirname(__file__)
+    left_behind = 0
+    for trial in range(6):
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, url, here], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE)
+        try:
+            time.sleep(rng.uniform(1.0, 4.0))  # the child's first save starts after its imports (~1-2 s)
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+        out = child.stdout.read().decode()  # type: ignore[union-attr]
+        err = child.stderr.read().decode()  # type: ignore[union-attr]
+        child.stdout.close()  # type: ignore[union-attr]
+        child.stderr.close()  # type: ignore[union-attr]
+        assert "Traceback" not in err, err
+        got = mmapckpt.load(url)
+        match = [i for i, v in enumerate(versions)
+                 if all(torch.equal(got[n].view(torch.uint8), v[n].view(torch.uint8)) if v[n].numel() else True
+                        for n in v)]
+        assert match, f"trial {trial}: the checkpoint is neither version ({out.split()[-3:]} saved)"
+        uploads = client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+        left_behind += len(uploads) + len(_objects(client, s3_bucket, "ckpt")) - 2  # the lock object too
+    # every trial's child was killed mid-way through some save at least once in all (a count, not a timing)
+    assert left_behind > 0, "no kill caught a save in progress: the trial timing no longer covers a save"
+    time.sleep(3)  # the last killed save's lock, if it held one, expires
+    mmapckpt.save(versions[1], url, storage_options=_OPTIONS)
+    objects = _objects(client, s3_bucket, "ckpt")
+    assert len(objects) == 2 and ".metadata" in objects, objects
+    assert not client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
+    assert_same(mmapckpt.load(url), versions[1])
+
+
+def test_a_second_save_is_refused_while_one_holds_the_lock(s3_env, s3_bucket, s3_server):
+    url = f"s3://{s3_bucket}/locked"
+    storage = mmapckpt.MmapWriter(url).storage
+    held = storage.lock()
+    try:
+        with pytest.raises(CheckpointWriteError, match="another save or conversion holds this location's lock"):
+            mmapckpt.save({"a": torch.ones(3)}, url)
+        assert not storage.exists(".metadata")
+    finally:
+        held.release()
+    mmapckpt.save({"a": torch.ones(3)}, url)
+    assert _objects(s3_server.client(), s3_bucket, "locked") == [".metadata", "__0_0.distcp"]
+
+
+def test_a_dead_saves_lock_is_taken_over_after_its_lease(s3_env, s3_bucket, s3_server):
+    url = f"s3://{s3_bucket}/stale"
+    # a lock object as a killed save leaves it: present, never renewed
+    s3_server.client().put_object(Bucket=s3_bucket, Key="stale/.mmapckpt-lock", Body=b'{"owner": "dead"}')
+    with pytest.raises(CheckpointWriteError, match="holds this location's lock"):
+        mmapckpt.save({"a": torch.ones(3)}, url, storage_options={"lock_lease": 60})
+    time.sleep(2.5)  # the store's clock counts whole seconds
+    mmapckpt.save({"a": torch.ones(3)}, url, storage_options={"lock_lease": 1})
+    assert_same(mmapckpt.load(url), {"a": torch.ones(3)})
+    assert _objects(s3_server.client(), s3_bucket, "stale") == [".metadata", "__0_0.distcp"]
