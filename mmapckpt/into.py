@@ -117,9 +117,9 @@ def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]])
         for name, t, info in plan:
             if name in direct:
                 c = info.whole
-                lazy = isinstance(ranges[c.file][0], StoredFile)  # type: ignore[union-attr]
-                moves[c.file].move(files.chunk(info, c, lazy=lazy), t.detach(), lambda: name,  # type: ignore[union-attr]
-                                   _nothing)
+                unmapped = isinstance(ranges[c.file][0], StoredFile)  # type: ignore[union-attr]
+                src = files.chunk(info, c, lazy=True) if unmapped else files.chunk(info, c)  # type: ignore[arg-type]
+                moves[c.file].move(src, t.detach(), lambda: name, _nothing)  # type: ignore[union-attr]
             else:  # assembled from its chunks, or a stock item
                 memory.move(read_tensor(files, info), t.detach(), lambda: name, _nothing)
         for m in moves.values():

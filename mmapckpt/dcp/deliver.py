@@ -24,7 +24,8 @@ tensor: an mmapckpt chunk is a view over the mapped shard (checked against the s
 the plain read path checks it, its CRC-32 verified first with ``verify=True``); a stock item is
 read and loaded with ``weights_only=True`` and must have the dtype and shape the metadata gives
 its chunk; a non-tensor value is its stored bytes. Pages of a mapped chunk are read from storage
-when the bytes are sent, once.
+when the bytes are sent, once; a chunk of a file without a mapping (an object) is fetched as it
+is sent, a window of records at a time (dcp/record_fetch.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ..format.stock import load_tensor
 from ..reading.shard import Shard, check_size_unchanged
 from ..storage.base import StoredFile
 from .read_once import ReadOnceOptions, ReadOnceSchedule, SharedRecord
+from .record_fetch import RecordFetcher, RemoteRecord
 from .read_paths import FileReads, load_bytes, label, read_plan
 
 __all__ = ["StoredRegions", "load_plan", "pieces", "read_once_load"]
@@ -83,8 +85,9 @@ class StoredRegions:
     def path_of(self, idx: MetadataIndex) -> str:
         return self.reads.storage.full(self.reads.info(idx).relative_path)
 
-    def source(self, idx: MetadataIndex, is_bytes: bool) -> torch.Tensor:
-        """The record's bytes (a non-tensor value's, or the chunk's raw bytes in row-major order)."""
+    def source(self, idx: MetadataIndex, is_bytes: bool) -> torch.Tensor | RemoteRecord:
+        """The record's bytes (a non-tensor value's, or the chunk's raw bytes in row-major order); a chunk of
+        an unmapped file, not verified, as a :class:`RemoteRecord` fetched when it is sent."""
         reads, info = self.reads, self.reads.info(idx)
         f, shard = self._open(info.relative_path, idx)
         path = f.path
@@ -96,8 +99,11 @@ class StoredRegions:
                 return torch.frombuffer(bytearray(shard.object_bytes(idx.fqn, info.offset, info.length)),
                                         dtype=torch.uint8) if info.length else torch.empty(0, dtype=torch.uint8)
             dtype, sizes = reads.chunk_layout(idx, path)
-            return shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes) \
-                .reshape(-1).view(torch.uint8)
+            view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes,
+                              lazy=not reads.verify)  # checked against the header either way
+            if view.is_meta:
+                return RemoteRecord(shard.stored, info.offset, info.length, label(idx))
+            return view.reshape(-1).view(torch.uint8)
         buf = f.read(info.offset, info.length, entry=label(idx))
         if is_bytes:
             return torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
@@ -229,7 +235,7 @@ def read_once_load(plan: LoadPlan, planner: LoadPlanner, schedule: ReadOnceSched
     error: BaseException | None = None
     layouts: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
     wanted: dict[Any, _Wanted] = {}
-    sources: dict[Any, torch.Tensor] = {}
+    sources: dict[Any, torch.Tensor | RemoteRecord] = {}
     try:
         if schedule.world != world:
             raise CheckpointError(f"the read-once schedule was made for {schedule.world} ranks, but the "
@@ -251,16 +257,19 @@ def read_once_load(plan: LoadPlan, planner: LoadPlanner, schedule: ReadOnceSched
         error = e
     try:
         _agree(error, group)
-        late = _send_all(schedule, sources, wanted, layouts, planner, group, ranks, me, device, piece_bytes)
+        fetcher = RecordFetcher([(r.index, sources[r.index]) for r in schedule.records  # type: ignore[misc]
+                                 if isinstance(sources.get(r.index), RemoteRecord)], piece_bytes)
+        late = _send_all(schedule, sources, wanted, layouts, planner, group, ranks, me, device, piece_bytes, fetcher)
     finally:
         regions.close()
     if late is not None:
         raise late
 
 
-def _send_all(schedule: ReadOnceSchedule, sources: dict[Any, torch.Tensor], wanted: dict[Any, _Wanted],
-              layouts: dict[Any, Any], planner: LoadPlanner, group: Any, ranks: list[int], me: int,
-              device: torch.device, piece_bytes: int) -> BaseException | None:
+def _send_all(schedule: ReadOnceSchedule, sources: dict[Any, torch.Tensor | RemoteRecord],
+              wanted: dict[Any, _Wanted], layouts: dict[Any, Any], planner: LoadPlanner, group: Any,
+              ranks: list[int], me: int, device: torch.device, piece_bytes: int,
+              fetcher: RecordFetcher) -> BaseException | None:
     """Move every shared record, piece by piece; the first error of this rank's copies, if any."""
     late: BaseException | None = None
     buf: torch.Tensor | None = None
@@ -276,7 +285,14 @@ def _send_all(schedule: ReadOnceSchedule, sources: dict[Any, torch.Tensor], want
         for p in pieces(shape, dtype.itemsize, piece_bytes):
             off, n = p[0], p[1]
             if me == rec.reader:
-                piece = sources[rec.index][off:off + n]
+                src = sources[rec.index]
+                if isinstance(src, RemoteRecord):
+                    into = buf if device.type == "cpu" else None
+                    if into is None and device.type == "cpu":
+                        into = buf = torch.empty(buf_bytes, dtype=torch.uint8)
+                    piece = fetcher.piece(rec.index, off, n, into)
+                else:
+                    piece = src[off:off + n]
                 if device.type != "cpu":
                     buf = buf if buf is not None else torch.empty(buf_bytes, dtype=torch.uint8, device=device)
                     piece = buf[:n].copy_(piece)

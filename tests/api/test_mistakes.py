@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -54,19 +57,30 @@ def test_load_into_keeps_casts_that_keep_the_kind_of_value(ckpt, name, dtype):
 
 
 @pytest.mark.parametrize("call", [
-    lambda: mmapckpt.save({"w": torch.ones(1)}, "s3://bucket/ckpt"),
-    lambda: mmapckpt.MmapWriter("s3://bucket/ckpt"),
-    lambda: mmapckpt.open("s3://bucket/ckpt"),
+    lambda: mmapckpt.save({"w": torch.ones(1)}, "gs://bucket/ckpt"),
+    lambda: mmapckpt.MmapWriter("gs://bucket/ckpt"),
+    lambda: mmapckpt.open("gs://bucket/ckpt"),
     lambda: mmapckpt.load("gs://bucket/ckpt"),
-    lambda: mmapckpt.load_into({"w": torch.ones(1)}, "s3://bucket/ckpt"),
-    lambda: mmapckpt.MmapReader("s3://bucket/ckpt").read_metadata(),
-    lambda: mmapckpt.convert("s3://bucket/ckpt", "out", to="safetensors"),
+    lambda: mmapckpt.load_into({"w": torch.ones(1)}, "gs://bucket/ckpt"),
+    lambda: mmapckpt.MmapReader("gs://bucket/ckpt").read_metadata(),
+    lambda: mmapckpt.convert("gs://bucket/ckpt", "out", to="safetensors"),
 ])
 def test_a_url_is_refused_with_what_to_do(tmp_path, monkeypatch, call):
+    """A URL of a scheme no storage serves (s3:// is served: tests/s3) is refused, never made a directory."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(mmapckpt.CheckpointError, match="is a URL: mmapckpt reads and writes a local or mounted"):
         call()
     assert not (tmp_path / "s3:").exists() and not (tmp_path / "gs:").exists()
+
+
+def test_s3_without_the_extra_says_which_extra_to_install(tmp_path):
+    """``import mmapckpt`` never imports boto3; an s3:// path without it names the extra."""
+    code = ("import sys; sys.modules['boto3'] = None; import mmapckpt\n"
+            "assert 'boto3' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+            "try:\n    mmapckpt.load('s3://bucket/ckpt')\n"
+            "except mmapckpt.CheckpointError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install 'mmapckpt[s3]'" in out.stdout, out.stdout + out.stderr
 
 
 def test_open_and_load_verify_checksums_when_asked(tmp_path):

@@ -53,6 +53,11 @@ class TransferStats:
             self.requests += requests
 
 
+#: The first bytes of an object read (and kept) at the first small read near its start: a shard's magic,
+#: preamble and header usually fit, so opening a shard is one request.
+_HEAD = 64 << 10
+
+
 class S3File(StoredFile):
     """One object, open for ranged reads of the version it had when opened."""
 
@@ -61,10 +66,20 @@ class S3File(StoredFile):
         self.size = int(head["ContentLength"])
         etag = head.get("ETag")
         self.ident = (etag, head.get("LastModified"))
+        self._head: bytearray | None = None  # the first _HEAD bytes, once read
         self._reads = ObjectReads(storage.client, storage.bucket, storage.key(name), etag, self.size, self.path,
                                   storage.opts, storage.stats.add)
 
     def read_into(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
+        mv = memoryview(buf).cast("B")
+        if 0 <= offset and offset + len(mv) <= min(_HEAD, self.size) and len(mv) < _HEAD:
+            # magic, preamble and header reads of a shard: one request for the file's first bytes, kept
+            if self._head is None:
+                head = bytearray(min(_HEAD, self.size))
+                self._reads.read([(0, head)], entry)
+                self._head = head
+            mv[:] = self._head[offset:offset + len(mv)]
+            return
         self._reads.read([(offset, buf)], entry)
 
     def read_batch(self, fetches: list[tuple[int, Any]], *, entry: str | None = None) -> None:
