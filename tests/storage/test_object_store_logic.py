@@ -1,0 +1,126 @@
+"""The object store's logic that needs no server: request planning, part sizes, options, regions of unmapped files.
+
+- ``plan_requests`` (storage/s3/reads.py): every byte of every read is covered exactly once by the
+  requests, in the right buffer; no request is longer than the part size; neighbours are joined
+  (property test over random batches).
+- ``part_size_for`` (storage/s3/uploads.py): at least 5 MiB, at most 10,000 parts for any size.
+- ``S3Options.of``: s3fs's names and aliases, unknown keys refused, S3's 5 MiB part minimum.
+- ``FetchReads.materialize`` (reading/fetches.py): any basic-indexing view of a placeholder reads
+  exactly the bytes of its elements (strided ones as their contiguous runs) and gives the values
+  of the same view of the real tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmapckpt import CheckpointError
+from mmapckpt.reading.fetches import FetchReads, placeholder
+from mmapckpt.storage.s3.options import MAX_PARTS, MIN_PART, S3Options, parse_url
+from mmapckpt.storage.s3.reads import plan_requests
+from mmapckpt.storage.s3.uploads import part_size_for
+
+# ---------------------------------------------------------------------------- request planning
+
+_reads = st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 700)), min_size=1, max_size=25)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_reads, st.integers(1, 900), st.integers(0, 300))
+def test_requests_cover_every_byte_once_in_its_buffer(reads: list[tuple[int, int]], part: int, gap: int) -> None:
+    data = bytes((i * 7 + 3) % 251 for i in range(6000))
+    bufs = [bytearray(n) for _, n in reads]
+    requests = plan_requests([(o, b) for (o, _), b in zip(reads, bufs)], part, gap)
+    for start, segments in requests:  # serve each request as the store would: its bytes in order
+        length = sum(s if isinstance(s, int) else len(s) for s in segments)
+        assert length <= part, "a request longer than the part size"
+        assert all(isinstance(s, int) and 0 < s <= gap or not isinstance(s, int) for s in segments)
+        pos = start
+        for s in segments:
+            if isinstance(s, int):
+                pos += s
+            else:
+                s[:] = data[pos:pos + len(s)]
+                pos += len(s)
+    for (o, n), b in zip(reads, bufs):
+        assert bytes(b) == data[o:o + n]
+    nonempty = [(o, n) for o, n in reads if n]
+    assert sum(len(s) for _, segs in requests for s in segs if not isinstance(s, int)) == sum(n for _, n in nonempty)
+
+
+def test_neighbours_join_and_long_reads_split() -> None:
+    a, b, c = bytearray(100), bytearray(100), bytearray(2500)
+    requests = plan_requests([(0, a), (150, b), (10_000, c)], part_size=1000, gap=64)
+    assert [(s, [x if isinstance(x, int) else len(x) for x in segs]) for s, segs in requests] == [
+        (0, [100, 50, 100]), (10_000, [1000]), (11_000, [1000]), (12_000, [500])]
+    assert len(plan_requests([(0, a), (300, b)], part_size=1000, gap=64)) == 2  # too far apart
+
+
+# ---------------------------------------------------------------------------- uploads and options
+@pytest.mark.parametrize("size", [None, 0, 1, MIN_PART, 16 << 20, 160 << 30, 5 << 40])
+def test_part_sizes_respect_s3_bounds(size: int | None) -> None:
+    part = part_size_for(size, 16 << 20)
+    assert part >= MIN_PART
+    if size:
+        assert -(-size // part) <= MAX_PARTS
+
+
+def test_options_take_s3fs_names_and_refuse_the_unknown() -> None:
+    o = S3Options.of({"aws_access_key_id": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://x:1"},
+                      "region": "eu-west-1", "part_size": 1 << 20})
+    assert (o.key, o.secret, o.endpoint_url, o.region_name, o.part_size) == ("k", "s", "http://x:1", "eu-west-1",
+                                                                               1 << 20)
+    with pytest.raises(CheckpointError, match=r"unknown option\(s\) \['secrett'\]"):
+        S3Options.of({"secrett": "x"})
+    with pytest.raises(CheckpointError, match="at least 5242880 bytes"):
+        S3Options.of({"upload_part_size": 1 << 20})
+    assert parse_url("s3://b/a/b/") == ("b", "a/b") and parse_url("s3://b") == ("b", "")
+    with pytest.raises(CheckpointError, match="needs a bucket"):
+        parse_url("s3:///x")
+
+
+# ---------------------------------------------------------------------------- regions of an unmapped file
+class _File:
+    """A file held in memory that counts the bytes read from it (the StoredFile reads FetchReads uses)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.size, self.read_bytes = data, len(data), 0
+
+    def read_into(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
+        mv = memoryview(buf).cast("B")
+        mv[:] = self.data[offset:offset + len(mv)]
+        self.read_bytes += len(mv)
+
+    def read_batch(self, fetches: list[tuple[int, Any]], *, entry: str | None = None) -> None:
+        for o, b in fetches:
+            self.read_into(o, b)
+
+
+def _index(draw: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
+    out = []
+    for n in shape:
+        if draw(st.booleans()):
+            out.append(draw(st.integers(0, n - 1)))
+        else:
+            a = draw(st.integers(0, n))
+            out.append(slice(a, draw(st.integers(a, n)), draw(st.integers(1, 3))))
+    return tuple(out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_view_of_a_placeholder_reads_exactly_its_elements(data: Any) -> None:
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]))
+    t = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).to(dtype).reshape(shape)
+    f = _File(bytes(512) + t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    index = _index(data.draw, shape)
+    got = FetchReads(f).materialize(placeholder(512, dtype, shape)[index])  # type: ignore[arg-type]
+    want = t[index]
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert f.read_bytes == want.numel() * want.element_size()
