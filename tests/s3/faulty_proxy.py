@@ -1,0 +1,98 @@
+"""A TCP proxy in front of the real S3 server that breaks connections on purpose (the tests' fault injector).
+
+Every client connection gets its own connection to the server and two threads copying bytes.
+``cut_after``: a response stream (server to client) that has passed this many bytes is cut
+(both sockets closed), on at most ``cuts`` connections: a body that breaks off mid-way.
+``refuse``: the first ``refuse`` requests are answered by the proxy itself with ``503 Slow
+Down`` (S3's throttling answer) and never reach the server. The proxy's threads are daemon
+threads, and ``close()`` shuts the listening socket and every connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+_SLOW_DOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: 95\r\n"
+              b"Connection: close\r\n\r\n<Error><Code>SlowDown</Code><Message>Please reduce your request rate."
+              b"</Message></Error>")
+
+
+class FaultyProxy:
+    """``endpoint_url`` forwards to ``target`` (``host``, ``port``), breaking what it is told to."""
+
+    def __init__(self, target: tuple[str, int], *, cut_after: int | None = None, cuts: int = 0,
+                 refuse: int = 0) -> None:
+        self.target, self.cut_after, self.cuts_left, self.refuse_left = target, cut_after, cuts, refuse
+        self.cut = self.refused = 0
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._listen = socket.create_server(("127.0.0.1", 0))
+        self.endpoint_url = f"http://127.0.0.1:{self._listen.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listen.accept()
+            except OSError:
+                return
+            with self._lock:
+                refuse = self.refuse_left > 0
+                if refuse:
+                    self.refuse_left -= 1
+                    self.refused += 1
+            if refuse:
+                threading.Thread(target=self._slow_down, args=(client,), daemon=True).start()
+                continue
+            server = socket.create_connection(self.target)
+            with self._lock:
+                self._socks += [client, server]
+                cut = self.cut_after if self.cuts_left > 0 else None
+            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, cut), daemon=True).start()
+
+    def _slow_down(self, client: socket.socket) -> None:
+        try:
+            client.recv(65536)  # the request line and headers
+            client.sendall(_SLOW_DOWN)
+        except OSError:
+            pass
+        finally:
+            client.close()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, cut_after: int | None) -> None:
+        passed = 0
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if cut_after is not None and passed + len(data) > cut_after:
+                    with self._lock:
+                        if self.cuts_left > 0:
+                            self.cuts_left -= 1
+                            self.cut += 1
+                            dst.sendall(data[:max(0, cut_after - passed)])
+                            break
+                dst.sendall(data)
+                passed += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self._listen.close()
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            try:
+                s.close()
+            except OSError:
+                pass
