@@ -248,10 +248,12 @@ class StagingPool:
         """Issue the copy of CPU tensor ``src`` into ``dst`` (same shape and dtype, any strides).
 
         ``read``, for a C-contiguous ``src`` that lies contiguously in a file, fills a
-        buffer from the file instead of from ``src``. ``done`` runs once the copy has
-        completed (at the latest in :meth:`flush`).
+        buffer from the file instead of from ``src`` (which may then be a meta tensor standing
+        for the file's bytes). ``done`` runs once the copy has completed (at the latest in
+        :meth:`flush`).
         """
-        if src.device.type != "cpu" or src.shape != dst.shape or src.dtype != dst.dtype:
+        if src.device.type not in ("cpu", "meta" if read is not None else "cpu") or src.shape != dst.shape \
+                or src.dtype != dst.dtype:
             raise ValueError(f"cannot stage {src.dtype} {list(src.shape)} on {src.device} into "
                              f"{dst.dtype} {list(dst.shape)}")
         if not self._bufs:

@@ -166,3 +166,25 @@ def test_an_unreachable_endpoint_fails_in_bounded_time(s3_env, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     with pytest.raises(mmapckpt.StorageUnavailableError, match="unreachable"):
         mmapckpt.load("s3://bucket/x", storage_options={"retries": 1, "connect_timeout": 1})
+
+
+def test_the_accelerator_pipeline_reads_objects_into_its_staging_buffers(s3_env, s3_bucket, monkeypatch):
+    """The staged path of accelerator targets, run on CPU targets: staging buffers filled by ranged GETs."""
+    from mmapckpt.io import staging
+    sd = state_dict(salt=6)
+    url = f"s3://{s3_bucket}/staged"
+    mmapckpt.save(sd, url)
+    reader = MmapReader(url, staging_bytes=1 << 20, staging_buffers=2)
+    reader._stage_cpu_targets = True
+    targets = {n: complement(t) for n, t in sd.items()}
+    with GetCounter() as gets:
+        dcp.load(targets, storage_reader=reader, no_dist=True)
+    reader.close()
+    assert_same(targets, sd, "dcp.load staged: ")
+    data = sum(t.nbytes for t in sd.values())
+    assert gets.bytes <= data + (1 << 20), "every byte fetched once (plus the metadata and shard head)"
+    monkeypatch.setattr(staging, "STAGE_CPU_TARGETS", True)
+    targets = {n: complement(t) for n, t in sd.items()}
+    mmapckpt.load_into(targets, url, staging_bytes=1 << 20, staging_buffers=2)
+    assert_same(targets, sd, "load_into staged: ")
+    assert_same(mmapckpt.load(url, device="cpu"), sd, "load: ")
