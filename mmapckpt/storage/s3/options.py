@@ -143,7 +143,7 @@ def _make_client(opts: S3Options) -> Any:
         region_name=region,
         s3={"addressing_style": style},
         # the bounded retries of botocore's standard mode (timeouts, 5xx, throttling), on every call
-        retries={"max_attempts": opts.retries + 1, "mode": "standard"},
+        retries={"total_max_attempts": opts.retries + 1, "mode": "standard"},
         connect_timeout=opts.connect_timeout, read_timeout=opts.read_timeout,
         max_pool_connections=max(opts.concurrency, opts.upload_concurrency) * 2 + 4,
         # shards carry their own CRC-32s; the aws-chunked trailing checksums of newer clients
