@@ -18,11 +18,8 @@ import torch
 
 from .errors import SizeMismatchError
 from .format.entries import EntryInfo, paused_gc
-from .reading.moves import Moves
-from .reading.regions import read_tensor
+from .reading.fill import fill_targets
 from .reading.stager import chunk_stager
-from .io.mapped import MappedFile
-from .storage.base import StoredFile
 from .io.staging import (
     DEFAULT_STAGING_BUFFERS,
     DEFAULT_STAGING_BYTES,
@@ -90,49 +87,11 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
             if not allow_cast and _loses_values(info.dtype, t.dtype):
                 raise TypeError(f"{ckpt.path}: entry {name!r}: the stored {info.dtype} values would be truncated "
                                 f"in a {t.dtype} target; pass allow_cast=True to cast anyway")
-        _fill(ckpt, [p for p in plan if not needs_staging(p[1])])
+        fill_targets(ckpt.backend, [p for p in plan if not needs_staging(p[1])])
         on_device = [p for p in plan if needs_staging(p[1])]
         if on_device:
             _fill_devices(ckpt, on_device, staging_bytes, staging_buffers)
     return missing
-
-
-def _fill(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]]) -> None:
-    """CPU targets: a tensor stored whole as a view over a mapped file (or a region of an object) moves by the
-    file's strategy (a direct read into a contiguous target: reading/moves.py); the others are assembled from
-    their chunks and copied."""
-    files = ckpt.backend
-    ranges: dict[str, tuple[MappedFile | StoredFile, list[tuple[int, int]]]] = {}
-    direct: set[str] = set()  # names whose one chunk is a view over a mapped file, or a region of an object
-    for name, _, info in plan:
-        c = info.whole
-        mapped = files.mapped(info, c) if c is not None else None
-        if mapped is not None:
-            ranges.setdefault(c.file, (mapped, []))[1].append((c.file_offset, c.length))  # type: ignore[union-attr]
-            direct.add(name)
-    moves = {rel: Moves(m, ranges=sorted(r)) for rel, (m, r) in ranges.items()}
-    memory = Moves(None)
-    ok = False
-    try:
-        for name, t, info in plan:
-            if name in direct:
-                c = info.whole
-                unmapped = isinstance(ranges[c.file][0], StoredFile)  # type: ignore[union-attr]
-                src = files.chunk(info, c, lazy=True) if unmapped else files.chunk(info, c)  # type: ignore[arg-type]
-                moves[c.file].move(src, t.detach(), lambda: name, _nothing)  # type: ignore[union-attr]
-            else:  # assembled from its chunks, or a stock item
-                memory.move(read_tensor(files, info), t.detach(), lambda: name, _nothing)
-        for m in moves.values():
-            m.finish()
-        ok = True
-    finally:
-        for m in moves.values():
-            m.close(ok=ok)
-    files.check_unchanged(c for _, _, info in plan for c in info.chunks)
-
-
-def _nothing() -> None:
-    pass
 
 
 def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]], staging_bytes: int,

@@ -31,9 +31,11 @@ from .errors import CheckpointError, FormatError
 from .format.aliases import shared_names
 from .format.entries import ChunkInfo, EntryInfo, paused_gc
 from .reading.backend import ChunkBackend
+from .reading.fill import fill_targets
 from .reading.locate import open_backend
 from .reading.regions import normalize_index, read_selection, read_tensor
 from .reading.stager import chunk_stager
+from .storage.base import StoredFile
 from .io.staging import StagingPool, check_device, staging_options
 
 __all__ = ["open", "load", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
@@ -341,8 +343,16 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
                     files.advise(c, mmap.MADV_WILLNEED)
         if device.type == "cpu":
             with paused_gc():
+                files = ckpt.backend
+                # tensors stored whole in an object (no mapping to view): read into new tensors in one batch
+                fetched = [(n, torch.empty(info.shape or (), dtype=info.dtype), info) for n in tensors
+                           for info in (ckpt.info(n),)
+                           if info.whole is not None and isinstance(files.mapped(info, info.whole), StoredFile)]
+                fill_targets(files, fetched)
+                out.update((n, t) for n, t, _ in fetched)
                 for n in tensors:
-                    out[n] = read_tensor(ckpt.backend, ckpt.info(n))
+                    if n not in out:
+                        out[n] = read_tensor(files, ckpt.info(n))
         else:
             with StagingPool(device, staging_bytes=nbytes, staging_buffers=count) as pool:
                 out.update(_load_to_device(ckpt, tensors, pool))

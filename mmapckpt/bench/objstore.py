@@ -27,7 +27,6 @@ import os
 import resource
 import statistics
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -138,8 +137,11 @@ def _same(a: StateDict, b: StateDict) -> bool:
 def _rows(url: str, sd: StateDict, targets: StateDict) -> dict[str, Callable[[], StateDict | None]]:
     import torch.distributed.checkpoint as dcp
 
-    import mmapckpt
-    from mmapckpt import FastLoadPlanner, MmapReader, MmapWriter
+    from ..dcp.fast_planner import FastLoadPlanner
+    from ..dcp.reader import MmapReader
+    from ..dcp.writer import MmapWriter
+    from ..into import load_into
+    from ..lazy import load
 
     def fresh() -> StateDict:
         for t in targets.values():
@@ -149,13 +151,13 @@ def _rows(url: str, sd: StateDict, targets: StateDict) -> dict[str, Callable[[],
     rows: dict[str, Callable[[], StateDict | None]] = {
         "save: dcp.save + MmapWriter": lambda: dcp.save(sd, storage_writer=MmapWriter(f"{url}/mmapckpt"),
                                                        no_dist=True) and None,
-        "load: mmapckpt.load_into": lambda: (mmapckpt.load_into(fresh(), f"{url}/mmapckpt"), targets)[1],
+        "load: mmapckpt.load_into": lambda: (load_into(fresh(), f"{url}/mmapckpt"), targets)[1],
         "load: dcp.load + MmapReader": lambda: (dcp.load(fresh(), storage_reader=MmapReader(f"{url}/mmapckpt"),
                                                          no_dist=True), targets)[1],
         "load: dcp.load + MmapReader + FastLoadPlanner": lambda: (dcp.load(
             fresh(), storage_reader=MmapReader(f"{url}/mmapckpt"), planner=FastLoadPlanner(), no_dist=True),
             targets)[1],
-        "load: mmapckpt.load (new tensors)": lambda: mmapckpt.load(f"{url}/mmapckpt"),
+        "load: mmapckpt.load (new tensors)": lambda: load(f"{url}/mmapckpt"),
     }
     try:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -317,5 +319,3 @@ def _table(doc: dict[str, Any]) -> str:
                      f"{r['client_cpu_s_per_gb']:16.2f} {r['server_cpu_s_per_gb']:16.2f}{ok}")
     return "\n".join(lines)
 
-
-_lock = threading.Lock()  # reserved: rows run one at a time

@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=None, metavar="N",
                         help="instead: a replicated load on N gloo ranks, with and without read-once")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-load memory measurement")
+    parser.add_argument("--storage", default=None, metavar="s3://BUCKET/PREFIX",
+                        help="run the save and load rows against an object store instead, beside its measured GET "
+                             "and PUT limits and DCP's FsspecWriter/FsspecReader (bench/objstore.py; the s3 extra)")
     parser.add_argument("--quick", action="store_true", help="a tiny run (8MB, 1 repetition) to try it out")
 
 
@@ -266,6 +269,9 @@ def _run_configured(args: argparse.Namespace, cfg: dict) -> int:
     if args.replicas:
         from . import replicas
         return replicas.run(args, cfg, bench_dir)
+    if args.storage:
+        from . import objstore
+        return objstore.run(args, cfg)
     doc = run_benchmark(size=cfg["size"], dtype=cfg["dtype"], layers=cfg["layers"], repeats=cfg["repeats"],
                         methods=cfg["methods"], bench_dir=bench_dir, memory=not args.no_memory,
                         log=lambda s: print(s, file=sys.stderr, flush=True))
