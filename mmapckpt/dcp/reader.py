@@ -90,6 +90,7 @@ class MmapReader(StorageReader):
         self.metadata_error: CheckpointError | None = None
         self.path = os.fspath(path)
         self.storage_options = dict(storage_options or {})
+        self._storage: tuple[str, CheckpointStorage] | None = None
         self.thread_count = thread_count
         self.verify = verify
         self.direct_reads = direct_reads
@@ -102,13 +103,17 @@ class MmapReader(StorageReader):
     @property
     def storage(self) -> CheckpointStorage:
         """Where the checkpoint read lives (storage/base.py)."""
-        return storage_for(self.path, options=self.storage_options)
+        # one per checkpoint and load or save (reset() starts another): what it found of the files is kept
+        if self._storage is None or self._storage[0] != self.path:
+            self._storage = (self.path, storage_for(self.path, options=self.storage_options))
+        return self._storage[1]
 
     # ------------------------------------------------------------------ DCP interface
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
+        self._storage = None
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

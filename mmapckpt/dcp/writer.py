@@ -114,6 +114,7 @@ class MmapWriter(StorageWriter):
         self.single_file_per_rank = single_file_per_rank
         self.path = os.fspath(path)
         self.storage_options = dict(storage_options or {})
+        self._storage: tuple[str, CheckpointStorage] | None = None
         self.storage  # a URL of no medium (or bad storage_options) is refused here, before any plan
         self.options = WriterOptions(thread_count, sync_files, alignment, overwrite, direct_io, transforms)
         self.user_metadata = check_user_metadata(metadata)  # TypeError before any file is touched
@@ -128,6 +129,7 @@ class MmapWriter(StorageWriter):
     # ------------------------------------------------------------------ DCP interface
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.release()  # a save of this writer that failed before its commit
+        self._storage = None
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
             self.storage
@@ -142,7 +144,11 @@ class MmapWriter(StorageWriter):
     @property
     def storage(self) -> CheckpointStorage:
         """Where this writer's checkpoint lives (storage/base.py)."""
-        return storage_for(self.path, error=CheckpointWriteError, options=self.storage_options)
+        # one per checkpoint and load or save (reset() starts another): what it found of the files is kept
+        if self._storage is None or self._storage[0] != self.path:
+            storage = storage_for(self.path, error=CheckpointWriteError, options=self.storage_options)
+            self._storage = (self.path, storage)
+        return self._storage[1]
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         storage = self.storage

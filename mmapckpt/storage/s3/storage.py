@@ -66,7 +66,8 @@ class S3File(StoredFile):
         self.size = int(head["ContentLength"])
         etag = head.get("ETag")
         self.ident = (etag, head.get("LastModified"))
-        self._head: bytearray | None = None  # the first _HEAD bytes, once read
+        self._head = storage._first_bytes.get((name, etag))  # the first _HEAD bytes, once read
+        self._remember = lambda head: storage._first_bytes.__setitem__((name, etag), head)
         self._reads = ObjectReads(storage.client, storage.bucket, storage.key(name), etag, self.size, self.path,
                                   storage.opts, storage.stats.add)
 
@@ -78,6 +79,7 @@ class S3File(StoredFile):
                 head = bytearray(min(_HEAD, self.size))
                 self._reads.read([(0, head)], entry)
                 self._head = head
+                self._remember(head)
             mv[:] = self._head[offset:offset + len(mv)]
             return
         self._reads.read([(offset, buf)], entry)
@@ -99,6 +101,10 @@ class S3Storage(CheckpointStorage):
         #: bytes and requests of every read made through this storage
         self.stats = TransferStats()
         self._uploads: dict[str, list[str]] = {}  # name -> ids of uploads in progress, as list() found them
+        # what this storage found of its objects (a load opens .metadata and each shard several times):
+        # HEADs by name, dropped when this storage writes or removes the name; first bytes by (name, ETag)
+        self._heads: dict[str, dict[str, Any]] = {}
+        self._first_bytes: dict[tuple[str, str | None], bytearray] = {}
 
     # ------------------------------------------------------------------ naming
     def key(self, name: str) -> str:
@@ -112,14 +118,19 @@ class S3Storage(CheckpointStorage):
 
     # ------------------------------------------------------------------ reading
     def _head(self, name: str) -> dict[str, Any] | None:
+        found = self._heads.get(name)
+        if found is not None:
+            return found
         try:
-            return self.client.head_object(Bucket=self.bucket, Key=self.key(name))  # type: ignore[no-any-return]
+            found = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
         except CheckpointError:
             raise
         except Exception as e:
             if is_missing(e):
                 return None
             raise storage_error(e, self.full(name), what="looking up the object") from e
+        self._heads[name] = found  # type: ignore[assignment]
+        return found
 
     def exists(self, name: str) -> bool:
         return self._head(name) is not None
@@ -174,9 +185,11 @@ class S3Storage(CheckpointStorage):
             raise write_error(e, self.location, what=f"the bucket {self.bucket!r} cannot be written") from e
 
     def create_file(self, name: str, size: int | None, *, head: int, direct: bool, sync: bool) -> S3Output:
+        self._heads.pop(name, None)
         return S3Output(self.client, self.bucket, self.key(name), self.full(name), size, head=head, opts=self.opts)
 
     def commit(self, name: str, data: bytes, *, sync: bool) -> None:
+        self._heads.pop(name, None)
         try:
             self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=bytes(data))
         except Exception as e:
@@ -186,6 +199,8 @@ class S3Storage(CheckpointStorage):
         """Delete these objects and abort the uploads in progress under these names (a killed save's);
         errors are ignored: what stays is removed next time."""
         names = list(names)
+        for n in names:
+            self._heads.pop(n, None)
         keys = [{"Key": self.key(n)} for n in names]
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             try:

@@ -5,8 +5,9 @@ gathered into parts of ``upload_part_size`` bytes (at least 5 MiB, as S3 require
 part but the last; larger where the shard would need more than 10,000 parts) and each full
 part is uploaded at once, at most ``upload_concurrency`` parts in flight, so memory stays
 within ``(upload_concurrency + 2) * upload_part_size`` whatever the shard's size. The first
-part, which holds the head, is kept until :meth:`S3Output.finish` and uploaded last; part
-numbers, not upload order, place parts in the object. A shard smaller than one part is one
+part, which holds the head, is as small as S3 allows (5 MiB, or the head's size), kept until
+:meth:`S3Output.finish` and uploaded last; part numbers, not upload order, place parts in the
+object. A shard smaller than one part is one
 PUT. The object appears under its name only when the upload completes: a save that fails
 aborts its upload, and a save killed before completing leaves an incomplete upload that the
 next save to the location aborts (``S3Storage.remove``), never an object.
@@ -27,10 +28,11 @@ __all__ = ["S3Output", "part_size_for"]
 
 def part_size_for(size: int | None, wanted: int) -> int:
     """The part size for an object of ``size`` bytes: ``wanted``, raised (in MiB steps) to fit in 10,000 parts."""
-    if size is None or size <= wanted * MAX_PARTS:
+    parts = MAX_PARTS - 1  # the first part (the head's) is smaller
+    if size is None or size <= wanted * parts:
         return max(wanted, MIN_PART)
     mib = 1 << 20
-    return -(-size // MAX_PARTS // mib) * mib + mib
+    return -(-size // parts // mib) * mib + mib
 
 
 class S3Output(FileOutput):
@@ -43,8 +45,11 @@ class S3Output(FileOutput):
         self.client, self.bucket, self.key, self.path = client, bucket, key, url
         self.size, self.head, self.opts = size, head, opts
         self.part_size = part_size_for(size, opts.upload_part_size)
+        # part 1 holds the head and is uploaded last: as small as S3 allows (and the head needs), so
+        # that the upload after the last piece is short
+        self.first_size = max(MIN_PART, -(-head // (1 << 20)) << 20)
         self._buf = bytearray()  # the part being gathered
-        self._start = 0  # its offset in the object
+        self._number = 1  # its part number
         self._first: bytearray | None = None  # part 1 (holds the head), uploaded by finish()
         self._end = 0  # the end of the last piece
         self._upload_id: str | None = None
@@ -63,16 +68,16 @@ class S3Output(FileOutput):
 
     def _append(self, mv: memoryview) -> None:
         while len(mv):
-            room = self.part_size - len(self._buf)
+            cap = self.first_size if self._number == 1 else self.part_size
+            room = cap - len(self._buf)
             self._buf += mv[:room]
             mv = mv[room:]
-            if len(self._buf) == self.part_size:
+            if len(self._buf) == cap:
                 self._seal_part()
 
     def _seal_part(self) -> None:
         buf, self._buf = self._buf, bytearray()
-        number = self._start // self.part_size + 1
-        self._start += len(buf)
+        number, self._number = self._number, self._number + 1
         if number == 1:
             self._first = buf
             return
@@ -109,13 +114,13 @@ class S3Output(FileOutput):
         first[:len(head)] = head
         if self._first is None:  # the whole object is one part: one PUT
             try:
-                self.client.put_object(Bucket=self.bucket, Key=self.key, Body=bytes(first))
+                self.client.put_object(Bucket=self.bucket, Key=self.key, Body=first)
             except Exception as e:
                 raise self._error(e, "writing") from e
             return
         self._upload(1, first)
         if self._buf:
-            self._upload(self._start // self.part_size + 1, self._buf)
+            self._upload(self._number, self._buf)
             self._buf = bytearray()
         parts = sorted((f.result() for f in self._parts), key=lambda p: p["PartNumber"])
         try:
