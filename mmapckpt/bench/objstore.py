@@ -172,12 +172,26 @@ def _rows(url: str, sd: StateDict, targets: StateDict) -> dict[str, Callable[[],
         from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
         region = os.environ.get("AWS_REGION", "us-east-1")
         rows["save: dcp.save + s3torchconnector"] = lambda: dcp.save(
-            sd, storage_writer=S3StorageWriter(region, f"{url}/s3tc"), no_dist=True) and None
+            sd, storage_writer=_s3tc(S3StorageWriter(region, f"{url}/s3tc"), region), no_dist=True) and None
         rows["load: dcp.load + s3torchconnector"] = lambda: (dcp.load(
-            fresh(), storage_reader=S3StorageReader(region, f"{url}/s3tc"), no_dist=True), targets)[1]
-    except ImportError:
-        rows["s3torchconnector"] = _missing("not installed (pip install s3torchconnector)")
+            fresh(), storage_reader=_s3tc(S3StorageReader(region, f"{url}/fsspec"), region), no_dist=True),
+            targets)[1]  # the stock DCP checkpoint FsspecWriter saved
+    except ImportError as e:
+        rows["s3torchconnector"] = _missing(f"not installed ({e.name}: pip install s3torchconnector)")
     return rows
+
+
+def _s3tc(peer: Any, region: str) -> Any:
+    """s3torchconnector's reader or writer, its client pointed at ``AWS_ENDPOINT_URL`` with path-style
+    addressing where one is set (its DCP classes take no endpoint)."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp.s3_file_system import S3FileSystem
+        client = S3Client(region, endpoint=endpoint, s3client_config=S3ClientConfig(force_path_style=True))
+        peer.fs = S3FileSystem(region, s3_client=client)
+    return peer
 
 
 def _missing(why: str) -> Callable[[], None]:
@@ -245,7 +259,8 @@ def _one(run: _Run, name: str, fn: Callable[[], Any], sd: StateDict, first: bool
         if isinstance(e, KeyboardInterrupt):
             raise
         run.notes.append(name)
-        run.rows[name] = {"skipped": f"failed: {type(e).__name__}: {e}"[:300]}  # type: ignore[dict-item]
+        cause = next(iter(getattr(e, "failures", {}).values()), e)  # DCP's CheckpointException: the rank's error
+        run.rows[name] = {"skipped": f"failed: {type(cause).__name__}: {cause}"[:300]}  # type: ignore[dict-item]
         return
     if first and out is not None:
         run.correct[name] = _same(sd, out)
