@@ -32,6 +32,12 @@ class ChunkBackend(Protocol):
         """Chunk ``c`` of ``info`` as a CPU tensor: a view over a mapping where it can be, else a new tensor."""
         ...
 
+    def region(self, info: EntryInfo, c: ChunkInfo, index: tuple[slice, ...]) -> torch.Tensor:
+        """``chunk(info, c)[index]`` (one slice per dimension): a view where the chunk is one, else a new tensor
+        read from no more of the file than the selection needs (reading/regions.py ``read_region``) where the
+        medium has no mapping."""
+        ...
+
     def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | None:
         """The mapping :meth:`chunk` returns a view of (direct reads go around it), or None."""
         ...

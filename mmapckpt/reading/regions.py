@@ -2,20 +2,27 @@
 
 ``get_slice(name)[index]`` takes ints (negative too), slices with positive steps and one
 Ellipsis over the global shape; each chunk contributes only the part the selection
-touches, so only those pages of the file are read.
+touches (``ChunkBackend.region``), so only those pages of the file are read, or, on a
+medium without mappings, only those byte ranges (:func:`read_region`).
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
 import torch
 
 from ..format.entries import EntryInfo
+from ..storage.base import StoredFile
 from .backend import ChunkBackend
 
-__all__ = ["copy_selection", "normalize_index", "read_selection", "read_tensor"]
+__all__ = ["GAP_BYTES", "copy_selection", "normalize_index", "read_region", "read_selection", "read_tensor"]
+
+#: Bytes between two ranges a selection needs below which :func:`read_region` reads both as one range
+#: (a request to an object store costs more than reading that much); farther apart, they are read apart.
+GAP_BYTES = 1 << 20
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -70,7 +77,46 @@ def copy_selection(files: ChunkBackend, info: EntryInfo, sel: list[tuple[int, in
             src.append(slice(start + k0 * step - off, start + (k1 - 1) * step - off + 1, step))
             dst.append(slice(k0, k1))
         else:
-            out[tuple(dst)].copy_(files.chunk(info, c)[tuple(src)])
+            out[tuple(dst)].copy_(files.region(info, c, tuple(src)))
+    return out
+
+
+def read_region(f: StoredFile, offset: int, dtype: torch.dtype, shape: tuple[int, ...], index: tuple[slice, ...],
+                *, entry: str | None = None) -> torch.Tensor:
+    """``tensor[index]`` (one slice per dimension, positive steps) of the C-contiguous tensor of ``dtype`` and
+    ``shape`` stored at ``offset`` of ``f``, read through ``f.read_into``: only the byte ranges the selection
+    needs, in a new tensor.
+
+    The selection is read as one range per index of its outer dimensions down to the innermost one
+    whose consecutive blocks lie more than :data:`GAP_BYTES` apart (none: one range, from the first
+    element selected to the last), so that rows of a matrix cost their bytes and a few columns of one
+    cost a range per row only where rows are long.
+    """
+    item, n = dtype.itemsize, len(shape)
+    ranges = [range(*sl.indices(size)) for sl, size in zip(index, shape)]
+    counts = [len(r) for r in ranges]
+    out = torch.empty(counts, dtype=dtype)
+    if out.numel() == 0:
+        return out
+    strides = [1] * n
+    for d in range(n - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    apart = [r.step * s for r, s in zip(ranges, strides)]  # elements between consecutive selected indices
+    span = [1] * (n + 1)  # span[d]: elements from the first to the last selected of dimensions d..n-1
+    for d in range(n - 1, -1, -1):
+        span[d] = (counts[d] - 1) * apart[d] + span[d + 1]
+    split = 0  # ranges are read per index of dimensions < split
+    for d in range(n):
+        if counts[d] > 1 and (apart[d] - span[d + 1]) * item > GAP_BYTES:
+            split = d + 1
+    first = sum(r.start * s for r, s in zip(ranges, strides))
+    buf = torch.empty(span[split], dtype=dtype)
+    raw = buf.view(torch.uint8).numpy()
+    block = buf.as_strided(counts[split:], apart[split:])
+    for at in itertools.product(*(range(c) for c in counts[:split])):
+        start = first + sum(i * a for i, a in zip(at, apart))
+        f.read_into(offset + start * item, raw, entry=entry)
+        out[at].copy_(block)
     return out
 
 
