@@ -3,7 +3,8 @@
 ``Unmapped`` is a second implementation of ``storage/base.py``'s ``CheckpointStorage``: its
 files have no mapping (as on an object store), so every byte must come through
 ``StoredFile.read_into``, which it counts (``Unmapped.counter``, by every instance). It writes as
-a local directory does (it subclasses ``LocalStorage``). ``medium`` registers the scheme for a
+a local directory does (it subclasses ``LocalStorage``), with pieces held to ascending offsets
+after the head, as an object store's upload takes them. ``medium`` registers the scheme for a
 test and yields the counter; ``opened`` counts the files opened through it.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from mmapckpt.storage import local, location
-from mmapckpt.storage.base import StoredFile
+from mmapckpt.storage.base import FileOutput, StoredFile
 
 SCHEME = "unmapped"
 
@@ -33,6 +34,26 @@ class _UnmappedFile(StoredFile):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _AscendingOutput(FileOutput):
+    """A file being written, held to what an object store's upload needs: pieces at ascending offsets, after
+    the head."""
+
+    def __init__(self, inner: FileOutput, head: int) -> None:
+        self.inner, self.path, self.how, self.end = inner, f"{SCHEME}://" + inner.path, inner.how, head
+
+    def put(self, offset: int, data: Any) -> None:
+        if offset < self.end:
+            raise ValueError(f"piece at {offset} before the end of the previous one ({self.end})")
+        self.end = offset + memoryview(data).nbytes
+        self.inner.put(offset, data)
+
+    def finish(self, head: bytes) -> None:
+        self.inner.finish(head)
+
+    def abort(self) -> None:
+        self.inner.abort()
 
 
 class Unmapped(local.LocalStorage):
@@ -55,6 +76,9 @@ class Unmapped(local.LocalStorage):
 
     def open_file(self, name: str) -> StoredFile:  # type: ignore[override]
         return _UnmappedFile(super().open_file(name), self.counter)
+
+    def create_file(self, name: str, size: int | None, *, head: int, direct: bool, sync: bool) -> FileOutput:
+        return _AscendingOutput(super().create_file(name, size, head=head, direct=direct, sync=sync), head)
 
 
 def url(path: Any) -> str:

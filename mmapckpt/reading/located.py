@@ -19,7 +19,7 @@ import posixpath
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ..errors import CheckpointNotFoundError, UnsafePathError
+from ..errors import CheckpointNotFoundError
 from ..io.files import open_inside
 from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.local import LocalFile, LocalStorage
@@ -73,16 +73,13 @@ class Place(NamedTuple):
         return Place(self.parent, self.storage, None, self.local)
 
     def inside(self, rel: str) -> str:
-        """``rel`` (a name a directory's index gives), normalised, refused where it leaves the directory
-        (UnsafePathError; locally, links are followed only into the ``blobs/`` of a Hugging Face hub cache:
-        io/files.py ``open_inside``)."""
+        """``rel`` (a name a directory's index gives), normalised. Locally it is refused (UnsafePathError) where
+        it resolves outside the directory (links are followed only into the ``blobs/`` of a Hugging Face hub
+        cache: io/files.py ``open_inside``); a medium's storage refuses such a name itself when it is opened."""
         if self.local:
             open_inside(self.root, rel)
             return os.path.normpath(rel)
-        norm = posixpath.normpath(rel)
-        if not rel or norm.startswith(("/", "../")) or norm in (".", ".."):
-            raise UnsafePathError(f"{rel!r} leaves the checkpoint's location", path=self.root)
-        return norm
+        return posixpath.normpath(rel)
 
     def full(self, rel: str | None = None) -> str:
         """The name of file ``rel`` of the directory (None: the file this place names), for messages."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 
 import pytest
 import torch
@@ -178,15 +177,17 @@ def test_a_torch_object_is_read_whole_once_and_loaded_without_code(medium, tmp_p
         assert medium[0] - size < 256  # besides: detection (2 bytes, then the zip's end records)
         _same({k: f.get_tensor(k) for k in f.keys()}, sd)
 
+    marker = tmp_path / "code-ran"
+
     class Evil:
         def __reduce__(self):
-            return (os.system, ("echo never",))
+            return (os.makedirs, (str(marker),))
 
     bad = str(tmp_path / "evil.pt")
-    with open(bad, "wb") as out:
-        pickle.dump({"w": Evil()}, out, protocol=2)
+    torch.save({"w": torch.ones(2), "x": Evil()}, bad)
     with pytest.raises(mmapckpt.FormatError, match="weights_only=True"):
         mmapckpt.open(url(bad))
+    assert not marker.exists()
 
 
 def test_a_url_names_a_directory_where_files_are_under_it_and_a_file_where_it_is_one(medium, tmp_path) -> None:
