@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from ..io.files import fsync_dir, map_file, pwrite_all
 from ..io.progress import Progress
 from ..storage.base import CheckpointStorage, FileOutput
 from .common import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, Source, Writing
-from .outputs import Put, commit_to, fsync_file, nbytes, raw_bytes, storage_of, write_stored
+from .outputs import Put, commit_to, fresh_name, fsync_file, nbytes, raw_bytes, storage_of, write_stored
 
 __all__ = ["write_safetensors", "write_safetensors_file", "write_torch", "safetensors_shards"]
 
@@ -155,15 +156,18 @@ def write_safetensors_file(storage: CheckpointStorage, name: str, tensors: list[
 
 
 def write_safetensors(src: Source, out: str | CheckpointStorage, *, max_shard_size: int | None, progress: Progress,
-                      user_metadata: dict[str, str] | None = None, name: str = "",
+                      user_metadata: dict[str, str] | None = None, name: str = "", avoid: Collection[str] = (),
                       created: list[str] | None = None) -> list[str]:
     """Write the tensors of ``src`` as one safetensors file, or as HF-style shards with an index.
 
     ``out`` is a new local path (the file, or the shards' directory), or a storage: the file
-    ``name`` of it, or the shards (each appended to ``created`` once written) and the index,
-    committed last. ``user_metadata`` goes into every file's ``__metadata__`` (after
-    ``"format": "pt"``); the index's ``metadata`` holds only ``total_size``, as Hugging Face writes it.
-    Returns the names of the non-tensor entries, which safetensors cannot hold.
+    ``name`` of it, or the shards and the index, committed last; there a shard whose name a file
+    has (``avoid``) is named with a tag in it (outputs.py ``fresh_name``: the index names it, so no
+    file an old index names is overwritten before the new index replaces it), and each shard is
+    appended to ``created`` once written. ``user_metadata`` goes into every file's
+    ``__metadata__`` (after ``"format": "pt"``); the index's ``metadata`` holds only
+    ``total_size``, as Hugging Face writes it. Returns the names of the non-tensor entries, which
+    safetensors cannot hold.
     """
     tensors, dropped = _split_entries(src)
     _check_safetensors_dtypes(src, tensors)
@@ -176,11 +180,13 @@ def write_safetensors(src: Source, out: str | CheckpointStorage, *, max_shard_si
                 created.append(name)
         return dropped
     storage = storage_of(out)
+    tag = str(uuid.uuid4())
     weight_map = {}
     for shard, group in safetensors_shards(src, max_shard_size):
         if isinstance(out, str):
             _write_safetensors_file(os.path.join(out, shard), group, src, progress, user_metadata)
         else:
+            shard = fresh_name(shard, tag, avoid)
             write_safetensors_file(storage, shard, group, src, progress, user_metadata)
             if created is not None:
                 created.append(shard)

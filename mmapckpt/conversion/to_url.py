@@ -10,12 +10,12 @@ gives them:
   ``torch.save`` file is written to a local temporary file first (in the system's temporary
   directory: torch.save needs a seekable file), then copied through the same ``FileOutput``;
 - a directory output's commit (``.metadata``, the safetensors index) is written last, through
-  ``commit``: mmapckpt and DCP shards take names no file there has (sinks.py ``fresh_name``), so
-  an old checkpoint stays whole until the new commit replaces its own; only then are the old
-  checkpoint's files that the new one does not use removed (outputs.py ``checkpoint_files``:
-  never files of other names, such as config.json). Hugging Face shards have fixed names: where
-  one would replace an old checkpoint's file, the old index is removed first, so that no index
-  ever names a mix (until the new index is written there is no safetensors checkpoint there);
+  ``commit``; its data files take names no file there has (outputs.py ``fresh_name``: an mmapckpt
+  or DCP shard, a Hugging Face shard whose usual name an old checkpoint's file has, gets a tag in
+  its name, which its commit records), so an old checkpoint stays whole until the new commit
+  replaces its own: old or new at every instant. Only then are the old checkpoint's files that
+  the new one does not use removed (outputs.py ``checkpoint_files``: never files of other names,
+  such as config.json). ``model.safetensors`` alone is replaced whole, as a file is;
 - a failed conversion aborts the file being written and removes the files it finished; it
   removes nothing it did not write. A destination that exists is replaced only with
   ``overwrite=True``; a directory output takes the location's lock (``storage.lock()``), as a
@@ -40,7 +40,7 @@ from ..storage.base import CheckpointStorage, FileOutput
 from ..storage.location import storage_for
 from ..format.metadata import METADATA_NAME
 from .common import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, Source, Writing
-from .flat_sinks import safetensors_shards, write_safetensors, write_torch
+from .flat_sinks import write_safetensors, write_torch
 from .outputs import checkpoint_files, is_commit_file, write_stored
 from .sinks import write_dcp, write_mmapckpt
 
@@ -121,7 +121,7 @@ def _into_directory(storage: CheckpointStorage, source: Source, dst: str, to: st
     created: list[str] = []  # data files finished (the commit is not one: a failed commit leaves the old one)
     try:
         with bar:
-            dropped, commit = _write_directory(storage, source, dst, to, limit, bar, user, before, old, created)
+            dropped, commit = _write_directory(storage, source, dst, to, limit, bar, user, before, created)
     except BaseException:
         storage.remove(created, sync=True)  # the files it finished; the one being written was aborted
         raise
@@ -132,7 +132,7 @@ def _into_directory(storage: CheckpointStorage, source: Source, dst: str, to: st
 
 
 def _write_directory(storage: CheckpointStorage, source: Source, dst: str, to: str, limit: int | None,
-                     bar: Progress, user: dict[str, str] | None, before: set[str], old: set[str],
+                     bar: Progress, user: dict[str, str] | None, before: set[str],
                      created: list[str]) -> tuple[list[str], str]:
     """Write the files, then the commit; return the entries left out and the commit's name."""
     if to == "mmapckpt":
@@ -142,13 +142,10 @@ def _write_directory(storage: CheckpointStorage, source: Source, dst: str, to: s
     if to == "dcp":
         write_dcp(source, storage, checkpoint_id=dst, progress=bar, avoid=before, created=created)
         return [], METADATA_NAME
-    files = [SAFETENSORS_SINGLE] if limit is None else [n for n, _ in safetensors_shards(source, limit)]
-    if old & set(files):  # fixed names an old checkpoint uses: no old index may name a mix of old and new
-        storage.remove(sorted(n for n in old if is_commit_file(n)), sync=True)
-    if limit is None:
+    if limit is None:  # model.safetensors: replaced whole (an old index, if any, still wins until removed)
         return write_safetensors(source, storage, max_shard_size=None, progress=bar, user_metadata=user,
                                  name=SAFETENSORS_SINGLE, created=created), SAFETENSORS_SINGLE
-    return write_safetensors(source, storage, max_shard_size=limit, progress=bar, user_metadata=user,
+    return write_safetensors(source, storage, max_shard_size=limit, progress=bar, user_metadata=user, avoid=before,
                              created=created), SAFETENSORS_INDEX
 
 

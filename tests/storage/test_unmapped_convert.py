@@ -163,7 +163,7 @@ def test_a_failed_conversion_to_a_url_leaves_the_old_checkpoint_and_nothing_of_i
     to, opts = TARGETS[name]
     old_src = str(tmp_path / "old.safetensors")
     save_file({"old": torch.arange(700, dtype=torch.float32)}, old_src)
-    if name == "hf":  # the old shards have the names of the new ones
+    if name == "hf":  # old shards of the usual names of the new ones: the new ones take other names
         old_src = str(tmp_path / "old.pt")
         torch.save({k: v + 1 if v.is_floating_point() else v for k, v in state().items()}, old_src)
     dst = _dst(str(tmp_path), name, "dst")
@@ -179,22 +179,15 @@ def test_a_failed_conversion_to_a_url_leaves_the_old_checkpoint_and_nothing_of_i
             convert(srcs["mmapckpt"], url(dst), to=to, overwrite=True, **opts)
         msg = str(info.value)
         assert os.strerror(errno.ENOSPC) in msg and url(dst) in msg, msg
-        if to in ("mmapckpt", "dcp") or "max_shard_size" not in opts:
-            assert "was left as it was" in msg, msg
-            assert _files(dst) == before, (name, cut)  # the old checkpoint untouched, nothing left beside it
-            _assert_same(_tensors(dst), old, (name, cut))
-        else:  # Hugging Face shards have fixed names: the old index went first, so no index names a mix (and
-            # the shards this conversion wrote over old ones are removed with the others it wrote)
-            assert "model.safetensors.index.json" not in _files(dst) and set(_files(dst)) <= set(before)
-            with pytest.raises(mmapckpt.CheckpointNotFoundError):
-                mmapckpt.load(dst)
-            assert foreign_kept(dst)
+        assert "was left as it was" in msg, msg
+        assert _files(dst) == before, (name, cut)  # the old checkpoint untouched, nothing left beside it
+        _assert_same(_tensors(dst), old, (name, cut))
     Failing.budget[0], Failing.fail_commit[0] = None, False
     convert(srcs["mmapckpt"], url(dst), to=to, overwrite=True, **opts)  # and then it works
     _assert_same(_tensors(dst), state(), name)
 
 
-def test_hugging_face_shards_of_other_names_leave_the_old_index_in_place(failing, tmp_path) -> None:
+def test_a_failed_conversion_leaves_old_hugging_face_shards_of_other_names(failing, tmp_path) -> None:
     srcs = sources(str(tmp_path))
     dst = str(tmp_path / "hf")
     save_file({"old": torch.arange(700, dtype=torch.float32)}, str(tmp_path / "old.safetensors"))
@@ -234,7 +227,14 @@ def test_an_overwrite_at_a_url_replaces_the_checkpoint_and_keeps_other_files(med
     _assert_same(_tensors(d), state(), "mmapckpt over mmapckpt")
     convert(srcs["torch"], url(d), to="safetensors", max_shard_size=2500, overwrite=True)  # and back to HF
     convert(srcs["torch"], str(tmp_path / "local-hf"), to="safetensors", max_shard_size=2500)
-    assert sorted(os.listdir(d)) == sorted([*os.listdir(tmp_path / "local-hf"), *FOREIGN])
+    usual = sorted(os.listdir(tmp_path / "local-hf"))
+    assert sorted(os.listdir(d)) == sorted([*usual, *FOREIGN])
+    convert(srcs["dcp"], url(d), to="safetensors", max_shard_size=2500, overwrite=True)  # HF over HF
+    shards = sorted(n for n in os.listdir(d) if n.endswith(".safetensors"))
+    assert len(shards) == len(usual) - 1 and not set(shards) & set(usual)  # the usual names, with a tag
+    assert all(n.startswith("model-0000") and n.count(".") == 2 for n in shards)
+    assert sorted(os.listdir(d)) == sorted([*shards, "model.safetensors.index.json", *FOREIGN])
+    _assert_same(_tensors(d), state(), "HF over HF")
     assert foreign_kept(d)
     _assert_same(_tensors(d), state(), "HF over mmapckpt")
     f = str(tmp_path / "weights.bin")
