@@ -138,8 +138,9 @@ def previous_checkpoint_files(directory: str) -> set[str]:
 
     DCP (mmapckpt or stock): ``.metadata``, ``__*.metadata``, ``__*_*.distcp`` and their writers'
     temp files. Hugging Face safetensors: every ``*.safetensors.index.json``, the files their
-    ``weight_map`` names, ``model.safetensors`` and ``model-NNNNN-of-NNNNN.safetensors``. Only
-    regular files and links directly in ``directory``; everything else (config.json, tokenizers,
+    ``weight_map`` names, ``model.safetensors`` and ``model-NNNNN-of-NNNNN.safetensors`` (or
+    ``model-NNNNN-of-NNNNN.TAG.safetensors``, as a conversion at a URL names a shard whose name is
+    taken). Only regular files and links directly in ``directory``; everything else (config.json, tokenizers,
     notes, other ``*.safetensors`` such as adapters, subdirectories) is not the checkpoint's.
     """
     names = {n for n in os.listdir(directory)

@@ -122,7 +122,7 @@ _DCP_FILES = (".metadata", "__*.metadata", "__*_*.distcp", "..metadata.tmp-*", "
               ".__*_*.distcp.tmp-*")
 #: A Hugging Face safetensors checkpoint's own files, besides those its index names.
 _HF_FILES = ("*.safetensors.index.json", ".*.safetensors.index.json.tmp-*", SAFETENSORS_SINGLE)
-_HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}(\.[0-9a-f]{8})?\.safetensors$")  # tagged: fresh_name
 
 
 def checkpoint_files(names: Iterable[str], read: Callable[[str], bytes]) -> set[str]:
@@ -131,7 +131,8 @@ def checkpoint_files(names: Iterable[str], read: Callable[[str], bytes]) -> set[
 
     DCP (mmapckpt or stock): ``.metadata``, ``__*.metadata``, ``__*_*.distcp`` and their writers'
     temp files. Hugging Face safetensors: every ``*.safetensors.index.json``, the files their
-    ``weight_map`` names, ``model.safetensors`` and ``model-NNNNN-of-NNNNN.safetensors``.
+    ``weight_map`` names, ``model.safetensors`` and ``model-NNNNN-of-NNNNN.safetensors`` (also with the
+    tag a conversion at a URL gives a shard whose name was taken: ``model-NNNNN-of-NNNNN.TAG.safetensors``).
     """
     names = set(names)
     owned = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in _DCP_FILES + _HF_FILES) or _HF_SHARD.match(n)}

@@ -80,8 +80,9 @@ def convert_to_url(source: Source, dst: str, to: str, limit: int | None, overwri
                                     "or name another destination", path=dst)
     if not as_dir and (is_dir or parent is None):
         ext = "safetensors" if to == "safetensors" else "pt"
-        raise CheckpointExistsError(f"destination is a directory (files exist under it), and a {to} checkpoint is "
-                                    f"one file: name a file, e.g. {dst.rstrip('/')}/model.{ext}", path=dst)
+        what = "destination is a directory (files exist under it)" if is_dir else "destination names no file"
+        raise CheckpointExistsError(f"{what}, and a {to} checkpoint is one file: name a file, e.g. "
+                                    f"{dst.rstrip('/')}/model.{ext}", path=dst)
     lock = None
     if as_dir:
         storage.prepare()
