@@ -231,3 +231,16 @@ def test_storage_options_reach_the_medium(medium, tmp_path) -> None:
     open_backend(url(path), storage_options=opts).files.close()
     assert Unmapped.options and all(o == opts for o in Unmapped.options)
     assert detect_format(path, storage_options=opts) == "safetensors"  # a local path takes none and ignores them
+
+
+@pytest.mark.filterwarnings("ignore:.*legacy torch.save format cannot be memory-mapped")
+def test_the_staged_path_at_a_url(medium, places, monkeypatch) -> None:
+    """load_into's accelerator path (pinned staging ring), on CPU targets: from memory, not from a mapping."""
+    from mmapckpt.io import staging
+
+    monkeypatch.setattr(staging, "STAGE_CPU_TARGETS", True)
+    for what, path in places.items():
+        local = mmapckpt.load(path)
+        targets = {k: torch.full_like(v, 5) for k, v in local.items()}
+        assert mmapckpt.load_into(targets, url(path), staging_bytes=64, staging_buffers=2) == [], what
+        _same(targets, local)
