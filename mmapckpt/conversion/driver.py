@@ -11,25 +11,28 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fnmatch
-import json
 import os
 import re
 import shutil
 import warnings
 from dataclasses import dataclass
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..storage.lock import SaveLock
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError
-from ..io.files import fsync_dir, refuse_url
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
+from ..io.files import fsync_dir
 from ..io.progress import Progress
 from ..io.replace import recover, remove_stale_temps, replace_path, temp_sibling
 from .common import FORMATS, SAFETENSORS_SINGLE, SelectedSource, Source, select_names
+from ..storage.location import is_url, storage_for
 from .detect import open_source
-from .sinks import write_dcp, write_mmapckpt, write_safetensors, write_torch
+from .flat_sinks import write_safetensors, write_torch
+from .outputs import checkpoint_files
+from .sinks import write_dcp, write_mmapckpt
+from .to_url import convert_to_url, same_location
 
 __all__ = ["convert", "ConvertResult", "ConversionWarning", "parse_size", "previous_checkpoint_files", "FORMATS"]
 
@@ -80,11 +83,10 @@ def parse_size(size: int | str) -> int:
     return n
 
 
-def _check_paths(src: str, dst: str, target: str, overwrite: bool) -> None:
-    refuse_url(src, CheckpointNotFoundError)
-    refuse_url(dst, CheckpointWriteError)
-    rs, rd = os.path.realpath(src), os.path.realpath(dst)
-    if rs == rd or rs.startswith(rd + os.sep):
+def _check_paths(src: str, dst: str, target: str, overwrite: bool, options: Mapping[str, Any] | None) -> None:
+    if is_url(src):
+        storage_for(src, options=options)  # a URL of no registered medium is refused (CheckpointNotFoundError)
+    elif _inside(os.path.realpath(src), os.path.realpath(dst)):
         raise CheckpointError("the destination would replace the source; choose another destination", path=dst)
     if os.path.lexists(dst) and not overwrite:
         raise CheckpointExistsError("destination exists; pass overwrite=True (--overwrite) to replace it", path=dst)
@@ -95,6 +97,10 @@ def _check_paths(src: str, dst: str, target: str, overwrite: bool) -> None:
     parent = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(parent):
         raise CheckpointError("the destination's parent directory does not exist", path=parent)
+
+
+def _inside(src: str, dst: str) -> bool:
+    return src == dst or src.startswith(dst + os.sep)
 
 
 def _through_link(path: str) -> str:
@@ -127,34 +133,24 @@ def _directory_locks() -> Iterator[Callable[[str], None]]:
             h.release()
 
 
-#: A DCP checkpoint's own files (mmapckpt and stock alike), with the temp files of its writers.
-_DCP_FILES = (".metadata", "__*.metadata", "__*_*.distcp", "..metadata.tmp-*", ".__*.metadata.tmp-*",
-              ".__*_*.distcp.tmp-*")
-#: A Hugging Face safetensors checkpoint's own files, besides those its index names.
-_HF_FILES = ("*.safetensors.index.json", ".*.safetensors.index.json.tmp-*", SAFETENSORS_SINGLE)
-_HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-
-
 def previous_checkpoint_files(directory: str) -> set[str]:
     """The names in ``directory`` that belong to a checkpoint there, which ``convert --overwrite`` replaces.
 
     DCP (mmapckpt or stock): ``.metadata``, ``__*.metadata``, ``__*_*.distcp`` and their writers'
     temp files. Hugging Face safetensors: every ``*.safetensors.index.json``, the files their
-    ``weight_map`` names, ``model.safetensors`` and ``model-NNNNN-of-NNNNN.safetensors``. Only
-    regular files and links directly in ``directory``; everything else (config.json, tokenizers,
+    ``weight_map`` names, ``model.safetensors`` and ``model-NNNNN-of-NNNNN.safetensors`` (or
+    ``model-NNNNN-of-NNNNN.TAG.safetensors``, as a conversion at a URL names a shard whose name is
+    taken). Only regular files and links directly in ``directory``; everything else (config.json, tokenizers,
     notes, other ``*.safetensors`` such as adapters, subdirectories) is not the checkpoint's.
     """
     names = {n for n in os.listdir(directory)
              if os.path.islink(os.path.join(directory, n)) or os.path.isfile(os.path.join(directory, n))}
-    owned = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in _DCP_FILES + _HF_FILES) or _HF_SHARD.match(n)}
-    for idx in [n for n in owned if n.endswith(".safetensors.index.json")]:
-        try:
-            with open(os.path.join(directory, idx), encoding="utf-8") as f:
-                wm = json.load(f).get("weight_map", {})
-            owned |= {v for v in wm.values() if isinstance(v, str) and v in names}
-        except (OSError, ValueError, AttributeError):
-            pass  # an unreadable index names nothing; the file itself is still replaced
-    return owned
+
+    def read(name: str) -> bytes:
+        with open(os.path.join(directory, name), "rb") as f:
+            return f.read()
+
+    return checkpoint_files(names, read)
 
 
 def _writes_directory(dst: str, to: str, limit: int | None) -> bool:
@@ -215,7 +211,7 @@ def _commit(tmp: str, dst: str, overwrite: bool) -> None:
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, overwrite: bool = False,
             max_shard_size: int | str | None = None, progress: bool = False, keys: Sequence[str] | None = None,
-            strip_prefix: str | None = None) -> ConvertResult:
+            strip_prefix: str | None = None, storage_options: Mapping[str, Any] | None = None) -> ConvertResult:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
     The source format is detected. DCP <-> mmapckpt keeps the chunk layout, the
@@ -227,12 +223,20 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     (mmapckpt, safetensors); stock DCP and torch.save cannot, and a ConversionWarning says
     it was dropped.
 
+    Either may be a URL of a registered medium (``scheme://...``: storage/location.py), naming a
+    directory where files exist under it and a file where it is one. A destination at a URL is
+    written through its storage, in place (conversion/to_url.py): each data file appears only
+    once complete, the commit (``.metadata``, the index) is written last, and the old
+    checkpoint's files are removed after it; a ``torch.save`` file goes through a local
+    temporary file first.
+
     Args:
         src: a checkpoint directory (mmapckpt or stock DCP), a ``.safetensors`` file, a
-            directory with ``model.safetensors.index.json``, or a ``torch.save`` file.
+            directory with ``model.safetensors.index.json``, or a ``torch.save`` file; or a URL of one.
         dst: where to write; a directory for mmapckpt, dcp and sharded safetensors, else a file
             (safetensors into an existing directory is written there as ``model.safetensors``).
             A symbolic link is kept: what it names is replaced (a dangling link is refused).
+            Or a URL: the same, written through the medium's storage.
         to: one of ``"mmapckpt"``, ``"dcp"``, ``"safetensors"``, ``"torch"``.
         overwrite: replace an existing ``dst``: it holds the old or the new checkpoint at every
             instant, and a directory keeps every file that is not its checkpoint's
@@ -247,6 +251,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         strip_prefix: then remove this prefix from the selected names that start with it
             (others keep their names), e.g. ``"model."``. Filtering is on the stored name,
             stripping after it; no match, or two names made one by stripping, raises.
+        storage_options: for the media of ``src`` and ``dst`` where they are URLs (credentials,
+            endpoint, ...: ``storage/location.py`` ``storage_for``); a local path ignores them.
 
     Returns:
         A ConvertResult.
@@ -268,25 +274,46 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         raise ValueError("max_shard_size applies only to safetensors output")
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     src_s, dst_s = os.fspath(src), os.fspath(dst)
+    if is_url(dst_s):
+        return _convert_to_url(src_s, dst_s, to, limit, overwrite, progress, keys, strip_prefix, storage_options)
     dst_s = dst_s.rstrip("/" + os.sep) or dst_s  # "out/" names the entry "out" (its temp sibling is ".out.tmp-*")
     target = _through_link(dst_s)  # a link is kept: what it names is replaced
     with _directory_locks() as lock:
         lock(target)  # before recovery: a conversion still replacing it keeps its journal
         _recover(target)
-        if not os.path.exists(src_s):
+        if not is_url(src_s) and not os.path.exists(src_s):
             _recover(_through_link(src_s))  # a source caught mid-replacement by a killed conversion comes back
-        _check_paths(src_s, dst_s, target, overwrite)
+        _check_paths(src_s, dst_s, target, overwrite, storage_options)
         _check_replaceable(target, to, limit)
         lock(target)  # where the recovery put it back
-        with open_source(src_s) as opened:
-            source = _selected(opened, keys, strip_prefix)
-            user = source.user_metadata()
-            tensors = [md for _, md in source.items() if isinstance(md, TensorStorageMetadata)]
-            total = sum(md.properties.dtype.itemsize * _numel(md.size) for md in tensors)
-            bar = Progress(total, f"{source.kind} -> {to}", enabled=progress)
+        with open_source(src_s, storage_options=storage_options) as opened:
+            source, user, tensors, total, bar = _opened(opened, keys, strip_prefix, to, progress)
             dropped = _convert(source, target, to, limit, os.path.abspath(dst_s), overwrite, bar, user, lock)
     _warn_lost(dropped, to, user)
     return ConvertResult(source.kind, to, dst_s, len(tensors), total, tuple(dropped))
+
+
+def _opened(opened: Source, keys: Sequence[str] | None, strip_prefix: str | None, to: str,
+            progress: bool) -> tuple[Source, dict[str, str] | None, list[TensorStorageMetadata], int, Progress]:
+    """The source as selected, its user metadata, its tensors, their bytes, and the progress bar."""
+    source = _selected(opened, keys, strip_prefix)
+    tensors = [md for _, md in source.items() if isinstance(md, TensorStorageMetadata)]
+    total = sum(md.properties.dtype.itemsize * _numel(md.size) for md in tensors)
+    return source, source.user_metadata(), tensors, total, Progress(total, f"{source.kind} -> {to}", enabled=progress)
+
+
+def _convert_to_url(src: str, dst: str, to: str, limit: int | None, overwrite: bool, progress: bool,
+                    keys: Sequence[str] | None, strip_prefix: str | None,
+                    options: Mapping[str, Any] | None) -> ConvertResult:
+    """:func:`convert` into a destination at a URL (conversion/to_url.py)."""
+    storage_for(dst, error=CheckpointWriteError, options=options)  # a URL of no registered medium is refused
+    if is_url(src) and same_location(src, dst):
+        raise CheckpointError("the destination would replace the source; choose another destination", path=dst)
+    with open_source(src, storage_options=options) as opened:
+        source, user, tensors, total, bar = _opened(opened, keys, strip_prefix, to, progress)
+        dropped = convert_to_url(source, dst, to, limit, overwrite, bar, user, options)
+    _warn_lost(dropped, to, user)
+    return ConvertResult(source.kind, to, dst, len(tensors), total, tuple(dropped))
 
 
 def _convert(source: Source, target: str, to: str, limit: int | None, final: str, overwrite: bool,

@@ -10,9 +10,7 @@ like a DCP checkpoint.
 from __future__ import annotations
 
 import io
-import os
 import uuid
-import zipfile
 from typing import Any
 
 import torch
@@ -26,10 +24,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..reading.locate import SAFETENSORS_SINGLE
 from ..format.safetensors import entry_infos
+from ..reading.located import Place
 from ..reading.safetensors_files import SafetensorsFile
-from ..reading.torchfile import flat_torch_file
+from ..reading.torchfile import flat_torch_file, is_zip, torch_source
 from .common import SINGLE_FILE, Source
 
 __all__ = ["SafetensorsSource", "TorchSource"]
@@ -56,23 +54,25 @@ def _flat_metadata(specs: dict[str, tuple[torch.dtype, tuple[int, ...]] | None],
 
 
 class SafetensorsSource(Source):
-    def __init__(self, path: str, files: dict[str, list[str] | None]) -> None:
-        """``files``: each file's full path and the names the index puts there (None or empty: all)."""
-        self.path, self.kind = path, "safetensors"
+    def __init__(self, place: Place, found: tuple[dict[str, list[str] | None], str | None]) -> None:
+        """``found``: ``reading/locate.py`` ``safetensors_files(place)``: each file's name and the tensors the
+        index puts there (None: all), and the index's name (None: no index)."""
+        files, index = found
+        self.path, self.kind = place.path, "safetensors"
         self._handles: dict[str, SafetensorsFile] = {}
         self._where: dict[str, Any] = {}
         specs: dict[str, Any] = {}
-        for full, names in files.items():
-            h = self._handles[full] = SafetensorsFile(full)  # the header checked: FormatError naming file and entry
-            for name, info in entry_infos(h.header, full, names or None).items():
+        for rel, names in files.items():
+            full = place.full(rel)
+            h = self._handles[full] = SafetensorsFile(place.open(rel))  # the header checked: FormatError naming
+            for name, info in entry_infos(h.header, full, names or None).items():  # file and entry
                 specs[name] = (info.dtype, info.shape)
                 self._where[name] = (h, info)
         self.metadata, order = _flat_metadata(specs, {k: (k,) for k in specs})
         self.layout = [(SINGLE_FILE, order)]
         self.files = len(files)
-        one = list(files) == [os.path.join(path, SAFETENSORS_SINGLE)]  # a directory without an index
-        self.version = "single file" if not os.path.isdir(path) else \
-            "model.safetensors in a directory" if one else f"{len(files)} shards with index"
+        self.version = "single file" if not place.is_dir else \
+            "model.safetensors in a directory" if index is None else f"{len(files)} shards with index"
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         h, info = self._where[idx.fqn]
@@ -87,19 +87,23 @@ class SafetensorsSource(Source):
         return merged or None
 
     def close(self) -> None:
-        self._handles.clear()
+        handles, self._handles = self._handles, {}
+        for h in handles.values():
+            h.close()  # views already read keep their mappings
         self._where.clear()
 
 
 class TorchSource(Source):
-    def __init__(self, path: str) -> None:
-        self.path, self.kind, self.files = path, "torch", 1
-        flat, mapping = flat_torch_file(path)
+    def __init__(self, place: Place) -> None:
+        """The file at ``place``: a local file is mapped by torch.load, one at a URL read whole into memory."""
+        self.path, self.kind, self.files = place.path, "torch", 1
+        src = torch_source(place)
+        flat, mapping = flat_torch_file(src)
         self._values = flat
         specs = {k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
         self.metadata, order = _flat_metadata(specs, mapping)
         self.layout = [(SINGLE_FILE, order)]
-        self.version = "torch.save zip archive" if zipfile.is_zipfile(path) else "torch.save legacy format"
+        self.version = "torch.save zip archive" if is_zip(src) else "torch.save legacy format"
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         return self._values[idx.fqn]

@@ -1,20 +1,22 @@
-"""The write side of conversions: one writer per output format, each streaming item by item.
+"""The write side of conversions to DCP checkpoints: mmapckpt and stock, each streaming item by item.
 
-DCP outputs (mmapckpt and stock) keep the source's file layout, metadata and
-non-tensor entries, re-pointing only the storage records. Full-tensor outputs
-(safetensors, torch.save) assemble each tensor from its chunks: a chunk that is a
-contiguous run of the tensor's bytes (every single-chunk tensor, and row-wise
-shards) is written straight from the source; only chunks split along inner
-dimensions are gathered in a buffer of one tensor. Memory therefore stays at most
-one tensor plus one chunk, whatever the checkpoint's size.
+Both keep the source's file layout, metadata and non-tensor entries, re-pointing only the
+storage records; memory stays at about one item. (The full-tensor outputs, safetensors and
+torch.save, are flat_sinks.py.)
+
+Each writer writes a new local directory (which the driver swaps in), or, for a destination
+at a URL (to_url.py), into a storage (storage/base.py): shard files through ``create_file`` (a
+``FileOutput``: it appears under its name only once complete) under names no file there has,
+then ``.metadata`` through ``commit``, the one commit point, with the same bytes as the local
+files.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -24,36 +26,13 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from ..errors import CheckpointError, FormatError
 from ..format import layout as fmt
 from ..format.metadata import METADATA_NAME, encode_metadata
-from ..io.files import atomic_write, fsync_dir, map_file, pwrite_all
 from ..io.progress import Progress
-from ..storage.local import LocalStorage
+from ..storage.base import CheckpointStorage
 from ..writing.shard import ShardEntry, ShardOptions, write_shard
-from .common import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, Source, Writing, label, tensor_chunk_sizes
+from .common import Source, Writing, label, tensor_chunk_sizes
+from .outputs import Appending, commit_to, fresh_name, fsync_file, raw_bytes, storage_of, write_stored
 
-__all__ = ["write_mmapckpt", "write_dcp", "write_safetensors", "write_torch", "raw_bytes"]
-
-_ST_CODES = {dt: code for code, dt in SAFETENSORS_DTYPES.items()}
-
-
-def raw_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes in C order; no copy where it is already contiguous on the CPU."""
-    flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    if flat.stride(0) != 1:  # one element counts as contiguous whatever its stride
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
-def _nbytes(md: TensorStorageMetadata) -> int:
-    n = 1
-    for s in md.size:
-        n *= s
-    return n * md.properties.dtype.itemsize
-
-
-def _fsync_file(fd: int) -> None:
-    os.fsync(fd)
+__all__ = ["write_mmapckpt", "write_dcp", "raw_bytes"]
 
 
 def _out_metadata(src: Source, storage: dict[MetadataIndex, _StorageInfo], checkpoint_id: str,
@@ -71,33 +50,40 @@ def _out_metadata(src: Source, storage: dict[MetadataIndex, _StorageInfo], check
 _SHARD = ShardOptions(alignment=4096, direct=False, sync=True)
 
 
-def write_mmapckpt(src: Source, out_dir: str, *, checkpoint_id: str, progress: Progress,
-                   user_metadata: dict[str, str] | None = None) -> list[str]:
-    """Write ``src`` as an mmapckpt checkpoint in ``out_dir``, one shard per source file, with the
-    shard writer ``MmapWriter`` uses (writing/shard.py).
+def write_mmapckpt(src: Source, out_dir: str | CheckpointStorage, *, checkpoint_id: str, progress: Progress,
+                   user_metadata: dict[str, str] | None = None, avoid: Collection[str] = (),
+                   created: list[str] | None = None) -> list[str]:
+    """Write ``src`` as an mmapckpt checkpoint in ``out_dir`` (a new local directory, or a storage), one shard
+    per source file, with the shard writer ``MmapWriter`` uses (writing/shard.py); return the shards' names.
 
     Chunks the source stores at one place (tied weights of an mmapckpt checkpoint) are
-    written once, under each name (format/aliases.py).
+    written once, under each name (format/aliases.py). In a storage, shards take names not in
+    ``avoid`` (:func:`fresh_name`), each appended to ``created`` once written, and ``.metadata``
+    is committed last.
     """
-    os.makedirs(out_dir)
-    out = LocalStorage(out_dir)
+    out = storage_of(out_dir)
     sizes = tensor_chunk_sizes(src.metadata)
     save_id = str(uuid.uuid4())  # a new checkpoint: its shards and metadata name the same new save
     storage: dict[MetadataIndex, _StorageInfo] = {}
+    names = []
     for rel, items in src.layout:
+        name = fresh_name(rel, save_id, avoid)
         entries = _mmapckpt_entries(src, items, sizes)
-        done, _ = write_shard(out, rel, entries, src.read_tensor, save_id=save_id, options=_SHARD,
+        done, _ = write_shard(out, name, entries, src.read_tensor, save_id=save_id, options=_SHARD,
                               aliases=_stored_aliases(src, items, entries), advance=progress.advance,
                               one_at_a_time=True)
+        names.append(name)
+        if created is not None:
+            created.append(name)
         for e, idx in zip(done, items):
-            storage[idx] = _StorageInfo(rel, e.offset, e.length)
+            storage[idx] = _StorageInfo(name, e.offset, e.length)
     md = _out_metadata(src, storage, checkpoint_id, save_id)
     try:
         data = encode_metadata(md, user_metadata)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"the source metadata cannot be stored as mmapckpt metadata: {e}", path=src.path) from e
-    atomic_write(os.path.join(out_dir, METADATA_NAME), data)
-    return [rel for rel, _ in src.layout]
+    commit_to(out_dir, out, METADATA_NAME, data)
+    return names
 
 
 def _mmapckpt_entries(src: Source, items: list[MetadataIndex],
@@ -160,206 +146,47 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def write_dcp(src: Source, out_dir: str, *, checkpoint_id: str, progress: Progress) -> list[str]:
-    """Write ``src`` as a stock DCP checkpoint (what ``FileSystemWriter`` writes) in ``out_dir``."""
-    os.makedirs(out_dir)
+def _dcp_items(src: Source, rel: str, items: list[MetadataIndex], f: Any, w: Writing,
+               storage: dict[MetadataIndex, _StorageInfo], progress: Progress) -> None:
+    """The items of one stock DCP file, one after another into ``f`` (torch.save bytes, or a payload)."""
+    out = w.record(f)
+    for idx in items:
+        w.entry = label(idx)
+        start = f.tell()
+        if idx.offset is None:
+            f.write(src.read_bytes(idx))
+        else:
+            t = _own_storage(src.read_tensor(idx))
+            torch.save(t, out)
+            progress.advance(t.numel() * t.element_size())
+            del t
+        storage[idx] = _StorageInfo(rel, start, f.tell() - start)
+    w.entry = None
+
+
+def write_dcp(src: Source, out_dir: str | CheckpointStorage, *, checkpoint_id: str, progress: Progress,
+              avoid: Collection[str] = (), created: list[str] | None = None) -> list[str]:
+    """Write ``src`` as a stock DCP checkpoint (what ``FileSystemWriter`` writes) in ``out_dir`` (a new local
+    directory, or a storage: files named, recorded and committed as :func:`write_mmapckpt` does)."""
+    out = storage_of(out_dir)
+    save_id = str(uuid.uuid4())
     storage: dict[MetadataIndex, _StorageInfo] = {}
+    names = []
     for rel, items in src.layout:
-        path = os.path.join(out_dir, rel)
-        with Writing(path) as w, open(path, "xb") as f:
-            out = w.record(f)
-            for idx in items:
-                w.entry = label(idx)
-                start = f.tell()
-                if idx.offset is None:
-                    f.write(src.read_bytes(idx))
-                else:
-                    t = _own_storage(src.read_tensor(idx))
-                    torch.save(t, out)
-                    progress.advance(t.numel() * t.element_size())
-                    del t
-                storage[idx] = _StorageInfo(rel, start, f.tell() - start)
-            w.entry = None
-            f.flush()
-            _fsync_file(f.fileno())
-    atomic_write(os.path.join(out_dir, METADATA_NAME), pickle.dumps(_out_metadata(src, storage, checkpoint_id,
-                                                                                   str(uuid.uuid4()))))
-    return [rel for rel, _ in src.layout]
-
-
-# --------------------------------------------------------------------------- full tensors
-def _write_full_tensor(fd: int, base: int, fqn: str, md: TensorStorageMetadata, src: Source,
-                       progress: Progress) -> None:
-    """Write tensor ``fqn`` in C order at ``base`` of ``fd``, assembled from its chunks."""
-    shape, item = tuple(md.size), md.properties.dtype.itemsize
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel == 0:  # the chunks tile the tensor: every source's index was checked (format/tiling.py)
-        return
-    row = item
-    for s in shape[1:]:
-        row *= s
-    if all(tuple(c.sizes)[1:] == shape[1:] for c in md.chunks):  # each chunk is one contiguous run of bytes
-        for c in md.chunks:
-            buf = raw_bytes(src.read_tensor(MetadataIndex(fqn, c.offsets)))
-            pwrite_all(fd, buf, base + (c.offsets[0] * row if shape else 0))
-            progress.advance(len(buf))
-        return
-    full = torch.empty(shape[:-1] + (shape[-1] * item,), dtype=torch.uint8)
-    for c in md.chunks:
-        chunk = src.read_tensor(MetadataIndex(fqn, c.offsets)).detach().cpu().contiguous().view(torch.uint8)
-        region = full
-        for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
-            o, s = (o * item, s * item) if d == len(shape) - 1 else (o, s)
-            region = region.narrow(d, o, s)
-        region.copy_(chunk)
-        progress.advance(chunk.numel())
-        del chunk
-    pwrite_all(fd, memoryview(full.reshape(-1).numpy()), base)
-
-
-def _split_entries(src: Source) -> tuple[list[tuple[str, TensorStorageMetadata]], list[str]]:
-    tensors, others = [], []
-    for fqn, item in src.items():
-        (tensors.append((fqn, item)) if isinstance(item, TensorStorageMetadata) else others.append(fqn))
-    return tensors, others
-
-
-def _shard_groups(tensors: list[tuple[str, TensorStorageMetadata]], limit: int | None) -> list[list[Any]]:
-    """Consecutive tensors packed into files of at most ``limit`` bytes (a larger tensor gets its own file)."""
-    if limit is None:
-        return [tensors]
-    groups: list[list[Any]] = [[]]
-    size = 0
-    for t in tensors:
-        n = _nbytes(t[1])
-        if groups[-1] and size + n > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += n
-    return groups
-
-
-def _write_safetensors_file(path: str, tensors: list[tuple[str, TensorStorageMetadata]], src: Source,
-                            progress: Progress, user_metadata: dict[str, str] | None = None) -> None:
-    # Widest dtypes first keeps every tensor's data aligned to its itemsize, as safetensors itself does.
-    tensors = sorted(tensors, key=lambda t: -t[1].properties.dtype.itemsize)
-    # "format": "pt" as save_pretrained writes it (transformers refuses other values), then the user's
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(user_metadata or {})}}
-    pos = 0
-    for fqn, md in tensors:
-        n = _nbytes(md)
-        header[fqn] = {"dtype": _ST_CODES[md.properties.dtype], "shape": list(md.size), "data_offsets": [pos, pos + n]}
-        pos += n
-    hb = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    hb += b" " * (-len(hb) % 8)
-    start = 8 + len(hb)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with Writing(path) as w:
-            os.ftruncate(fd, start + pos)
-            pwrite_all(fd, len(hb).to_bytes(8, "little") + hb, 0)
-            for fqn, md in tensors:
-                w.entry = fqn
-                _write_full_tensor(fd, start + header[fqn]["data_offsets"][0], fqn, md, src, progress)
-            w.entry = None
-            _fsync_file(fd)
-    finally:
-        os.close(fd)
-
-
-def write_safetensors(src: Source, out: str, *, max_shard_size: int | None, progress: Progress,
-                      user_metadata: dict[str, str] | None = None) -> list[str]:
-    """Write the tensors of ``src`` as one safetensors file, or as HF-style shards with an index.
-
-    ``user_metadata`` goes into every file's ``__metadata__`` (after ``"format": "pt"``); the
-    index's ``metadata`` holds only ``total_size``, as Hugging Face writes it.
-    Returns the names of the non-tensor entries, which safetensors cannot hold.
-    """
-    tensors, dropped = _split_entries(src)
-    for fqn, md in tensors:
-        if md.properties.dtype not in _ST_CODES:
-            raise CheckpointError(f"safetensors cannot store dtype {md.properties.dtype}", path=src.path, entry=fqn)
-    if max_shard_size is None:
-        _write_safetensors_file(out, tensors, src, progress, user_metadata)
-        return dropped
-    os.makedirs(out)
-    groups = _shard_groups(tensors, max_shard_size)
-    weight_map = {}
-    for i, group in enumerate(groups, 1):
-        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        _write_safetensors_file(os.path.join(out, name), group, src, progress, user_metadata)
-        weight_map.update({fqn: name for fqn, _ in group})
-    index = {"metadata": {"total_size": sum(_nbytes(md) for _, md in tensors)},
-             "weight_map": dict(sorted(weight_map.items()))}
-    atomic_write(os.path.join(out, SAFETENSORS_INDEX), (json.dumps(index, indent=2) + "\n").encode("utf-8"))
-    fsync_dir(out)
-    return dropped
-
-
-# --------------------------------------------------------------------------- torch.save
-def write_torch(src: Source, out: str, *, progress: Progress) -> list[str]:
-    """Write ``src`` as one ``torch.save`` file of a flat state dict (fqn -> tensor or object).
-
-    Tensors are assembled into a scratch file first and saved from a mapping of it,
-    so torch.save never needs the whole state dict in memory. Returns the non-tensor
-    entries that could not be unpickled safely (``weights_only=True``) and were left out.
-    """
-    tensors, _ = _split_entries(src)
-    scratch = f"{out}.scratch-{uuid.uuid4().hex[:8]}"
-    places, pos = {}, 0
-    for fqn, md in tensors:
-        places[fqn] = pos
-        pos = (pos + _nbytes(md) + 63) // 64 * 64
-    dropped: list[str] = []
-    try:
-        fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with Writing(scratch) as w:
-                os.ftruncate(fd, pos)
-                for fqn, md in tensors:
-                    w.entry = fqn
-                    _write_full_tensor(fd, places[fqn], fqn, md, src, progress)
-        finally:
-            os.close(fd)
-        _save_from_scratch(src, scratch, pos, places, out, dropped)
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-    return dropped
-
-
-def _save_from_scratch(src: Source, scratch: str, size: int, places: dict[str, int], out: str,
-                       dropped: list[str]) -> None:
-    mapping = map_file(scratch, size)
-    state = _scratch_state(src, mapping, places, dropped)
-    try:
-        with Writing(out) as w, open(out, "xb") as f:
-            torch.save(state, w.record(f))
-            f.flush()
-            _fsync_file(f.fileno())
-    finally:  # the scratch file's pages go with the last view of them: also while a failure's traceback lives
-        state.clear()
-        del state, mapping
-
-
-def _scratch_state(src: Source, mapping: Any, places: dict[str, int], dropped: list[str]) -> dict[str, Any]:
-    """The state dict torch.save writes: tensors are views over the scratch file's mapping."""
-    view = memoryview(mapping) if mapping is not None else None
-    state: dict[str, Any] = {}
-    for fqn, item in src.items():
-        if isinstance(item, TensorStorageMetadata):
-            n, dtype = _nbytes(item), item.properties.dtype
-            if n == 0:
-                state[fqn] = torch.empty(tuple(item.size), dtype=dtype)
-            else:  # a storage of exactly this tensor's bytes: torch.save writes only them
-                raw = torch.frombuffer(view[places[fqn]:places[fqn] + n], dtype=torch.uint8)  # type: ignore[index]
-                state[fqn] = raw.view(dtype).reshape(tuple(item.size))
+        if isinstance(out_dir, str):
+            path = os.path.join(out_dir, rel)
+            with Writing(path) as w, open(path, "xb") as f:
+                _dcp_items(src, rel, items, f, w, storage, progress)
+                f.flush()
+                fsync_file(f.fileno())
+            names.append(rel)
             continue
-        try:
-            state[fqn] = src.read_object(MetadataIndex(fqn))
-        except Exception:  # an object weights_only refuses: we never run arbitrary pickles
-            dropped.append(fqn)
-    return state
+        name = fresh_name(rel, save_id, avoid)
+        write_stored(out, name, None, 0, lambda o, w: _dcp_items(src, name, items, Appending(o), w, storage,
+                                                                   progress))
+        names.append(name)
+        if created is not None:
+            created.append(name)
+    md = _out_metadata(src, storage, checkpoint_id, save_id)
+    commit_to(out_dir, out, METADATA_NAME, pickle.dumps(md))
+    return names

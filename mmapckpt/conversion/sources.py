@@ -15,7 +15,8 @@ from ..format.metadata import KIND_MMAPCKPT
 from ..format.stock import load_tensor
 from ..format.transforms import StreamTransforms
 from ..reading.shard import Shard, decode_entry
-from ..storage.base import StoredFile
+from ..reading.torchfile import StoredReader
+from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.commits import read_user_metadata
 from ..storage.location import storage_for
 from .common import Source, label, tensor_chunk_sizes
@@ -24,9 +25,9 @@ __all__ = ["MmapckptSource", "StockSource"]
 
 
 class _DcpSource(Source):
-    def __init__(self, path: str, kind: str, md: Metadata) -> None:
+    def __init__(self, path: str, kind: str, md: Metadata, storage: CheckpointStorage | None = None) -> None:
         self.path, self.kind, self.metadata = path, kind, md
-        self.storage = storage_for(path)
+        self.storage = storage_for(path) if storage is None else storage
         if md.storage_data is None:
             raise FormatError("metadata has no storage data", path=path)
         per_file: dict[str, list[MetadataIndex]] = {}
@@ -60,8 +61,8 @@ class _DcpSource(Source):
 
 
 class MmapckptSource(_DcpSource):
-    def __init__(self, path: str, md: Metadata) -> None:
-        super().__init__(path, KIND_MMAPCKPT, md)
+    def __init__(self, path: str, md: Metadata, storage: CheckpointStorage | None = None) -> None:
+        super().__init__(path, KIND_MMAPCKPT, md, storage)
         self._shards: dict[str, Shard] = {}
         self._transforms = StreamTransforms()  # DCP's registry: undoes ZStandard
         if self.layout:
@@ -112,45 +113,16 @@ class MmapckptSource(_DcpSource):
             shard.close()
 
 
-class _FileSlice(io.RawIOBase):
-    """A read-only, seekable window [offset, offset + length) of a file, for torch.load."""
-
-    def __init__(self, file: StoredFile, offset: int, length: int) -> None:
-        self._file, self._base, self._len, self._pos, self._path = file, offset, length, 0, file.path
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, buf: Any) -> int:
-        mv = memoryview(buf).cast("B")
-        n = max(0, min(len(mv), self._len - self._pos))
-        if n:
-            self._file.read_into(self._base + self._pos, mv[:n])
-        self._pos += n
-        return n
-
-
 class StockSource(_DcpSource):
     """Stock DCP: every item is ``torch.save`` bytes at (file, offset, length); tensors load with weights_only."""
 
-    def __init__(self, path: str, md: Metadata) -> None:
-        super().__init__(path, "dcp", md)
+    def __init__(self, path: str, md: Metadata, storage: CheckpointStorage | None = None) -> None:
+        super().__init__(path, "dcp", md, storage)
         self.version += ", torch.save items"
         self._transforms = StreamTransforms()  # DCP's registry: undoes ZStandard
         self._files: dict[str, StoredFile] = {}
 
-    def _slice(self, idx: MetadataIndex) -> _FileSlice:
+    def _slice(self, idx: MetadataIndex) -> StoredReader:
         info = self._info(idx)
         f = self._files.get(info.relative_path)
         if f is None:
@@ -161,29 +133,29 @@ class StockSource(_DcpSource):
                                                 entry=label(idx)) from None
         if info.offset + info.length > f.size:
             f.read(info.offset, info.length, entry=label(idx))  # raises TruncatedFileError naming the item
-        return _FileSlice(f, info.offset, info.length)
+        return StoredReader(f, info.offset, info.length)
 
-    def _decoded(self, idx: MetadataIndex, sl: _FileSlice) -> bytes | None:
+    def _decoded(self, idx: MetadataIndex, sl: StoredReader) -> bytes | None:
         """The item's bytes with its stream transforms undone (FileSystemWriter(_extensions=...)), else None."""
         descriptors = getattr(self._info(idx), "transform_descriptors", None)
         if not descriptors:
             return None
-        buf = bytearray(sl._len)
+        buf = bytearray(sl.length)
         sl.readinto(buf)
-        return self._transforms.decode(memoryview(buf), descriptors, path=sl._path, entry=label(idx))
+        return self._transforms.decode(memoryview(buf), descriptors, path=sl.file.path, entry=label(idx))
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         sl = self._slice(idx)
         data = self._decoded(idx, sl)
         src: Any = sl if data is None else io.BytesIO(data)
-        return self._check(load_tensor(src, path=sl._path, entry=label(idx)), idx, sl._path)
+        return self._check(load_tensor(src, path=sl.file.path, entry=label(idx)), idx, sl.file.path)
 
     def read_bytes(self, idx: MetadataIndex) -> bytes:
         sl = self._slice(idx)
         data = self._decoded(idx, sl)
         if data is not None:
             return data
-        buf = bytearray(sl._len)
+        buf = bytearray(sl.length)
         sl.readinto(buf)
         return bytes(buf)
 

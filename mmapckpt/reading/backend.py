@@ -35,6 +35,12 @@ class ChunkBackend(Protocol):
         file to read (reading/fetches.py)."""
         ...
 
+    def region(self, info: EntryInfo, c: ChunkInfo, index: tuple[slice, ...]) -> torch.Tensor:
+        """``chunk(info, c)[index]`` (one slice per dimension): a view where the chunk is one, else a new tensor
+        read from no more of the file than the selection needs (reading/regions.py ``read_region``) where the
+        medium has no mapping."""
+        ...
+
     def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | StoredFile | None:
         """What :meth:`chunk`'s bytes are read from by a ``Moves`` (reading/moves.py): the mapping it returns
         a view of (direct reads go around it), the file where it has no mapping, or None (a copy in memory)."""

@@ -113,6 +113,15 @@ class ChunkFiles:
                                     f"{list(c.sizes)}", path=self.storage.full(c.file), entry=label)
         return t
 
+    def region(self, info: EntryInfo, c: ChunkInfo, index: tuple[slice, ...]) -> torch.Tensor:
+        """``chunk(info, c)[index]``; from an mmapckpt shard without a mapping and without ``verify`` (which
+        needs every byte), only the bytes ``index`` needs are read."""
+        shard = self.shards.get(c.file)
+        if shard is None or shard.file is not None or self.verify:
+            return self.chunk(info, c)[index]
+        return shard.region((info.name, c.offsets), c.file_offset, c.length, info.dtype,  # type: ignore[arg-type]
+                            c.sizes, index)
+
     def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | StoredFile | None:
         """The mapping ``chunk`` returns a view of (for direct reads), the file where it has no mapping, or
         None (a stock item, loaded whole)."""

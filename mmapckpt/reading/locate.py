@@ -1,7 +1,8 @@
-"""Which checkpoint format a path holds, and its files opened for lazy reading.
+"""Which checkpoint format a path or URL holds, and its files opened for lazy reading.
 
 One detection for every reader (``open``/``load``/``load_into``, ``convert``, ``inspect``,
-``verify``):
+``verify``), on a local path or a URL of any registered medium (reading/located.py: a URL
+names a directory where files exist under it, else a file):
 
 - a directory with ``.metadata``: an mmapckpt or a stock DCP checkpoint (the metadata's
   first bytes tell which);
@@ -11,6 +12,9 @@ One detection for every reader (``open``/``load``/``load_into``, ``convert``, ``
   (``config.json`` and tokenizer files beside it are ignored);
 - a file that is a safetensors file (by its name or its first bytes), or a ``torch.save``
   file (a zip archive or a pickle).
+
+Every file is read through the storage (``storage/base.py``): on a medium without mappings a
+safetensors tensor is read by range (``read_into``) and a torch.save file whole into memory.
 """
 
 from __future__ import annotations
@@ -24,12 +28,11 @@ from ..errors import CheckpointError, CheckpointNotFoundError, FormatError
 from ..format.entries import EntryInfo
 from ..format.metadata import METADATA_NAME
 from ..format.safetensors import entry_infos
-from ..io.files import open_inside
+from ..storage.base import CheckpointStorage
 from ..storage.commits import read_index, read_user_metadata
-from ..storage.local import LocalFile, LocalStorage
-from ..storage.location import is_url, storage_for
 from .backend import ChunkBackend
 from .chunks import ChunkFiles
+from .located import Place, locate
 from .safetensors_files import SafetensorsFile, SafetensorsFiles, is_safetensors_file
 from .torchfile import TorchFiles, is_torch_file
 
@@ -39,8 +42,10 @@ __all__ = [
     "SAFETENSORS_SINGLE",
     "Opened",
     "detect_format",
-    "index_file",
+    "index_name",
+    "locate_checkpoint",
     "open_backend",
+    "place_format",
     "safetensors_files",
 ]
 
@@ -51,12 +56,12 @@ SAFETENSORS_SINGLE = "model.safetensors"  # the one file of an unsharded Hugging
 MAX_INDEX_SIZE = 64 << 20
 
 
-def index_file(path: str) -> str | None:
+def index_name(storage: CheckpointStorage) -> str | None:
     """The directory's safetensors index: model.safetensors.index.json, else the only *.safetensors.index.json."""
-    if os.path.isfile(os.path.join(path, SAFETENSORS_INDEX)):
-        return os.path.join(path, SAFETENSORS_INDEX)
-    found = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
-    return os.path.join(path, found[0]) if len(found) == 1 else None
+    if storage.exists(SAFETENSORS_INDEX):
+        return SAFETENSORS_INDEX
+    found = sorted(n for n in storage.list() if n.endswith(".safetensors.index.json"))
+    return found[0] if len(found) == 1 else None
 
 
 def _pairs_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -68,89 +73,94 @@ def _pairs_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _read_index(idx_path: str) -> dict[str, str]:
+def _read_index(place: Place, rel: str) -> dict[str, str]:
+    full = place.full(rel)
     try:
-        d, name = os.path.split(idx_path)
-        data = LocalStorage(d).read_file(name, MAX_INDEX_SIZE)
-        doc = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs_once)
+        data = place.storage.read_file(rel, MAX_INDEX_SIZE)
+        doc = json.loads(bytes(data).decode("utf-8"), object_pairs_hook=_pairs_once)
     except FormatError as e:
-        raise FormatError(f"unreadable safetensors index: {e.args[0]}", path=idx_path) from None
+        raise FormatError(f"unreadable safetensors index: {e.args[0]}", path=full) from None
     except (OSError, ValueError, RecursionError) as e:
-        raise FormatError(f"unreadable safetensors index: {e}", path=idx_path) from None
+        raise FormatError(f"unreadable safetensors index: {e}", path=full) from None
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-        raise FormatError("safetensors index has no 'weight_map' of name -> file", path=idx_path)
+        raise FormatError("safetensors index has no 'weight_map' of name -> file", path=full)
     return wm
 
 
-def _named_inside(path: str, name: str) -> str:
-    """``path/name``, refused (UnsafePathError) where it resolves outside ``path`` (io/files.py open_inside:
-    links into the ``blobs/`` of a Hugging Face hub cache snapshot are followed)."""
-    open_inside(path, name)
-    return os.path.join(path, os.path.normpath(name))
-
-
-def safetensors_files(path: str) -> tuple[dict[str, list[str] | None], str | None]:
-    """``({path of each file: the names the index puts there, or None for all}, the index file)``.
+def safetensors_files(place: Place) -> tuple[dict[str, list[str] | None], str | None]:
+    """``({name of each file: the tensors the index puts there, or None for all}, the index's name)``; names
+    are relative to ``place.root`` (``place.full(name)`` gives the full one, ``place.open(name)`` the file).
 
     A directory's index, ``model.safetensors`` and the files the index names must resolve inside
-    the directory, or be links into the ``blobs/`` of the hub cache whose snapshot it is.
+    the directory (locally: or be links into the ``blobs/`` of the hub cache whose snapshot it is).
 
     Raises:
         CheckpointNotFoundError: a directory without an index or ``model.safetensors``.
         FormatError, CheckpointError: a damaged index, or a file it names that is missing or outside the directory.
     """
-    if not os.path.isdir(path):
-        return {path: None}, None
-    idx_path = index_file(path)
-    if idx_path is None:
-        single = os.path.join(path, SAFETENSORS_SINGLE)
-        if not os.path.isfile(single):
-            raise CheckpointNotFoundError(f"no {SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE} here", path=path)
-        return {_named_inside(path, SAFETENSORS_SINGLE): None}, None
+    if place.name is not None:
+        return {place.name: None}, None
+    idx = index_name(place.storage)
+    if idx is None:
+        if not place.exists(SAFETENSORS_SINGLE):
+            raise CheckpointNotFoundError(f"no {SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE} here", path=place.path)
+        return {place.inside(SAFETENSORS_SINGLE): None}, None
+    idx = place.inside(idx)
     files: dict[str, list[str] | None] = {}
-    for name, rel in _read_index(_named_inside(path, os.path.basename(idx_path))).items():
-        full = _named_inside(path, rel)
-        if not os.path.isfile(full):
-            raise CheckpointError("shard file named in the index is missing", path=full, entry=name)
-        files.setdefault(full, []).append(name)  # type: ignore[union-attr]
-    return files, idx_path
+    for name, rel in _read_index(place, idx).items():
+        rel = place.inside(rel)
+        if not place.exists(rel):
+            raise CheckpointError("shard file named in the index is missing", path=place.full(rel), entry=name)
+        files.setdefault(rel, []).append(name)  # type: ignore[union-attr]
+    return files, idx
 
 
-def detect_format(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> str:
-    """The format of the checkpoint at ``path``: one of FORMATS.
+def locate_checkpoint(path: str | os.PathLike[str], *,
+                      storage_options: Mapping[str, Any] | None = None) -> Place:
+    """Where ``path`` (a path or URL) names a checkpoint: :func:`located.locate`, with a ``.metadata`` file
+    taken as its directory."""
+    place = locate(path, options=storage_options)
+    if place.name == METADATA_NAME:  # the commit file: its directory
+        return place.directory()
+    return place
 
-    Raises:
-        CheckpointNotFoundError: nothing there, a URL, or nothing recognisable.
-        IncompleteCheckpointError: DCP shards without committed metadata.
-    """
-    p = os.fspath(path)
-    if is_url(p):  # a DCP checkpoint on another medium (storage/location.py); URLs of no medium are refused
-        storage = storage_for(p, options=storage_options)
-        return storage.commit_kind(storage.find_metadata())
-    if os.path.isdir(p):
-        storage = LocalStorage(p)
+
+def place_format(place: Place) -> str:
+    """The format of the checkpoint at ``place``: one of FORMATS (see :func:`detect_format`)."""
+    if place.name is None:
+        storage = place.storage
         if storage.exists(METADATA_NAME):
             return storage.commit_kind(METADATA_NAME)
-        if index_file(p) is not None or os.path.isfile(os.path.join(p, SAFETENSORS_SINGLE)):
+        if index_name(storage) is not None or storage.exists(SAFETENSORS_SINGLE):
             return "safetensors"
         try:
             storage.find_metadata()  # raises IncompleteCheckpointError (shards without a commit) or:
         except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(f"no checkpoint here: no {METADATA_NAME} (mmapckpt or DCP), "
-                                          f"{SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE}", path=p) from None
-    if not os.path.exists(p):
-        raise CheckpointNotFoundError("no such file or directory", path=p)
-    if not os.path.isfile(p):
-        raise CheckpointNotFoundError("not a checkpoint file or directory", path=p)
-    if p.endswith(".safetensors"):
+            pass
+        raise CheckpointNotFoundError(f"no checkpoint here: no {METADATA_NAME} (mmapckpt or DCP), "
+                                      f"{SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE}", path=place.path)
+    if place.name.endswith(".safetensors"):
         return "safetensors"
-    with LocalFile(p) as f:
+    with place.open() as f:
         if is_safetensors_file(f):
             return "safetensors"
-    if is_torch_file(p):
-        return "torch"
-    raise CheckpointNotFoundError("not a recognised checkpoint (mmapckpt, DCP, safetensors or torch.save)", path=p)
+        if is_torch_file(f):
+            return "torch"
+    raise CheckpointNotFoundError("not a recognised checkpoint (mmapckpt, DCP, safetensors or torch.save)",
+                                  path=place.path)
+
+
+def detect_format(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> str:
+    """The format of the checkpoint at ``path`` (a local path, or a URL of a registered medium): one of FORMATS.
+
+    ``storage_options`` go to the medium of a URL (``storage/location.py`` ``storage_for``).
+
+    Raises:
+        CheckpointNotFoundError: nothing there, a URL of no registered medium, or nothing recognisable.
+        IncompleteCheckpointError: DCP shards without committed metadata.
+    """
+    return place_format(locate(path, options=storage_options))
 
 
 class Opened(NamedTuple):
@@ -175,18 +185,21 @@ def _no_metadata() -> None:
     return None
 
 
-def _open_safetensors(path: str) -> Opened:
-    files, _ = safetensors_files(path)
-    root = path if os.path.isdir(path) else (os.path.dirname(path) or ".")
+def _open_safetensors(place: Place) -> Opened:
+    files, _ = safetensors_files(place)
     opened: dict[str, SafetensorsFile] = {}
     entries: dict[str, EntryInfo] = {}
-    for full, names in files.items():
-        rel = os.path.relpath(full, root)
-        f = opened[rel] = SafetensorsFile(LocalFile(full))
-        for name, info in entry_infos(f.header, rel, names).items():
-            if name in entries:  # only without an index: one file's header cannot name a tensor twice
-                raise FormatError("two files hold this tensor", path=full, entry=name)
-            entries[name] = info
+    try:
+        for rel, names in files.items():
+            f = opened[rel] = SafetensorsFile(place.open(rel))
+            for name, info in entry_infos(f.header, rel, names).items():
+                if name in entries:  # only without an index: one file's header cannot name a tensor twice
+                    raise FormatError("two files hold this tensor", path=place.full(rel), entry=name)
+                entries[name] = info
+    except BaseException:
+        for f in opened.values():
+            f.close()
+        raise
     entries = {name: entries[name] for name in sorted(entries)}  # safe_open's keys() order
     metas = [f.header.metadata for f in opened.values()]
 
@@ -198,24 +211,25 @@ def _open_safetensors(path: str) -> Opened:
             merged.update(m or {})
         return merged
 
-    return Opened("safetensors", root, entries, SafetensorsFiles(root, opened), user_metadata)
+    return Opened("safetensors", place.root, entries, SafetensorsFiles(place.root, opened), user_metadata)
 
 
-def open_backend(path: str, *, verify: bool = False, storage_options: Mapping[str, Any] | None = None) -> Opened:
-    """Open the checkpoint at ``path`` (any of FORMATS) for lazy reading; see :class:`Opened`.
+def open_backend(path: str | os.PathLike[str], *, verify: bool = False,
+                 storage_options: Mapping[str, Any] | None = None) -> Opened:
+    """Open the checkpoint at ``path`` (any of FORMATS; a local path or a URL) for lazy reading; see :class:`Opened`.
 
     ``verify`` turns on the CRC-32 check of mmapckpt entries; the other formats have no
-    checksums (their structure is checked on open whatever ``verify`` says).
+    checksums (their structure is checked on open whatever ``verify`` says). ``storage_options``
+    go to the medium of a URL (``storage/location.py`` ``storage_for``).
     """
-    if os.path.basename(path) == METADATA_NAME and os.path.isfile(path):  # the commit file: its directory
-        path = os.path.dirname(path) or "."
-    kind = detect_format(path, storage_options=storage_options)
+    place = locate_checkpoint(path, storage_options=storage_options)
+    kind = place_format(place)
     if kind == "safetensors":
-        return _open_safetensors(path)
+        return _open_safetensors(place)
     if kind == "torch":
-        files, entries = TorchFiles.open(path)
-        return Opened(kind, os.path.dirname(path) or ".", entries, files, _no_metadata)
-    storage = storage_for(path, options=storage_options)
+        files, entries = TorchFiles.open(place)
+        return Opened(kind, place.root, entries, files, _no_metadata)
+    storage = place.storage
     meta = storage.find_metadata()
     kind, entries, save_id = read_index(storage, meta)
     read: list[dict[str, str] | None] = []
@@ -225,4 +239,4 @@ def open_backend(path: str, *, verify: bool = False, storage_options: Mapping[st
             read.append(read_user_metadata(storage, meta))
         return None if read[0] is None else dict(read[0])
 
-    return Opened(kind, path, entries, ChunkFiles(storage, entries, save_id, verify=verify), user_metadata)
+    return Opened(kind, place.path, entries, ChunkFiles(storage, entries, save_id, verify=verify), user_metadata)

@@ -2,8 +2,8 @@
 
 ``get_slice(name)[index]`` takes ints (negative too), slices with positive steps and one
 Ellipsis over the global shape; each chunk contributes only the part the selection
-touches, so only those pages of the file are read (on a medium without mappings, only
-those bytes: reading/fetches.py).
+touches (``ChunkBackend.region``), so only those pages of the file are read, or, on a
+medium without mappings, only those bytes (:func:`read_region`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from ..format.entries import EntryInfo
 from ..storage.base import StoredFile
 from .backend import ChunkBackend
-from .fetches import FetchReads
+from .fetches import FetchReads, placeholder
 
-__all__ = ["copy_selection", "normalize_index", "read_selection", "read_tensor"]
+__all__ = ["copy_selection", "normalize_index", "read_region", "read_selection", "read_tensor"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -73,13 +73,17 @@ def copy_selection(files: ChunkBackend, info: EntryInfo, sel: list[tuple[int, in
             src.append(slice(start + k0 * step - off, start + (k1 - 1) * step - off + 1, step))
             dst.append(slice(k0, k1))
         else:
-            source = files.mapped(info, c)
-            if isinstance(source, StoredFile):  # no mapping: only the selected bytes are read
-                part = FetchReads(source).materialize(files.chunk(info, c, lazy=True)[tuple(src)], info.name)
-            else:
-                part = files.chunk(info, c)[tuple(src)]
-            out[tuple(dst)].copy_(part)
+            out[tuple(dst)].copy_(files.region(info, c, tuple(src)))
     return out
+
+
+def read_region(f: StoredFile, offset: int, dtype: torch.dtype, shape: tuple[int, ...], index: tuple[slice, ...],
+                *, entry: str | None = None) -> torch.Tensor:
+    """``tensor[index]`` (one slice per dimension, positive steps) of the C-contiguous tensor of ``dtype`` and
+    ``shape`` stored at ``offset`` of ``f`` (a file without a mapping), in a new tensor: only the bytes of
+    the elements selected are read, as the selection's contiguous runs, together (``StoredFile.read_batch``:
+    on an object store, runs close together join into one ranged GET; reading/fetches.py)."""
+    return FetchReads(f).materialize(placeholder(offset, dtype, shape)[index], entry)
 
 
 def read_selection(files: ChunkBackend, info: EntryInfo, sel: list[tuple[int, int, int]]) -> torch.Tensor:

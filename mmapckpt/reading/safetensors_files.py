@@ -3,7 +3,9 @@
 The header is parsed by ``format/safetensors.py``, the one parser of it in the package. A
 tensor is a view over the file mapping when its file offset is a multiple of its element
 size (what ``save_file`` writes); otherwise its bytes are copied into a new, aligned tensor,
-because torch cannot view misaligned elements.
+because torch cannot view misaligned elements. On a medium without mappings (an object store) a
+tensor is read into a new tensor through ``StoredFile.read_into``, and a slice of one reads only
+the byte ranges it needs (reading/regions.py ``read_region``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from ..format.safetensors import MAX_HEADER_SIZE, SafetensorsHeader, looks_like_
 from ..io.mapped import MappedFile
 from ..storage.base import StoredFile
 from ..storage.local import LocalFile
+from .fetches import placeholder
+from .regions import read_region
 
 __all__ = ["SafetensorsFile", "SafetensorsFiles", "read_header", "is_safetensors_file"]
 
@@ -78,6 +82,13 @@ class SafetensorsFile:
             return self.file.view(offset, dtype, shape)
         return self.file.raw(offset, length).clone().view(dtype).view(shape)
 
+    def region(self, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...],
+               index: tuple[slice, ...]) -> torch.Tensor:
+        """``view(...)[index]``: over the mapping where there is one, else only the bytes ``index`` needs, read."""
+        if self.file is None:
+            return read_region(self.stored, offset, dtype, shape, index)
+        return self.view(offset, length, dtype, shape)[index]
+
     def close(self) -> None:
         self.stored.close()
 
@@ -94,13 +105,22 @@ class SafetensorsFiles:
     def __init__(self, root: str, files: dict[str, SafetensorsFile]) -> None:
         self.root, self.files = root, files
 
-    def chunk(self, info: EntryInfo, c: ChunkInfo) -> torch.Tensor:
-        return self.files[c.file].view(c.file_offset, c.length, info.dtype, c.sizes)  # type: ignore[arg-type]
+    def chunk(self, info: EntryInfo, c: ChunkInfo, *, lazy: bool = False) -> torch.Tensor:
+        f = self.files[c.file]
+        if lazy and f.file is None:  # its bounds were checked when the header was parsed
+            return placeholder(c.file_offset, info.dtype, c.sizes)  # type: ignore[arg-type]
+        return f.view(c.file_offset, c.length, info.dtype, c.sizes)  # type: ignore[arg-type]
 
-    def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | None:
-        """The mapping ``chunk`` returns a view of (for direct reads), or None where it returns a copy."""
-        f = self.files[c.file].file
-        return f if f is not None and not c.file_offset % info.dtype.itemsize else None  # type: ignore[union-attr]
+    def region(self, info: EntryInfo, c: ChunkInfo, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.files[c.file].region(c.file_offset, c.length, info.dtype, c.sizes, index)  # type: ignore[arg-type]
+
+    def mapped(self, info: EntryInfo, c: ChunkInfo) -> MappedFile | StoredFile | None:
+        """The mapping ``chunk`` returns a view of (for direct reads), the file where it has no mapping (its
+        bytes are read wherever they lie), or None where ``chunk`` returns a copy (a misaligned tensor)."""
+        f = self.files[c.file]
+        if f.file is None:
+            return f.stored
+        return f.file if not c.file_offset % info.dtype.itemsize else None  # type: ignore[union-attr]
 
     def advise(self, c: ChunkInfo, advice: int) -> None:
         f = self.files[c.file].file

@@ -32,6 +32,7 @@ from ..io.mapped import MappedFile
 from ..storage.base import StoredFile
 from ..storage.local import LocalFile
 from .fetches import placeholder
+from .regions import read_region
 
 __all__ = ["Shard", "is_mmapckpt_shard", "encoded_bytes", "decode_entry"]
 
@@ -148,12 +149,7 @@ class Shard:
         decoding every entry of the header), and the bytes must lie after the header, inside
         the file, aligned, and be as long as the shape says.
         """
-        if self._agreed is None:
-            want = (offset, length, fmt.dtype_name(dtype), list(shape))
-            if self._placed.get(key) != want:
-                _refuse_placed(self, key, want)
-        if not self._in_bounds(offset, length):
-            _refuse_region(self, key, offset, length)
+        self._check_placed(key, offset, length, dtype, shape)
         if self.file is not None:
             return self.file.view(offset, dtype, shape)
         if lazy:
@@ -162,6 +158,24 @@ class Shard:
         if length:
             self.stored.read_into(offset, out.reshape(-1).view(torch.uint8).numpy(), entry=_label(key))
         return out
+
+    def region(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
+               shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+        """``view(...)[index]``, checked as :meth:`view`; without a mapping only the bytes ``index`` needs are
+        read (reading/regions.py ``read_region``)."""
+        if self.file is not None:
+            return self.view(key, offset, length, dtype, shape)[index]
+        self._check_placed(key, offset, length, dtype, shape)
+        return read_region(self.stored, offset, dtype, shape, index, entry=_label(key))
+
+    def _check_placed(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
+                      shape: tuple[int, ...]) -> None:
+        if self._agreed is None:
+            want = (offset, length, fmt.dtype_name(dtype), list(shape))
+            if self._placed.get(key) != want:
+                _refuse_placed(self, key, want)
+        if not self._in_bounds(offset, length):
+            _refuse_region(self, key, offset, length)
 
     def object_bytes(self, fqn: str, offset: int, length: int) -> bytes:
         """The bytes of the non-tensor entry ``fqn``, placed by the metadata (checked as in :meth:`view`)."""

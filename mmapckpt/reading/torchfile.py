@@ -1,57 +1,161 @@
-"""``torch.save`` files read safely: ``torch.load(weights_only=True, mmap=True)``, flattened to DCP's names.
+"""``torch.save`` files read safely: ``torch.load(weights_only=True)``, flattened to DCP's names.
 
 ``weights_only=True`` admits only tensors, primitive containers and the few classes
-torch allows, so a hostile pickle cannot run code; ``mmap=True`` maps the archive, so
-the tensors are views over torch's own (private) mapping of the file and nothing is read
-until used. A legacy (pre-1.6, non-zip) file cannot be mapped and is loaded whole, with
-a warning. Nested state dicts are flattened as ``dcp.save`` names them
-(``{"model": {"w": t}}`` -> ``"model.w"``), the names ``inspect`` and ``convert`` show.
+torch allows, so a hostile pickle cannot run code. A local file is loaded with
+``mmap=True``: torch maps the archive, so the tensors are views over torch's own (private)
+mapping of the file and nothing is read until used; a legacy (pre-1.6, non-zip) file cannot
+be mapped and is loaded whole, with a warning. A file on a medium without ranged access for
+torch (a URL: reading/located.py) is read whole into memory (as many bytes as the file holds,
+through ``StoredFile.read_into``) and loaded from there, with the same ``weights_only=True``:
+the format has no index of ranges to read tensors by. Nested state dicts are flattened as
+``dcp.save`` names them (``{"model": {"w": t}}`` -> ``"model.w"``), the names ``inspect`` and
+``convert`` show.
 """
 
 from __future__ import annotations
 
-import os
+import io
 import warnings
 import zipfile
-from typing import Any
+from typing import Any, Union
 
 import torch
 
 from ..errors import CheckpointError, FormatError
 from ..format.entries import ChunkInfo, EntryInfo
+from ..storage.base import StoredFile
+from ..storage.local import LocalFile
+from .located import Place
 
-__all__ = ["TorchFiles", "flat_torch_file", "is_torch_file", "load_torch_file"]
+__all__ = ["MemoryFile", "StoredReader", "TorchFiles", "flat_torch_file", "is_torch_file", "is_zip",
+           "load_torch_file", "torch_source"]
+
+#: What a torch.save file is loaded from: a local path (mapped), or its bytes read into memory.
+TorchSource = Union[str, "MemoryFile"]
 
 
-def is_torch_file(path: str) -> bool:
-    """Whether the file looks like a ``torch.save`` file: a zip archive or a pickle (reads 2 bytes)."""
-    with open(path, "rb") as f:
-        head = f.read(2)
-    return head[:1] == b"\x80" or zipfile.is_zipfile(path)
+class StoredReader(io.RawIOBase):
+    """A read-only, seekable window [offset, offset + length) of a stored file (all of it by default), read
+    through ``read_into``, for ``torch.load`` and ``zipfile``."""
+
+    def __init__(self, file: StoredFile, offset: int = 0, length: int | None = None) -> None:
+        self.file, self.base = file, offset
+        self.length = file.size - offset if length is None else length
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        mv = memoryview(buf).cast("B")
+        n = max(0, min(len(mv), self.length - self.pos))
+        if n:
+            self.file.read_into(self.base + self.pos, mv[:n])
+        self.pos += n
+        return n
 
 
-def load_torch_file(path: str) -> Any:
-    """The object a torch.save file holds, loaded with ``weights_only=True`` (mapped where the format allows).
+class MemoryFile(io.RawIOBase):
+    """A torch.save file's bytes, read whole through the storage, as a seekable file (no copy of them);
+    ``path`` names it in messages."""
+
+    def __init__(self, data: Any, path: str) -> None:
+        self.data, self.path, self.pos = memoryview(data).cast("B"), path, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.data)}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        mv = memoryview(buf).cast("B")
+        n = max(0, min(len(mv), len(self.data) - self.pos))
+        mv[:n] = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+def torch_source(place: Place) -> TorchSource:
+    """What to load the torch.save file at ``place`` from: its local path, else its bytes read into memory."""
+    if place.local:
+        return place.path
+    with place.open() as f:
+        return MemoryFile(f.read(0, f.size), f.path)
+
+
+def _path(src: TorchSource) -> str:
+    return src if isinstance(src, str) else src.path
+
+
+def is_zip(src: TorchSource) -> bool:
+    """Whether the torch.save file is a zip archive (the format since torch 1.6)."""
+    if isinstance(src, str):
+        return zipfile.is_zipfile(src)
+    src.seek(0)
+    return zipfile.is_zipfile(src)
+
+
+def is_torch_file(file: StoredFile | str) -> bool:
+    """Whether the file looks like a ``torch.save`` file: a zip archive or a pickle (reads 2 bytes, and a zip
+    archive's end)."""
+    f = LocalFile(file) if isinstance(file, str) else file
+    try:
+        head = bytes(f.read(0, min(2, f.size)))
+        return head[:1] == b"\x80" or zipfile.is_zipfile(StoredReader(f))
+    finally:
+        if isinstance(file, str):
+            f.close()
+
+
+def load_torch_file(src: TorchSource | Place) -> Any:
+    """The object a torch.save file holds, loaded with ``weights_only=True`` (mapped where the format and the
+    medium allow).
 
     Raises:
         FormatError: not loadable that way (not a torch.save file, or one holding classes
             ``weights_only`` refuses).
     """
+    if isinstance(src, Place):
+        src = torch_source(src)
+    path = _path(src)
     try:
+        if not isinstance(src, str):
+            src.seek(0)
+            return torch.load(src, map_location="cpu", weights_only=True)
         try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(src, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
             if "mmap" not in str(e):
                 raise
             warnings.warn(f"{path}: legacy torch.save format cannot be memory-mapped; loading it whole",
                           stacklevel=3)
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(src, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch.load raises on a hostile file is a format error
         raise FormatError(f"not loadable with torch.load(weights_only=True): {type(e).__name__}: {e}",
                           path=path) from None
 
 
-def flat_torch_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def flat_torch_file(src: TorchSource | Place) -> tuple[dict[str, Any], dict[str, Any]]:
     """The file's state dict flattened as ``dcp.save`` names it, and DCP's mapping back to the nesting.
 
     Raises:
@@ -59,18 +163,21 @@ def flat_torch_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    obj = load_torch_file(path)
+    if isinstance(src, Place):
+        src = torch_source(src)
+    obj = load_torch_file(src)
     if not isinstance(obj, dict):
-        raise FormatError(f"torch.save file holds a {type(obj).__name__}, not a state dict", path=path)
+        raise FormatError(f"torch.save file holds a {type(obj).__name__}, not a state dict", path=_path(src))
     return flatten_state_dict(obj)
 
 
 class TorchFiles:
     """The chunk backend of ``mmapckpt.open`` for a torch.save file: every value loaded (lazily mapped) on open.
 
-    Tensors are returned as torch.load built them (views over torch's mapping of the file,
-    with the strides and storage sharing they were saved with); non-tensor values were
-    unpickled with ``weights_only=True`` and need no ``allow_unpickle``. No checksums.
+    Tensors are returned as torch.load built them (views over torch's mapping of a local file,
+    or tensors in memory for a file read whole, with the strides and storage sharing they were
+    saved with); non-tensor values were unpickled with ``weights_only=True`` and need no
+    ``allow_unpickle``. No checksums.
     """
 
     pickled_objects = False
@@ -79,10 +186,10 @@ class TorchFiles:
         self.path, self.values = path, values
 
     @classmethod
-    def open(cls, path: str) -> tuple[TorchFiles, dict[str, EntryInfo]]:
+    def open(cls, place: Place) -> tuple[TorchFiles, dict[str, EntryInfo]]:
         """Load the file; return the backend and its index (one whole-tensor chunk per tensor)."""
-        flat, _ = flat_torch_file(path)
-        rel = os.path.basename(path)
+        flat, _ = flat_torch_file(place)
+        rel, path = place.name or "", place.path
         values: dict[str, Any] = {}
         entries: dict[str, EntryInfo] = {}
         for i, (name, v) in enumerate(flat.items()):
@@ -100,8 +207,11 @@ class TorchFiles:
                 values[name] = v
         return cls(path, values), entries
 
-    def chunk(self, info: EntryInfo, c: ChunkInfo) -> torch.Tensor:
-        return self.values[info.name]
+    def chunk(self, info: EntryInfo, c: ChunkInfo, *, lazy: bool = False) -> torch.Tensor:
+        return self.values[info.name]  # in memory already (``mapped`` is None: never a placeholder)
+
+    def region(self, info: EntryInfo, c: ChunkInfo, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.values[info.name][index]
 
     def mapped(self, info: EntryInfo, c: ChunkInfo) -> None:
         return None  # torch owns the mapping: its tensors are copied from, never read around

@@ -85,21 +85,23 @@ def _add_lazy(name: str, p: argparse.ArgumentParser) -> dict[str, str]:
 
 def _args_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="checkpoint directory (mmapckpt or DCP), .safetensors file or index "
-                   "directory, or torch.save file")
+                   "directory, or torch.save file; or a URL of one (scheme://...)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(_run=_run_inspect)
 
 
 def _args_verify(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="mmapckpt checkpoint directory")
+    p.add_argument("path", help="mmapckpt checkpoint directory (or a safetensors or torch.save checkpoint: what "
+                   "its format allows); or a URL of one (scheme://...)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="print only problems: nothing, and exit 0, on a sound checkpoint")
     p.set_defaults(_run=_run_verify)
 
 
 def _args_convert(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="source checkpoint (format detected)")
-    p.add_argument("dst", help="destination (directory for mmapckpt, dcp and sharded safetensors; else a file)")
+    p.add_argument("src", help="source checkpoint (format detected); a path or a URL (scheme://...)")
+    p.add_argument("dst", help="destination (directory for mmapckpt, dcp and sharded safetensors; else a file); "
+                   "a path or a URL, written through its storage")
     p.add_argument("--to", required=True, choices=FORMATS, help="target format")
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="safetensors only: write Hugging Face-style shards of at most SIZE (e.g. 5GB, 500MiB) "

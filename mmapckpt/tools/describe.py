@@ -6,6 +6,7 @@ Pure functions returning data; the command line only prints it.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,13 +85,16 @@ def _dtype(dtype: Any) -> str:
         return str(dtype).removeprefix("torch.")
 
 
-def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
+def inspect_checkpoint(path: str | os.PathLike[str], *,
+                       storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
     """Describe the checkpoint at ``path`` (mmapckpt, stock DCP, safetensors or torch.save).
 
-    Reads metadata and headers only (a torch.save file is mapped, not read).
+    Reads metadata and headers only (a local torch.save file is mapped, not read; one at a URL
+    is read whole, as its format has no index to read by).
 
     Args:
-        path: a checkpoint directory or file in any supported format.
+        path: a checkpoint directory or file in any supported format, or a URL of a registered medium.
+        storage_options: for the medium of a URL (``storage/location.py`` ``storage_for``).
 
     Raises:
         CheckpointError: nothing recognisable at ``path``, or its metadata is damaged.
@@ -99,7 +103,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
         >>> info = inspect_checkpoint("ckpt")  # doctest: +SKIP
         >>> [(e.name, e.dtype, e.shape) for e in info.entries]  # doctest: +SKIP
     """
-    with open_source(path) as src:
+    with open_source(path, storage_options=storage_options) as src:
         entries = []
         for name, item in src.items():
             if isinstance(item, TensorStorageMetadata):

@@ -25,6 +25,7 @@ import fnmatch
 import os
 import re
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,22 +37,18 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CheckpointError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 from ..format import layout as fmt
-from ..reading.locate import (
-    SAFETENSORS_SINGLE,
-    detect_format,
-    index_file,
-    safetensors_files,
-)
+from ..reading.located import Place, locate
+from ..reading.locate import SAFETENSORS_SINGLE, index_name, place_format, safetensors_files
 from ..format.metadata import KIND_MMAPCKPT
 from ..format.safetensors import entry_infos
 from ..format.transforms import StreamTransforms
 from ..io.progress import Progress, human_bytes
 from ..reading.safetensors_files import SafetensorsFile
 from ..reading.shard import Shard, check_size_unchanged, decode_entry
-from ..reading.torchfile import flat_torch_file
+from ..reading.torchfile import TorchSource, flat_torch_file, is_zip, torch_source
 from ..storage.base import CheckpointStorage
 from ..storage.commits import read_metadata, read_user_metadata
-from ..storage.location import storage_for
+from ..storage.location import is_url, storage_for
 from .wording import count
 
 __all__ = ["Problem", "FileWarning", "VerifyReport", "verify_checkpoint"]
@@ -121,7 +118,8 @@ def _label(idx: MetadataIndex) -> str:
     return idx.fqn if idx.offset is None else f"{idx.fqn}@{list(idx.offset)}"
 
 
-def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False) -> VerifyReport:
+def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False,
+                      storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Check the checkpoint at ``path``; return every problem found.
 
     For an mmapckpt checkpoint, reads every byte of every entry (to check its CRC-32).
@@ -130,8 +128,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False) -
     which). The checkpoint is sound when ``report.ok``.
 
     Args:
-        path: a checkpoint directory or file.
+        path: a checkpoint directory or file, or a URL of a registered medium (reading/located.py).
         progress: draw a progress bar on stderr when it is a terminal.
+        storage_options: for the medium of a URL (``storage/location.py`` ``storage_for``).
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist at all.
@@ -141,15 +140,25 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False) -
         >>> report.ok, [str(p) for p in report.problems]  # doctest: +SKIP
     """
     p = os.fspath(path)
-    if not os.path.exists(p):
-        raise CheckpointNotFoundError("no such file or directory", path=p)
+    try:
+        place: Place | None = locate(p, options=storage_options)
+    except CheckpointNotFoundError:
+        if is_url(p) or not os.path.exists(p):
+            raise
+        place = None  # neither a file nor a directory: the metadata check reports it
     report = VerifyReport(p)
-    flat = _flat_kind(p)
-    if flat is not None:
-        with Progress(_flat_bytes(p, flat), "verify", enabled=progress) as bar:
-            (_verify_safetensors if flat == "safetensors" else _verify_torch)(p, report, bar)
+    flat = _flat_kind(place) if place is not None else None
+    if flat == "safetensors":
+        with Progress(0, "verify", enabled=progress) as bar:
+            _verify_safetensors(place, report, bar)  # type: ignore[arg-type]
         return report
-    storage = storage_for(p)
+    if flat == "torch":
+        src = torch_source(place)  # type: ignore[arg-type]  # a file at a URL: read once, for both checks
+        with Progress(_flat_bytes(src), "verify", enabled=progress) as bar:
+            _verify_torch(src, p, report, bar)
+        return report
+    dir_place = place is not None and place.is_dir
+    storage = place.storage if dir_place else storage_for(p, options=storage_options)  # type: ignore[union-attr]
     md = _check_metadata(storage, report)
     if md is None:
         return report
@@ -161,47 +170,55 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False) -
     with Progress(total, "verify", enabled=progress) as bar:
         for rel in sorted(per_file):
             _check_shard(storage, rel, per_file[rel], md, report, bar)
-    _check_directory(p, set(per_file), report)
+    _check_directory(storage, p, is_url(p), set(per_file), report)
     return report
 
 
-def _flat_kind(p: str) -> str | None:
-    """``"safetensors"`` or ``"torch"`` for a checkpoint of those formats at ``p``; None for anything else
-    (DCP directories, and paths that are no checkpoint: the metadata check reports those)."""
-    if os.path.isdir(p):
-        if os.path.exists(os.path.join(p, ".metadata")):
+def _flat_kind(place: Place) -> str | None:
+    """``"safetensors"`` or ``"torch"`` for a checkpoint of those formats at ``place``; None for anything else
+    (DCP directories, and places that hold no checkpoint: the metadata check reports those)."""
+    if place.is_dir:
+        storage = place.storage
+        if os.path.exists(os.path.join(place.path, ".metadata")) if place.local else storage.exists(".metadata"):
             return None
-        return "safetensors" if index_file(p) or os.path.isfile(os.path.join(p, SAFETENSORS_SINGLE)) else None
+        return "safetensors" if index_name(storage) or storage.exists(SAFETENSORS_SINGLE) else None
     try:
-        kind = detect_format(p)
+        kind = place_format(place)
     except CheckpointError:
         return None
     return kind if kind in ("safetensors", "torch") else None
 
 
-def _flat_bytes(p: str, kind: str) -> int:
-    if kind == "torch" and zipfile.is_zipfile(p):
-        with zipfile.ZipFile(p) as z:
+def _flat_bytes(src: TorchSource) -> int:
+    if is_zip(src):
+        with zipfile.ZipFile(_rewound(src)) as z:
             return sum(i.file_size for i in z.infolist())
     return 0
+
+
+def _rewound(src: TorchSource) -> Any:
+    if not isinstance(src, str):
+        src.seek(0)
+    return src
 
 
 _NO_CHECKSUMS = ("safetensors files carry no checksums: the tensors' bytes could not be checked (only mmapckpt "
                  "checkpoints have a CRC-32 per entry: `mmapckpt convert SRC DST --to mmapckpt` makes one)")
 
 
-def _verify_safetensors(p: str, report: VerifyReport, bar: Progress) -> None:
+def _verify_safetensors(place: Place, report: VerifyReport, bar: Progress) -> None:
     try:
-        files, idx = safetensors_files(p)
+        files, idx = safetensors_files(place)
     except CheckpointError as e:
-        report.problems.append(Problem.of(e, p))
+        report.problems.append(Problem.of(e, place.path))
         return
     if idx is not None:
-        report.checked.append(f"index {idx}: {count(sum(len(n or ()) for n in files.values()), 'tensor')} in "
-                              f"{count(len(files), 'file')}, every file present")
-    for full, names in files.items():
+        report.checked.append(f"index {place.full(idx)}: {count(sum(len(n or ()) for n in files.values()), 'tensor')} "
+                              f"in {count(len(files), 'file')}, every file present")
+    for rel, names in files.items():
+        full = place.full(rel)
         try:
-            f = SafetensorsFile(full)
+            f = SafetensorsFile(place.open(rel))
             f.close()
             header = f.header
             entry_infos(header, full, names)  # every name the index puts in this file is in its header
@@ -216,20 +233,20 @@ def _verify_safetensors(p: str, report: VerifyReport, bar: Progress) -> None:
     report.notes.append(_NO_CHECKSUMS)
 
 
-def _verify_torch(p: str, report: VerifyReport, bar: Progress) -> None:
+def _verify_torch(src: TorchSource, p: str, report: VerifyReport, bar: Progress) -> None:
     try:
-        flat, _ = flat_torch_file(p)
+        flat, _ = flat_torch_file(src)
         tensors = sum(1 for v in flat.values() if hasattr(v, "dtype"))
         report.checked.append(f"{p}: loads with torch.load(weights_only=True): {count(len(flat), 'entry')} ("
                               f"{count(tensors, 'tensor')}), no code run")
     except CheckpointError as e:
         report.problems.append(Problem.of(e, p))
-    if not zipfile.is_zipfile(p):
+    if not is_zip(src):
         report.notes.append(f"{p}: legacy (pre-1.6) torch.save format: it has no checksums, its bytes could not "
                             "be checked")
         return
     before, members = len(report.problems), 0
-    with zipfile.ZipFile(p) as z:
+    with zipfile.ZipFile(_rewound(src)) as z:
         for info in z.infolist():
             members += 1
             try:
@@ -395,12 +412,21 @@ def _why_unreferenced(name: str) -> str:
     return "not referenced by the metadata: not part of the checkpoint (kept; verify did not check it)"
 
 
-def _check_directory(p: str, referenced: set[str], report: VerifyReport) -> None:
-    """Every regular file that is neither a commit (metadata) file nor referenced is a warning with its size."""
-    for name in sorted(os.listdir(p)):
-        full = os.path.join(p, name)
+def _check_directory(storage: CheckpointStorage, p: str, url: bool, referenced: set[str],
+                     report: VerifyReport) -> None:
+    """Every regular file that is neither a commit (metadata) file nor referenced is a warning with its size
+    (at a URL: every file the storage lists that opens)."""
+    for name in sorted(storage.list() if url else os.listdir(p)):
         if name in referenced or any(fnmatch.fnmatchcase(name, c) for c in _COMMITS):
             continue
+        if url:
+            try:
+                with storage.open_file(name) as f:
+                    report.warnings.append(FileWarning(f.path, f.size, _why_unreferenced(name)))
+            except CheckpointError:
+                pass  # gone meanwhile, or no file (an upload in progress)
+            continue
+        full = os.path.join(p, name)
         try:
             st = os.lstat(full)
         except OSError:

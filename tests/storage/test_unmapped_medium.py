@@ -1,9 +1,9 @@
 """Every reader goes through the storage seam: a medium that cannot map files gives the same bytes.
 
-``Unmapped`` is a second implementation of ``storage/base.py``'s ``CheckpointStorage`` for a
-location reached as ``unmapped://DIR``: its files have no mapping (as on an object store), so
-every byte must come through ``StoredFile.read_into``, which it counts. ``dcp.load`` with
-``MmapReader``, ``open``/``get_tensor``/``get_slice``, ``load`` and ``load_into`` read an mmapckpt
+``Unmapped`` (tests/unmapped.py) is a second implementation of ``storage/base.py``'s
+``CheckpointStorage`` for a location reached as ``unmapped://DIR``: its files have no mapping (as
+on an object store), so every byte must come through ``StoredFile.read_into``, which it counts.
+``dcp.load`` with ``MmapReader``, ``open``/``get_tensor``/``get_slice``, ``load`` and ``load_into`` read an mmapckpt
 checkpoint and a stock DCP one through it, bitwise equal to the local reads, and each read
 only through the seam (the bytes it counts; no file of the directory opened otherwise).
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
 
 import pytest
 import torch
@@ -21,50 +20,6 @@ from helpers import assert_tree_equal, tensor_bytes
 
 import mmapckpt
 from mmapckpt.reading.shard import Shard
-from mmapckpt.storage import local, location
-from mmapckpt.storage.base import StoredFile
-
-
-class _UnmappedFile(StoredFile):
-    """A file of the medium: read by range only, every byte counted."""
-
-    def __init__(self, inner: local.LocalFile, counter: list[int]) -> None:
-        self.inner, self.counter = inner, counter
-        self.path, self.size, self.ident = "unmapped://" + inner.path, inner.size, inner.ident
-
-    def read_into(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
-        self.inner.read_into(offset, buf, entry=entry)
-        self.counter[0] += memoryview(buf).nbytes
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class Unmapped(local.LocalStorage):
-    """A local directory served as a medium without mappings (``can_map`` False)."""
-
-    can_map = False
-    #: bytes read through the seam, by every instance (one per reader)
-    counter = [0]
-
-    def __init__(self, url: str, options: Any = None) -> None:
-        super().__init__(url.split("://", 1)[1])
-
-    def full(self, name: str) -> str:
-        return "unmapped://" + super().full(name)
-
-    def open_file(self, name: str) -> StoredFile:  # type: ignore[override]
-        return _UnmappedFile(super().open_file(name), self.counter)
-
-
-@pytest.fixture
-def medium():
-    location.register_scheme("unmapped", Unmapped)
-    Unmapped.counter[0] = 0
-    try:
-        yield Unmapped.counter
-    finally:
-        location.register_scheme("unmapped", None)
 
 
 def _sd() -> dict[str, torch.Tensor]:

@@ -1,0 +1,265 @@
+"""The write side of conversions to full-tensor formats: safetensors (a file, or Hugging Face shards with an index)
+and ``torch.save``.
+
+Each tensor is assembled from its chunks: a chunk that is a contiguous run of the tensor's
+bytes (every single-chunk tensor, and row-wise shards) is written straight from the source;
+only chunks split along inner dimensions are gathered in a buffer of one tensor. Memory
+therefore stays at most one tensor plus one chunk, whatever the checkpoint's size. A
+safetensors file is written to a new local path, or into a storage at a URL through a
+``FileOutput`` (the tensors' bytes in order, the header, known before them, as its head last),
+byte for byte the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from ..errors import CheckpointError
+from ..io.files import fsync_dir, map_file, pwrite_all
+from ..io.progress import Progress
+from ..storage.base import CheckpointStorage, FileOutput
+from .common import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, Source, Writing
+from .outputs import Put, commit_to, fresh_name, fsync_file, nbytes, raw_bytes, storage_of, write_stored
+
+__all__ = ["write_safetensors", "write_safetensors_file", "write_torch", "safetensors_shards"]
+
+_ST_CODES = {dt: code for code, dt in SAFETENSORS_DTYPES.items()}
+
+
+def _write_full_tensor(put: Put, base: int, fqn: str, md: TensorStorageMetadata, src: Source,
+                       progress: Progress) -> None:
+    """Write tensor ``fqn`` in C order at ``base`` through ``put``, assembled from its chunks, at ascending
+    offsets."""
+    shape, item = tuple(md.size), md.properties.dtype.itemsize
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel == 0:  # the chunks tile the tensor: every source's index was checked (format/tiling.py)
+        return
+    row = item
+    for s in shape[1:]:
+        row *= s
+    if all(tuple(c.sizes)[1:] == shape[1:] for c in md.chunks):  # each chunk is one contiguous run of bytes
+        for c in sorted(md.chunks, key=lambda c: tuple(c.offsets)):
+            buf = raw_bytes(src.read_tensor(MetadataIndex(fqn, c.offsets)))
+            put(base + (c.offsets[0] * row if shape else 0), buf)
+            progress.advance(len(buf))
+        return
+    full = torch.empty(shape[:-1] + (shape[-1] * item,), dtype=torch.uint8)
+    for c in md.chunks:
+        chunk = src.read_tensor(MetadataIndex(fqn, c.offsets)).detach().cpu().contiguous().view(torch.uint8)
+        region = full
+        for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
+            o, s = (o * item, s * item) if d == len(shape) - 1 else (o, s)
+            region = region.narrow(d, o, s)
+        region.copy_(chunk)
+        progress.advance(chunk.numel())
+        del chunk
+    put(base, memoryview(full.reshape(-1).numpy()))
+
+
+def _split_entries(src: Source) -> tuple[list[tuple[str, TensorStorageMetadata]], list[str]]:
+    tensors, others = [], []
+    for fqn, item in src.items():
+        (tensors.append((fqn, item)) if isinstance(item, TensorStorageMetadata) else others.append(fqn))
+    return tensors, others
+
+
+def _shard_groups(tensors: list[tuple[str, TensorStorageMetadata]], limit: int | None) -> list[list[Any]]:
+    """Consecutive tensors packed into files of at most ``limit`` bytes (a larger tensor gets its own file)."""
+    if limit is None:
+        return [tensors]
+    groups: list[list[Any]] = [[]]
+    size = 0
+    for t in tensors:
+        n = nbytes(t[1])
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += n
+    return groups
+
+
+def safetensors_shards(src: Source, limit: int) -> list[tuple[str, list[tuple[str, TensorStorageMetadata]]]]:
+    """The Hugging Face shards of the tensors of ``src``, at most ``limit`` bytes each: ``[(file name, tensors)]``
+    (refused where a dtype has no safetensors code)."""
+    tensors, _ = _split_entries(src)
+    _check_safetensors_dtypes(src, tensors)
+    groups = _shard_groups(tensors, limit)
+    return [(f"model-{i:05d}-of-{len(groups):05d}.safetensors", group) for i, group in enumerate(groups, 1)]
+
+
+def _check_safetensors_dtypes(src: Source, tensors: list[tuple[str, TensorStorageMetadata]]) -> None:
+    for fqn, md in tensors:
+        if md.properties.dtype not in _ST_CODES:
+            raise CheckpointError(f"safetensors cannot store dtype {md.properties.dtype}", path=src.path, entry=fqn)
+
+
+def _safetensors_layout(tensors: list[tuple[str, TensorStorageMetadata]],
+                        user_metadata: dict[str, str] | None) -> tuple[list[tuple[str, Any, int]], bytes, int]:
+    """``([(fqn, md, data offset)], head (length + header), file size)`` of a safetensors file of ``tensors``."""
+    # Widest dtypes first keeps every tensor's data aligned to its itemsize, as safetensors itself does.
+    tensors = sorted(tensors, key=lambda t: -t[1].properties.dtype.itemsize)
+    # "format": "pt" as save_pretrained writes it (transformers refuses other values), then the user's
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(user_metadata or {})}}
+    pos = 0
+    for fqn, md in tensors:
+        n = nbytes(md)
+        header[fqn] = {"dtype": _ST_CODES[md.properties.dtype], "shape": list(md.size), "data_offsets": [pos, pos + n]}
+        pos += n
+    hb = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    hb += b" " * (-len(hb) % 8)
+    start = 8 + len(hb)
+    placed = [(fqn, md, start + header[fqn]["data_offsets"][0]) for fqn, md in tensors]
+    return placed, len(hb).to_bytes(8, "little") + hb, start + pos
+
+
+def _write_safetensors_file(path: str, tensors: list[tuple[str, TensorStorageMetadata]], src: Source,
+                            progress: Progress, user_metadata: dict[str, str] | None = None) -> None:
+    placed, head, size = _safetensors_layout(tensors, user_metadata)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with Writing(path) as w:
+            os.ftruncate(fd, size)
+            pwrite_all(fd, head, 0)
+            for fqn, md, at in placed:
+                w.entry = fqn
+                _write_full_tensor(lambda o, b: pwrite_all(fd, b, o), at, fqn, md, src, progress)
+            w.entry = None
+            fsync_file(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors_file(storage: CheckpointStorage, name: str, tensors: list[tuple[str, TensorStorageMetadata]],
+                           src: Source, progress: Progress, user_metadata: dict[str, str] | None = None) -> None:
+    """The safetensors file of ``tensors`` as file ``name`` of ``storage`` (a ``FileOutput``: the tensors' bytes
+    in order, the header, known first, written as its head last), byte for byte the local file."""
+    placed, head, size = _safetensors_layout(tensors, user_metadata)
+
+    def body(out: FileOutput, w: Writing) -> bytes:
+        for fqn, md, at in placed:
+            w.entry = fqn
+            _write_full_tensor(out.put, at, fqn, md, src, progress)
+        w.entry = None
+        return head
+
+    write_stored(storage, name, size, len(head), body)
+
+
+def write_safetensors(src: Source, out: str | CheckpointStorage, *, max_shard_size: int | None, progress: Progress,
+                      user_metadata: dict[str, str] | None = None, name: str = "", avoid: Collection[str] = (),
+                      created: list[str] | None = None) -> list[str]:
+    """Write the tensors of ``src`` as one safetensors file, or as HF-style shards with an index.
+
+    ``out`` is a new local path (the file, or the shards' directory), or a storage: the file
+    ``name`` of it, or the shards and the index, committed last; there a shard whose name a file
+    has (``avoid``) is named with a tag in it (outputs.py ``fresh_name``: the index names it, so no
+    file an old index names is overwritten before the new index replaces it), and each shard is
+    appended to ``created`` once written. ``user_metadata`` goes into every file's
+    ``__metadata__`` (after ``"format": "pt"``); the index's ``metadata`` holds only
+    ``total_size``, as Hugging Face writes it. Returns the names of the non-tensor entries, which
+    safetensors cannot hold.
+    """
+    tensors, dropped = _split_entries(src)
+    _check_safetensors_dtypes(src, tensors)
+    if max_shard_size is None:
+        if isinstance(out, str):
+            _write_safetensors_file(out, tensors, src, progress, user_metadata)
+        else:
+            write_safetensors_file(out, name, tensors, src, progress, user_metadata)
+            if created is not None:
+                created.append(name)
+        return dropped
+    storage = storage_of(out)
+    tag = str(uuid.uuid4())
+    weight_map = {}
+    for shard, group in safetensors_shards(src, max_shard_size):
+        if isinstance(out, str):
+            _write_safetensors_file(os.path.join(out, shard), group, src, progress, user_metadata)
+        else:
+            shard = fresh_name(shard, tag, avoid)
+            write_safetensors_file(storage, shard, group, src, progress, user_metadata)
+            if created is not None:
+                created.append(shard)
+        weight_map.update({fqn: shard for fqn, _ in group})
+    index = {"metadata": {"total_size": sum(nbytes(md) for _, md in tensors)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    commit_to(out, storage, SAFETENSORS_INDEX, (json.dumps(index, indent=2) + "\n").encode("utf-8"))
+    if isinstance(out, str):
+        fsync_dir(out)
+    return dropped
+
+
+# --------------------------------------------------------------------------- torch.save
+def write_torch(src: Source, out: str, *, progress: Progress) -> list[str]:
+    """Write ``src`` as one ``torch.save`` file of a flat state dict (fqn -> tensor or object).
+
+    Tensors are assembled into a scratch file first and saved from a mapping of it,
+    so torch.save never needs the whole state dict in memory. Returns the non-tensor
+    entries that could not be unpickled safely (``weights_only=True``) and were left out.
+    """
+    tensors, _ = _split_entries(src)
+    scratch = f"{out}.scratch-{uuid.uuid4().hex[:8]}"
+    places, pos = {}, 0
+    for fqn, md in tensors:
+        places[fqn] = pos
+        pos = (pos + nbytes(md) + 63) // 64 * 64
+    dropped: list[str] = []
+    try:
+        fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with Writing(scratch) as w:
+                os.ftruncate(fd, pos)
+                for fqn, md in tensors:
+                    w.entry = fqn
+                    _write_full_tensor(lambda o, b: pwrite_all(fd, b, o), places[fqn], fqn, md, src, progress)
+        finally:
+            os.close(fd)
+        _save_from_scratch(src, scratch, pos, places, out, dropped)
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+    return dropped
+
+
+def _save_from_scratch(src: Source, scratch: str, size: int, places: dict[str, int], out: str,
+                       dropped: list[str]) -> None:
+    mapping = map_file(scratch, size)
+    state = _scratch_state(src, mapping, places, dropped)
+    try:
+        with Writing(out) as w, open(out, "xb") as f:
+            torch.save(state, w.record(f))
+            f.flush()
+            fsync_file(f.fileno())
+    finally:  # the scratch file's pages go with the last view of them: also while a failure's traceback lives
+        state.clear()
+        del state, mapping
+
+
+def _scratch_state(src: Source, mapping: Any, places: dict[str, int], dropped: list[str]) -> dict[str, Any]:
+    """The state dict torch.save writes: tensors are views over the scratch file's mapping."""
+    view = memoryview(mapping) if mapping is not None else None
+    state: dict[str, Any] = {}
+    for fqn, item in src.items():
+        if isinstance(item, TensorStorageMetadata):
+            n, dtype = nbytes(item), item.properties.dtype
+            if n == 0:
+                state[fqn] = torch.empty(tuple(item.size), dtype=dtype)
+            else:  # a storage of exactly this tensor's bytes: torch.save writes only them
+                raw = torch.frombuffer(view[places[fqn]:places[fqn] + n], dtype=torch.uint8)  # type: ignore[index]
+                state[fqn] = raw.view(dtype).reshape(tuple(item.size))
+            continue
+        try:
+            state[fqn] = src.read_object(MetadataIndex(fqn))
+        except Exception:  # an object weights_only refuses: we never run arbitrary pickles
+            dropped.append(fqn)
+    return state

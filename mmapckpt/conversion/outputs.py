@@ -1,0 +1,151 @@
+"""Where a conversion's files go: a new local path (the driver swaps it in), or a storage at a URL.
+
+What every sink shares: a tensor's bytes (:func:`raw_bytes`), the storage a sink writes into
+(:func:`storage_of`), its small files committed (:func:`commit_to`), a data file written through a
+``FileOutput`` (:func:`write_stored`: it appears under its name only once complete, and any
+failure aborts it), and new names that take no name already there (:func:`fresh_name`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..errors import CheckpointWriteError
+from ..io.files import atomic_write
+from ..storage.base import CheckpointStorage, FileOutput
+from ..storage.local import LocalStorage
+from .common import SAFETENSORS_SINGLE, Writing
+
+__all__ = ["Put", "Appending", "raw_bytes", "nbytes", "fsync_file", "fresh_name", "storage_of", "commit_to",
+           "write_stored", "checkpoint_files", "is_commit_file"]
+
+#: Where tensor bytes go: ``put(offset, data)`` (a ``pwrite`` into a local file, a ``FileOutput.put``).
+Put = Callable[[int, Any], None]
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in C order; no copy where it is already contiguous on the CPU."""
+    flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    if flat.stride(0) != 1:  # one element counts as contiguous whatever its stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def nbytes(md: TensorStorageMetadata) -> int:
+    n = 1
+    for s in md.size:
+        n *= s
+    return n * md.properties.dtype.itemsize
+
+
+def fsync_file(fd: int) -> None:
+    os.fsync(fd)
+
+
+def fresh_name(rel: str, save_id: str, avoid: Collection[str]) -> str:
+    """``rel``, or, where a file of that name is there (``avoid``), ``rel`` with the save id in it (as a save
+    names a shard whose name is taken: storage/commits.py ``shard_name``), so no file a committed checkpoint
+    references is overwritten before the new commit."""
+    if rel not in avoid:
+        return rel
+    stem, dot, ext = rel.rpartition(".")
+    tag = save_id.replace("-", "")[:8]
+    name = f"{stem}.{tag}.{ext}" if dot and stem else f"{rel}.{tag}"
+    if name in avoid:
+        raise CheckpointWriteError("no free file name (both candidates exist)", path=name)
+    return name
+
+
+def storage_of(out: str | CheckpointStorage) -> CheckpointStorage:
+    """A new local directory (created), or a storage made ready to be written."""
+    if isinstance(out, str):
+        os.makedirs(out)
+        return LocalStorage(out)
+    out.prepare()
+    return out
+
+
+def commit_to(out: str | CheckpointStorage, storage: CheckpointStorage, name: str, data: bytes) -> None:
+    """A small file (the metadata, an index) put in place atomically and durably."""
+    if isinstance(out, str):
+        atomic_write(os.path.join(out, name), data)
+    else:
+        storage.commit(name, data, sync=True)
+
+
+class Appending:
+    """A write-only file for ``torch.save`` whose bytes go to a ``FileOutput`` at ascending offsets."""
+
+    def __init__(self, out: FileOutput) -> None:
+        self.out, self.pos = out, 0
+
+    def write(self, b: Any) -> int:
+        n = memoryview(b).nbytes
+        if n:
+            self.out.put(self.pos, b)
+            self.pos += n
+        return n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+
+def write_stored(storage: CheckpointStorage, name: str, size: int | None, head: int,
+                 body: Callable[[FileOutput, Writing], bytes | None]) -> None:
+    """File ``name`` of ``storage`` written by ``body(output, writing)``, which returns its first ``head`` bytes
+    (written last); any failure aborts it (nothing appears under the name) and is named as ``Writing`` names it."""
+    out = storage.create_file(name, size, head=head, direct=False, sync=True)
+    try:
+        with Writing(out.path) as w:
+            first = body(out, w)
+            out.finish(first or b"")
+    except BaseException:
+        out.abort()
+        raise
+
+
+#: A DCP checkpoint's own files (mmapckpt and stock alike), with the temp files of its writers.
+_DCP_FILES = (".metadata", "__*.metadata", "__*_*.distcp", "..metadata.tmp-*", ".__*.metadata.tmp-*",
+              ".__*_*.distcp.tmp-*")
+#: A Hugging Face safetensors checkpoint's own files, besides those its index names.
+_HF_FILES = ("*.safetensors.index.json", ".*.safetensors.index.json.tmp-*", SAFETENSORS_SINGLE)
+_HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}(\.[0-9a-f]{8})?\.safetensors$")  # tagged: fresh_name
+
+
+def checkpoint_files(names: Iterable[str], read: Callable[[str], bytes]) -> set[str]:
+    """Which of ``names`` (the files of a directory) belong to a checkpoint there; ``read(name)`` gives an
+    index's bytes (an unreadable index names nothing).
+
+    DCP (mmapckpt or stock): ``.metadata``, ``__*.metadata``, ``__*_*.distcp`` and their writers'
+    temp files. Hugging Face safetensors: every ``*.safetensors.index.json``, the files their
+    ``weight_map`` names, ``model.safetensors`` and ``model-NNNNN-of-NNNNN.safetensors`` (also with the
+    tag a conversion at a URL gives a shard whose name was taken: ``model-NNNNN-of-NNNNN.TAG.safetensors``).
+    """
+    names = set(names)
+    owned = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in _DCP_FILES + _HF_FILES) or _HF_SHARD.match(n)}
+    for idx in [n for n in owned if n.endswith(".safetensors.index.json")]:
+        try:
+            wm = json.loads(read(idx)).get("weight_map", {})
+            owned |= {v for v in wm.values() if isinstance(v, str) and v in names}
+        except Exception:  # noqa: BLE001 - an unreadable index names nothing; the file itself is still replaced
+            pass
+    return owned
+
+
+def is_commit_file(name: str) -> bool:
+    """Whether ``name`` is a file that makes a directory a checkpoint (its metadata, an index)."""
+    return fnmatch.fnmatchcase(name, ".metadata") or fnmatch.fnmatchcase(name, "__*.metadata") or \
+        name.endswith(".safetensors.index.json")
