@@ -267,8 +267,9 @@ def _one(run: _Run, name: str, fn: Callable[[], Any], sd: StateDict, first: bool
 
 
 def _limits(run: _Run, client: Any, bucket: str, prefix: str, sd: StateDict, first: bool) -> None:
-    key = f"{prefix}/mmapckpt/__0_0.distcp"
-    size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/mmapckpt/")["Contents"]
+    shard = next(o for o in listed if o["Key"].endswith(".distcp"))  # its name changes between saves
+    key, size = shard["Key"], shard["Size"]
     buf = memoryview(bytearray(size))
     for part, threads in _GET_SWEEP:
         run.timed(f"limit: GET {part >> 20} MiB x {threads}", lambda: _raw_get(client, bucket, key, size, part,

@@ -12,7 +12,9 @@ from mmapckpt.tools.cli import main
 
 
 def test_bench_storage_quick(s3_env, s3_bucket, s3_server, tmp_path, capsys):
-    assert main(["bench", "--storage", f"s3://{s3_bucket}/bench", "--quick", "--out", str(tmp_path)]) == 0
+    # two repetitions: the second save takes another shard name (the first is committed)
+    assert main(["bench", "--storage", f"s3://{s3_bucket}/bench", "--quick", "--repeats", "2", "--out",
+                 str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "bench_s3.json").read_text())
     rows = doc["rows"]
     for row in ("save: dcp.save + MmapWriter", "load: mmapckpt.load_into", "load: dcp.load + MmapReader",

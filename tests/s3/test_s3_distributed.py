@@ -59,11 +59,13 @@ def _ranks(rank: int, world: int, root: str, out: str) -> None:
         targets = {n: complement(t) for n, t in want.items()}
         dist.barrier()
         options = {"part_size": 1 << 20}  # 1 MiB GETs: about 13 for the state dict's 12.6 MB
+        reader = MmapReader(replicated, read_once=read_once, storage_options=options)
         with GetCounter(options) as gets:
-            dcp.load(targets, storage_reader=MmapReader(replicated, read_once=read_once, storage_options=options))
+            dcp.load(targets, storage_reader=reader)
         assert_same(targets, want, f"rank {rank} read_once={read_once}: ")
         data = [r for r in gets.ranges if r[0].endswith(".distcp") and r[1] > 0]  # not .metadata or a shard header
-        counts[str(read_once)] = {"bytes": gets.bytes, "requests": gets.requests, "data_requests": len(data)}
+        counts[str(read_once)] = {"bytes": gets.bytes, "requests": gets.requests, "data_requests": len(data),
+                                  "bytes_read": reader.bytes_read}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(counts, f)
 
@@ -77,6 +79,9 @@ def test_two_ranks_on_s3(s3_env, s3_bucket, tmp_path):
     once = sum(c["True"]["bytes"] for c in counts)
     assert all(data <= b <= 1.1 * data for b in alone), (alone, data)  # each rank fetched everything itself
     assert data <= once <= 1.1 * data, (once, data)  # read once: each stored byte fetched about once in all
+    # what the readers say they read: every stored byte by each rank alone, by one rank in all read once
+    assert [c["False"]["bytes_read"] for c in counts] == [data, data]
+    assert sum(c["True"]["bytes_read"] for c in counts) == data
     # the requests for data halve; each rank still reads .metadata and the shard header itself
     req_alone = sum(c["False"]["data_requests"] for c in counts)
     req_once = sum(c["True"]["data_requests"] for c in counts)

@@ -27,10 +27,11 @@ from ...errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     IncompleteCheckpointError,
+    TruncatedFileError,
     UnsafePathError,
 )
 from ..base import CheckpointStorage, Lock, StoredFile
-from .failures import is_missing, storage_error, write_error
+from .failures import error_code, is_missing, storage_error, write_error
 from .lock import LOCK_NAME, S3Lock
 from .options import S3Options, client_for, parse_url
 from .reads import ObjectReads
@@ -118,17 +119,38 @@ class S3Storage(CheckpointStorage):
 
     # ------------------------------------------------------------------ reading
     def _head(self, name: str) -> dict[str, Any] | None:
+        """What the object ``name`` is (size, ETag), or None where there is none: one GET of its first
+        ``_HEAD`` bytes, which are kept for the reads that follow (a shard's header, a small file whole),
+        so that opening a file and reading its start is one request, not a HEAD and a GET."""
         found = self._heads.get(name)
         if found is not None:
             return found
+        key = self.key(name)
         try:
-            found = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+            r = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{_HEAD - 1}")
+            first = r["Body"].read()
         except CheckpointError:
             raise
         except Exception as e:
             if is_missing(e):
                 return None
-            raise storage_error(e, self.full(name), what="looking up the object") from e
+            if error_code(e) != "InvalidRange":  # an empty object has no byte 0
+                raise storage_error(e, self.full(name), what="looking up the object") from e
+            try:
+                found = self.client.head_object(Bucket=self.bucket, Key=key)
+            except Exception as e2:
+                if is_missing(e2):
+                    return None
+                raise storage_error(e2, self.full(name), what="looking up the object") from e2
+        else:
+            total = r.get("ContentRange", "").rpartition("/")[2]
+            size = int(total) if total.isdigit() else len(first)
+            if len(first) != min(size, _HEAD):
+                raise TruncatedFileError(f"the store sent {len(first)} of the first {min(size, _HEAD)} bytes",
+                                         path=self.full(name))
+            found = {"ContentLength": size, "ETag": r.get("ETag"), "LastModified": r.get("LastModified")}
+            self._first_bytes[(name, found["ETag"])] = bytearray(first)
+            self.stats.add(len(first), 1)
         self._heads[name] = found  # type: ignore[assignment]
         return found
 
