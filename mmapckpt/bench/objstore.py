@@ -9,14 +9,17 @@ rotating between repetitions. It measures:
   concurrencies: the best is the PUT limit);
 - mmapckpt: ``dcp.save`` with MmapWriter, ``load_into`` into preallocated targets, ``dcp.load``
   with MmapReader (default planner and FastLoadPlanner), ``load`` into new tensors;
-- DCP's own object-store path, FsspecWriter/FsspecReader over s3fs, on the same server;
+- DCP's own object-store path, FsspecWriter/FsspecReader over s3fs, on the same server (the writer
+  with its default single thread and with ``thread_count=4``);
 - peers where they are installed (s3torchconnector's DCP writer/reader); a peer that is not
   installed or fails says why and the run goes on.
 
 Every load is compared bit for bit with the state dict. Each row reports its median time,
 GB/s, the fraction of its limit (loads: the GET limit; saves: the PUT limit), and the CPU
 seconds per GB of this process (the client) and of the store's processes (radosgw and
-ceph-osd, found in /proc on this machine: loopback only), which say which side limits it.
+ceph-osd, found in /proc on this machine: loopback only), with the cores each kept busy, which
+say which side limits it (on a 2-core machine where both share the cores, their sum near 2 means
+the machine's CPU is the limit).
 Objects the run writes are under ``PREFIX/mmapckpt-bench-<id>/`` and removed at the end.
 """
 
@@ -163,7 +166,9 @@ def _rows(url: str, sd: StateDict, targets: StateDict) -> dict[str, Callable[[],
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
         import s3fs  # noqa: F401
         rows["save: dcp.save + FsspecWriter (s3fs)"] = lambda: dcp.save(
-            sd, storage_writer=FsspecWriter(f"{url}/fsspec", thread_count=4), no_dist=True) and None
+            sd, storage_writer=FsspecWriter(f"{url}/fsspec"), no_dist=True) and None
+        rows["save: dcp.save + FsspecWriter (s3fs, thread_count=4)"] = lambda: dcp.save(
+            sd, storage_writer=FsspecWriter(f"{url}/fsspec4", thread_count=4), no_dist=True) and None
         rows["load: dcp.load + FsspecReader (s3fs)"] = lambda: (dcp.load(
             fresh(), storage_reader=FsspecReader(f"{url}/fsspec"), no_dist=True), targets)[1]
     except ImportError as e:
@@ -303,9 +308,11 @@ def _document(run: _Run, cfg: dict[str, Any], url: str) -> dict[str, Any]:
             rows[name] = rec
             continue
         med = statistics.median(rec["s"])
+        client, server = statistics.median(rec["client_cpu"]), statistics.median(rec["server_cpu"])
         rows[name] = {"median_s": med, "min_s": min(rec["s"]), "max_s": max(rec["s"]), "gb_per_s": gb / med,
-                      "client_cpu_s_per_gb": statistics.median(rec["client_cpu"]) / gb,
-                      "server_cpu_s_per_gb": statistics.median(rec["server_cpu"]) / gb, "times_s": rec["s"]}
+                      "client_cpu_s_per_gb": client / gb, "server_cpu_s_per_gb": server / gb,
+                      # cores kept busy while the row ran: which side (if either) is near its share of the machine
+                      "client_cores": client / med, "server_cores": server / med, "times_s": rec["s"]}
     gets = {n: r for n, r in rows.items() if n.startswith("limit: GET") and "median_s" in r}
     puts = {n: r for n, r in rows.items() if n.startswith("limit: PUT") and "median_s" in r}
     best_get = max(gets, key=lambda n: gets[n]["gb_per_s"]) if gets else None
@@ -324,7 +331,8 @@ def _document(run: _Run, cfg: dict[str, Any], url: str) -> dict[str, Any]:
 def _table(doc: dict[str, Any]) -> str:
     lines = [f"object store: {doc['url']}  ({doc['bytes'] / 1e9:.3f} GB, medians of {doc['repeats']}; "
              f"limits: {doc['limits']['get']} / {doc['limits']['put']})",
-             f"{'row':52} {'median s':>9} {'GB/s':>6} {'of limit':>9} {'client cpu s/GB':>16} {'server cpu s/GB':>16}"]
+             f"{'row':52} {'median s':>9} {'GB/s':>6} {'of limit':>9} {'client cpu s/GB':>16} {'server cpu s/GB':>16}"
+             f" {'cores: client + server':>23}"]
     for name, r in doc["rows"].items():
         if "skipped" in r:
             lines.append(f"{name:52} {r['skipped']}")
@@ -332,6 +340,7 @@ def _table(doc: dict[str, Any]) -> str:
         of = f"{r['of_limit']:.2f}" if "of_limit" in r else "-"
         ok = "" if name not in doc["correct"] else ("  bitwise" if doc["correct"][name] else "  WRONG DATA")
         lines.append(f"{name:52} {r['median_s']:9.3f} {r['gb_per_s']:6.2f} {of:>9} "
-                     f"{r['client_cpu_s_per_gb']:16.2f} {r['server_cpu_s_per_gb']:16.2f}{ok}")
+                     f"{r['client_cpu_s_per_gb']:16.2f} {r['server_cpu_s_per_gb']:16.2f} "
+                     f"{r['client_cores']:11.2f} + {r['server_cores']:.2f}{ok}")
     return "\n".join(lines)
 
