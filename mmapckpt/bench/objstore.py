@@ -235,12 +235,13 @@ def run(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
             log(f"repetition {r + 1}/{cfg['repeats']} ...")
             for name in _rotate(saves, r) + _rotate(loads, r):
                 _one(run, name, rows[name], sd, first=(r == 0))
-            _limits(run, client, bucket, run_prefix, sd, first=(r == 0))
+            _limits(run, client, bucket, run_prefix, sd)
+        doc = _document(run, cfg, url)
+        print(_table(doc))
+        write_json(args.out, "bench_s3.json", doc)
     finally:
+        log(f"removing {url} ...")
         _remove_prefix(client, bucket, run_prefix)
-    doc = _document(run, cfg, url)
-    print(_table(doc))
-    write_json(args.out, "bench_s3.json", doc)
     return 0 if all(run.correct.values()) else 1
 
 
@@ -271,7 +272,7 @@ def _one(run: _Run, name: str, fn: Callable[[], Any], sd: StateDict, first: bool
         run.correct[name] = _same(sd, out)
 
 
-def _limits(run: _Run, client: Any, bucket: str, prefix: str, sd: StateDict, first: bool) -> None:
+def _limits(run: _Run, client: Any, bucket: str, prefix: str, sd: StateDict) -> None:
     listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/mmapckpt/")["Contents"]
     shard = next(o for o in listed if o["Key"].endswith(".distcp"))  # its name changes between saves
     key, size = shard["Key"], shard["Size"]

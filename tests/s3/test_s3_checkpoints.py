@@ -188,3 +188,13 @@ def test_the_accelerator_pipeline_reads_objects_into_its_staging_buffers(s3_env,
     mmapckpt.load_into(targets, url, staging_bytes=1 << 20, staging_buffers=2)
     assert_same(targets, sd, "load_into staged: ")
     assert_same(mmapckpt.load(url, device="cpu"), sd, "load: ")
+
+
+def test_an_endpoint_and_keys_are_all_it_takes(s3_env, s3_bucket, monkeypatch):
+    """A plain http://127.0.0.1:PORT in AWS_ENDPOINT_URL, path-style addressing, no region set."""
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    url = f"s3://{s3_bucket}/plain"
+    sd = {"w": torch.arange(10, dtype=torch.float32)}
+    mmapckpt.save(sd, url)
+    assert_same(mmapckpt.load(url), sd)
