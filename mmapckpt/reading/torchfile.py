@@ -34,14 +34,11 @@ __all__ = ["MemoryFile", "StoredReader", "TorchFiles", "flat_torch_file", "is_to
 TorchSource = Union[str, "MemoryFile"]
 
 
-class StoredReader(io.RawIOBase):
-    """A read-only, seekable window [offset, offset + length) of a stored file (all of it by default), read
-    through ``read_into``, for ``torch.load`` and ``zipfile``."""
+class _Window(io.RawIOBase):
+    """A read-only, seekable file of ``length`` bytes; subclasses read them (:meth:`_fill`)."""
 
-    def __init__(self, file: StoredFile, offset: int = 0, length: int | None = None) -> None:
-        self.file, self.base = file, offset
-        self.length = file.size - offset if length is None else length
-        self.pos = 0
+    length = 0
+    pos = 0
 
     def readable(self) -> bool:
         return True
@@ -61,38 +58,36 @@ class StoredReader(io.RawIOBase):
         mv = memoryview(buf).cast("B")
         n = max(0, min(len(mv), self.length - self.pos))
         if n:
-            self.file.read_into(self.base + self.pos, mv[:n])
+            self._fill(self.pos, mv[:n])
         self.pos += n
         return n
 
+    def _fill(self, pos: int, mv: memoryview) -> None:
+        raise NotImplementedError
 
-class MemoryFile(io.RawIOBase):
+
+class StoredReader(_Window):
+    """A read-only, seekable window [offset, offset + length) of a stored file (all of it by default), read
+    through ``read_into``, for ``torch.load`` and ``zipfile``."""
+
+    def __init__(self, file: StoredFile, offset: int = 0, length: int | None = None) -> None:
+        self.file, self.base = file, offset
+        self.length = file.size - offset if length is None else length
+
+    def _fill(self, pos: int, mv: memoryview) -> None:
+        self.file.read_into(self.base + pos, mv)
+
+
+class MemoryFile(_Window):
     """A torch.save file's bytes, read whole through the storage, as a seekable file (no copy of them);
     ``path`` names it in messages."""
 
     def __init__(self, data: Any, path: str) -> None:
-        self.data, self.path, self.pos = memoryview(data).cast("B"), path, 0
+        self.data, self.path = memoryview(data).cast("B"), path
+        self.length = len(self.data)
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.data)}[whence]
-        self.pos = max(0, base + pos)
-        return self.pos
-
-    def readinto(self, buf: Any) -> int:
-        mv = memoryview(buf).cast("B")
-        n = max(0, min(len(mv), len(self.data) - self.pos))
-        mv[:n] = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return n
+    def _fill(self, pos: int, mv: memoryview) -> None:
+        mv[:] = self.data[pos:pos + len(mv)]
 
 
 def torch_source(place: Place) -> TorchSource:
