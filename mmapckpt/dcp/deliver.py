@@ -286,11 +286,10 @@ def _send_all(schedule: ReadOnceSchedule, sources: dict[Any, torch.Tensor | Remo
             off, n = p[0], p[1]
             if me == rec.reader:
                 src = sources[rec.index]
-                if isinstance(src, RemoteRecord):
-                    into = buf if device.type == "cpu" else None
-                    if into is None and device.type == "cpu":
-                        into = buf = torch.empty(buf_bytes, dtype=torch.uint8)
-                    piece = fetcher.piece(rec.index, off, n, into)
+                if isinstance(src, RemoteRecord):  # fetched now, into the buffer it is sent from on the CPU
+                    if device.type == "cpu" and buf is None:
+                        buf = torch.empty(buf_bytes, dtype=torch.uint8)
+                    piece = fetcher.piece(rec.index, off, n, buf if device.type == "cpu" else None)
                 else:
                     piece = src[off:off + n]
                 if device.type != "cpu":
