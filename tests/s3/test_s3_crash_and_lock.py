@@ -1,7 +1,7 @@
 """Saves to an object store killed at any moment, and concurrent saves, on the real radosgw.
 
 A child process overwrites one ``s3://`` checkpoint again and again (two versions in turn,
-several multipart parts each) and is SIGKILLed after a seeded random delay, six times.
+several multipart parts each) and is SIGKILLed a seeded random delay after it is ready, six times.
 After every kill the checkpoint loads bitwise as one of the two versions (never a mix,
 never an error once one save has committed); the uploads and objects a killed save left
 are gone after the next save completes: only ``.metadata`` and the shard it references
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ _CHILD = textwrap.dedent("""
     from s3_data import SMALL_PARTS, state_dict
     versions = [state_dict(salt=1), state_dict(salt=2)]
     options = {**SMALL_PARTS, "lock_lease": 2}
+    print("ready", flush=True)  # imports done: the parent's clock for the kill starts here
     i = 0
     while True:
         try:
@@ -69,7 +71,11 @@ def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint(s3_env, s3_bucket
         child = subprocess.Popen([sys.executable, "-c", _CHILD, url, here], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE)
         try:
-            time.sleep(rng.uniform(1.0, 4.0))  # the child's first save starts after its imports (~1-2 s)
+            # the kill lands at a seeded moment of the save loop, however long the child took to start
+            ready, _, _ = select.select([child.stdout], [], [], 120)
+            line = child.stdout.readline() if ready else b""  # type: ignore[union-attr]
+            assert line == b"ready\n", "the saving process did not start"
+            time.sleep(rng.uniform(0.1, 3.0))
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait(timeout=30)
