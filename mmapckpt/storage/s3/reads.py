@@ -76,12 +76,8 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 
 class ObjectReads:
-    """Ranged reads of one object version (``etag``) of ``size`` bytes.
-
-    Attributes:
-        fetched: bytes received so far, gaps and retried bytes included (what the store sent).
-        requests: GET requests made so far.
-    """
+    """Ranged reads of one object version (``etag``) of ``size`` bytes; ``on_fetch(bytes, requests)`` hears of
+    every GET and every byte received (gaps and retried bytes included: what the store sent)."""
 
     def __init__(self, client: Any, bucket: str, key: str, etag: str | None, size: int, url: str,
                  opts: S3Options, on_fetch: Callable[[int, int], None] | None = None) -> None:
@@ -127,6 +123,8 @@ class ObjectReads:
         while progress[0] < total:
             try:
                 self._stream(start, total, segments, progress, entry)
+            except CheckpointError:  # the request itself failed (botocore has retried it): not a broken body
+                raise
             except TRANSIENT_STREAM_ERRORS as e:
                 attempt += 1
                 if attempt > self.opts.retries:
