@@ -13,9 +13,8 @@ from typing import Any, Callable, Sequence
 
 from ..format import layout as fmt
 from ..format.transforms import StreamTransforms
-from ..io.d2h import stage_to_host
 from ..storage.base import FileOutput
-from .tensors import planned_bytes
+from .tensors import entry_bytes
 
 __all__ = ["write_encoded_entries"]
 
@@ -54,20 +53,11 @@ def write_encoded_entries(out: FileOutput, entries: Sequence[Any], resolve: Call
     descriptors = transforms.descriptors
     reserve = fmt.encode_header([_entry(e, descriptors, _WIDEST, _WIDEST, 0) for e in entries], save_id)
     sink = _Appender(out, len(reserve))
-    staged = stage_to_host([e.data for e in entries if e.kind != fmt.KIND_BYTES], resolve)
     done = []
-    for i, e in enumerate(entries):
-        at.index = i
-        if e.kind == fmt.KIND_BYTES:
-            data: Any = e.data
-        else:
-            key, t = next(staged)
-            assert key is e.data  # stage_to_host yields in order (an invariant of ours, not file content)
-            data = planned_bytes(e, t)
+    for i, data in entry_bytes(entries, range(len(entries)), resolve, at):
         offset = sink.start()
         transforms.encode([data], sink.put)
-        done.append(_entry(e, descriptors, offset, sink.length, sink.crc))
-    at.index = None
+        done.append(_entry(entries[i], descriptors, offset, sink.length, sink.crc))
     header = fmt.encode_header(done, save_id)
     assert len(header) <= len(reserve)  # the widest placeholders bound every real header
     out.finish(header + bytes(len(reserve) - len(header)))

@@ -32,10 +32,9 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 from ..errors import CheckpointError, CheckpointWriteError
 from ..format import layout as fmt
 from ..format.transforms import StreamTransforms
-from ..io.d2h import stage_to_host
 from ..storage.base import CheckpointStorage, FileOutput
 from .encoded import write_encoded_entries
-from .tensors import planned_bytes
+from .tensors import entry_bytes
 
 __all__ = ["ShardEntry", "ShardOptions", "write_shard", "shard_error"]
 
@@ -156,19 +155,10 @@ def _write_entries(out: FileOutput, plan: fmt.ShardPlan, entries: Sequence[Shard
     # the bounce buffers, which overlap the disk writes.
     crc_pool = ThreadPoolExecutor(1, thread_name_prefix="mmapckpt-crc")
     try:
-        staged = stage_to_host([entries[i].data for i in own if entries[i].kind != fmt.KIND_BYTES], resolve)
         crcs: list[Any] = []
         big = False
-        for i in own:  # layout order is input order: ascending offsets
-            at.index = i
+        for i, buf in entry_bytes(entries, own, resolve, at):  # layout order is input order: ascending offsets
             e, offset = entries[i], plan.entries[i].offset
-            if e.kind == fmt.KIND_BYTES:
-                buf: Any = e.data
-            else:
-                key, t = next(staged)
-                assert key is e.data  # stage_to_host yields in order (an invariant of ours, not file content)
-                buf = planned_bytes(e, t)
-                t = None  # not held while the next one is resolved
             if len(buf) != e.length:
                 raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
             # small entries inline: a hand-off to the thread costs more than their checksum
@@ -186,7 +176,6 @@ def _write_entries(out: FileOutput, plan: fmt.ShardPlan, entries: Sequence[Shard
                 held.clear()
             if advance is not None and e.kind != fmt.KIND_BYTES:
                 advance(e.length + extra.get(i, 0))
-        at.index = None
         if big:
             crcs = [c if type(c) is int else c.result() for c in crcs]
         crcs = _with_aliases(crcs, own, aliases)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from ..format import layout as fmt
+from ..io.d2h import stage_to_host
 
-__all__ = ["tensor_bytes", "planned_bytes"]
+__all__ = ["tensor_bytes", "planned_bytes", "entry_bytes"]
 
 #: dtype -> the dtype numpy views its tensors' bytes as: itself (None), or an integer of its width for
 #: the dtypes numpy lacks (a CPU tensor's bytes without torch's view chain)
@@ -44,3 +46,23 @@ def planned_bytes(e: Any, t: torch.Tensor) -> Any:
         raise ValueError(f"planner resolved {e.fqn!r} to {tuple(t.shape)} {t.dtype}, "
                          f"but the plan said {e.shape} {e.dtype}")
     return tensor_bytes(t) if e.length else b""
+
+
+def entry_bytes(entries: Sequence[Any], order: Sequence[int], resolve: Callable[[Any], Any],
+                at: Any) -> Iterator[tuple[int, Any]]:
+    """``(i, the bytes of entry i)`` for each index of ``order``: a bytes entry's data as it is, a tensor
+    resolved and staged to the host (io/d2h.py, ahead of its turn) and checked (:func:`planned_bytes`).
+    ``at.index`` follows the entry; no tensor is held while the next one is resolved."""
+    staged = stage_to_host([entries[i].data for i in order if entries[i].kind != fmt.KIND_BYTES], resolve)
+    for i in order:
+        at.index = i
+        e = entries[i]
+        if e.kind == fmt.KIND_BYTES:
+            yield i, e.data
+            continue
+        key, t = next(staged)
+        assert key is e.data  # stage_to_host yields in order (an invariant of ours, not file content)
+        data, t = planned_bytes(e, t), None
+        yield i, data
+        data = None  # not held by this frame while the next one is resolved
+    at.index = None
