@@ -345,9 +345,11 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
             with paused_gc():
                 files = ckpt.backend
                 # tensors stored whole in an object (no mapping to view): read into new tensors in one batch
-                fetched = [(n, torch.empty(info.shape or (), dtype=info.dtype), info) for n in tensors
-                           for info in (ckpt.info(n),)
-                           if info.whole is not None and isinstance(files.mapped(info, info.whole), StoredFile)]
+                fetched = []
+                for n in tensors:
+                    info = ckpt.info(n)
+                    if info.whole is not None and isinstance(files.mapped(info, info.whole), StoredFile):
+                        fetched.append((n, torch.empty(info.shape or (), dtype=info.dtype), info))
                 fill_targets(files, fetched)
                 out.update((n, t) for n, t, _ in fetched)
                 for n in tensors:

@@ -251,22 +251,18 @@ def _rotate(names: list[str], r: int) -> list[str]:
 def _one(run: _Run, name: str, fn: Callable[[], Any], sd: StateDict, targets: StateDict, first: bool) -> None:
     if name in run.notes:
         return
-    for t in targets.values():  # every load fills them again; zeroing them is not the load's time
-        t.zero_()
+    if name.startswith("load"):
+        for t in targets.values():  # every load fills them again; zeroing them is not the load's time
+            t.zero_()
     try:
         out = run.timed(name, fn)
-    except _Skip as e:
-        run.notes.append(name)
-        run.rows.pop(name, None)
-        run.correct.pop(name, None)
-        run.rows[name] = {"skipped": str(e)}  # type: ignore[dict-item]
-        return
-    except BaseException as e:  # noqa: BLE001 - a peer that fails is reported, the run goes on
+    except BaseException as e:  # noqa: BLE001 - a peer that is missing or fails is reported, the run goes on
         if isinstance(e, KeyboardInterrupt):
             raise
-        run.notes.append(name)
         cause = next(iter(getattr(e, "failures", {}).values()), e)  # DCP's CheckpointException: the rank's error
-        run.rows[name] = {"skipped": f"failed: {type(cause).__name__}: {cause}"[:300]}  # type: ignore[dict-item]
+        why = str(e) if isinstance(e, _Skip) else f"failed: {type(cause).__name__}: {cause}"[:300]
+        run.notes.append(name)  # not run again
+        run.rows[name] = {"skipped": why}  # type: ignore[dict-item]
         return
     if first and out is not None:
         run.correct[name] = _same(sd, out)

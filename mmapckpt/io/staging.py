@@ -252,8 +252,8 @@ class StagingPool:
         for the file's bytes). ``done`` runs once the copy has completed (at the latest in
         :meth:`flush`).
         """
-        if src.device.type not in ("cpu", "meta" if read is not None else "cpu") or src.shape != dst.shape \
-                or src.dtype != dst.dtype:
+        sources = ("cpu", "meta") if read is not None else ("cpu",)
+        if src.device.type not in sources or src.shape != dst.shape or src.dtype != dst.dtype:
             raise ValueError(f"cannot stage {src.dtype} {list(src.shape)} on {src.device} into "
                              f"{dst.dtype} {list(dst.shape)}")
         if not self._bufs:

@@ -198,3 +198,30 @@ def test_an_endpoint_and_keys_are_all_it_takes(s3_env, s3_bucket, monkeypatch):
     sd = {"w": torch.arange(10, dtype=torch.float32)}
     mmapckpt.save(sd, url)
     assert_same(mmapckpt.load(url), sd)
+
+
+def test_an_object_replaced_or_removed_while_open_is_never_read_mixed(s3_env, s3_bucket, s3_server):
+    """Reads are conditional on the ETag the object had when opened: a shard rewritten meanwhile fails
+    the read (IncompleteCheckpointError, "load again") instead of mixing its bytes with the old header's."""
+    sd = state_dict(salt=7)
+    url = f"s3://{s3_bucket}/changing"
+    mmapckpt.save(sd, url)
+    client = s3_server.client()
+    key = next(o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="changing/")["Contents"]
+               if o["Key"].endswith(".distcp"))
+    data = client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
+    with mmapckpt.open(url) as f:
+        client.put_object(Bucket=s3_bucket, Key=key, Body=data[:-1] + bytes([data[-1] ^ 1]))
+        with pytest.raises(mmapckpt.IncompleteCheckpointError, match="changed while it was being read.*load again"):
+            f.get_tensor("big")
+    with mmapckpt.open(url) as f:
+        client.delete_object(Bucket=s3_bucket, Key=key)
+        with pytest.raises(mmapckpt.IncompleteCheckpointError, match="removed while it was being read"):
+            f.get_tensor("big")
+
+
+def test_no_credentials_at_all_say_where_to_put_them(s3_env, s3_bucket, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(mmapckpt.StorageAccessError, match=f"s3://{s3_bucket}/none.*no credentials.*AWS_ACCESS_KEY_ID"):
+        mmapckpt.load(f"s3://{s3_bucket}/none")

@@ -190,7 +190,8 @@ class S3Storage(CheckpointStorage):
                 return []
             raise err from e
         self._uploads = uploads
-        names += [n for n in uploads if n not in set(names)]
+        seen = set(names)
+        names += [n for n in uploads if n not in seen]
         return [n for n in names if n and "/" not in n and n != LOCK_NAME]
 
     def _dir(self) -> str:
