@@ -76,9 +76,8 @@ def family(key: str) -> str:
 
 
 def _package_root() -> str:
-    import mmapckpt
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(mmapckpt.__file__)))
+    """The directory holding this mmapckpt package, so that the peers' processes run the same code."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _Worker:
