@@ -85,8 +85,8 @@ def _rows(times: dict[str, dict[str, list[float]]], lim: dict[str, Any], nbytes:
                 row.update(peer=True, returns=peer_info[m]["kind"], direct=peer_info[m]["direct"])
             elif phase in ("warm", "cold"):
                 row.update(peer=False, returns="fill", direct=direct.get(m, False))
-            else:
-                row.update(peer=False, returns="new" if phase == "lazy" else None, direct=None)
+            else:  # a save, or a lazy open (its tensors untouched: no claim on what they hold yet)
+                row.update(peer=False, returns=None, direct=None)
             rows.append(row)
     return rows
 
