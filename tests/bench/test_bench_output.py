@@ -68,3 +68,22 @@ def test_save_rows_show_the_o_direct_limit_beside_the_buffered_one(tmp_path, cap
             assert cell == f"{r['fraction_of_direct']:.2f}", (row, head)
         elif r["phase"] != "save":
             assert cell == "", row
+
+
+def test_the_many_entry_scan_targets_are_in_the_targets_section(tmp_path, capsys) -> None:
+    """--scan-entries: the scan runs after the comparison and every one of its targets is listed with the rest."""
+    from mmapckpt.bench.entries import TARGETS as SCAN_TARGETS
+
+    assert bench.run(_args(tmp_path, "--targets", "--scan-entries", "30", "--adam-layers", "1",
+                           "--out", str(tmp_path / "res"))) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "res" / "bench.json").read_text())
+    assert doc["scan"]["tensors"] == 30 and doc["scan"]["correct"] is True
+    scan = [t for t in doc["targets"] if t["phase"] == "scan"]
+    assert {t["target"].split(": ", 1)[1] for t in scan} == {text for *_, text in SCAN_TARGETS}
+    assert {t["target"].split(",")[1].split(":")[0].strip() for t in scan} == {"transformer 33 tensors",
+                                                                               "adam 48 tensors"}
+    assert all(isinstance(t["met"], bool) and t["met"] == (t["measured"] <= t["at_most"]) for t in scan)
+    for t in scan:
+        assert f"  {t['target']}: {t['measured']:.2f}, at most {t['at_most']}: " in out
+    assert not [n for n in os.listdir(tmp_path / "work") if n.startswith(".mmapckpt-")]
