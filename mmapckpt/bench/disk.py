@@ -37,7 +37,8 @@ SWEEP: tuple[tuple[str, int, bool, bool], ...] = tuple(
     + [(f"read_direct_files_x{n}", n, True, True) for n in STREAMS if n > 1])
 _ALIGN = 1 << 20  # range boundaries: a multiple of any device's O_DIRECT block
 _BLOCK = 4096
-_BUFFERS: dict[tuple[int, int], list[mmap.mmap]] = {}
+_REGION: list[mmap.mmap] = []
+_BUFFERS: dict[int, list[memoryview]] = {}
 
 
 def chunk_for(streams: int) -> int:
@@ -45,15 +46,18 @@ def chunk_for(streams: int) -> int:
     return max(4 << 20, CHUNK // streams)
 
 
-def buffers_for(streams: int) -> list[mmap.mmap]:
-    """The streams' buffers (page-aligned anonymous maps, faulted in once), kept for later calls."""
-    key = (streams, chunk_for(streams))
-    if key not in _BUFFERS:
-        bufs = [mmap.mmap(-1, key[1]) for _ in range(streams)]
-        for b in bufs:
-            b.write(b"\1" * key[1])  # fault every page in now, not inside a timed read
-        _BUFFERS[key] = bufs
-    return _BUFFERS[key]
+def buffers_for(streams: int) -> list[memoryview]:
+    """The streams' buffers: page-aligned slices of one anonymous map, faulted in once, kept for later calls."""
+    if streams not in _BUFFERS:
+        size = chunk_for(streams) * streams
+        if not _REGION or len(_REGION[0]) < size:
+            region = mmap.mmap(-1, size)
+            region.write(b"\1" * size)  # fault every page in now, not inside a timed read
+            _REGION[:] = [region]
+            _BUFFERS.clear()
+        whole = memoryview(_REGION[0])
+        _BUFFERS[streams] = [whole[i * chunk_for(streams):(i + 1) * chunk_for(streams)] for i in range(streams)]
+    return _BUFFERS[streams]
 
 
 def limit_label(name: str) -> str:
@@ -72,10 +76,10 @@ def _ranges(paths: list[str], streams: int) -> list[list[tuple[str, int, int]]]:
     return [[(paths[0], min(i * step, size), min((i + 1) * step, size))] for i in range(streams)]
 
 
-def _read_range(path: str, start: int, end: int, buf: mmap.mmap, direct: bool) -> int:
+def _read_range(path: str, start: int, end: int, view: memoryview, direct: bool) -> int:
     flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
     fd = os.open(path, flags)
-    view, done = memoryview(buf), 0
+    done = 0
     try:
         off = start
         while off < end:
@@ -89,7 +93,6 @@ def _read_range(path: str, start: int, end: int, buf: mmap.mmap, direct: bool) -
             off += got
             done += got
     finally:
-        view.release()
         os.close(fd)
     return done
 
