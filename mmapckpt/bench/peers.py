@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ import torch
 __all__ = ["Peer", "PEERS", "PEER_KEYS", "peer_by_key", "PeerRun", "family"]
 
 StateDict = dict[str, torch.Tensor]
+#: The longest a peer may take to answer (start, setup or one load) before it is killed and reported.
+_ANSWER_TIMEOUT_S = 900
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ class _Worker:
                 stdin.flush()  # type: ignore[union-attr]
             except OSError:
                 pass  # it ended: the empty read below says how
+        ready, _, _ = select.select([stdout], [], [], _ANSWER_TIMEOUT_S)
+        if not ready:  # a peer that hangs is reported like one that fails, and the run goes on
+            self.proc.kill()
+            self.proc.wait()
+            return {"error": f"failed: no answer in {_ANSWER_TIMEOUT_S} s (killed): {self.log_tail()}"}
         line = stdout.readline()  # type: ignore[union-attr]
         if not line:
             self.proc.wait()

@@ -145,3 +145,19 @@ def test_the_bench_process_imports_no_peer(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
     assert "runai-buffered" in proc.stdout and torch.__version__
+
+
+def test_a_peer_that_hangs_is_killed_and_reported(peer_run, monkeypatch) -> None:
+    import signal
+
+    from mmapckpt.bench import peers
+
+    run, _ = peer_run
+    monkeypatch.setattr(peers, "_ANSWER_TIMEOUT_S", 2)
+    key = run.active()[0]
+    proc = run.workers[key].proc
+    os.kill(proc.pid, signal.SIGSTOP)  # a real hang: the process cannot answer
+    assert run.load(key, check=False) is None
+    assert run.failed[key].startswith("failed: no answer in 2 s (killed)")
+    assert proc.poll() is not None and key not in run.active()
+    assert run.load(run.active()[0], check=True)[1] is True  # the other peer goes on
