@@ -38,6 +38,8 @@ class Method:
     load_into: Callable[[StateDict, str], None]
     lazy: Callable[[str], StateDict] | None
     lazy_label: str = ""
+    #: whether its loads read with O_DIRECT (the loads' rows say so beside the peers')
+    direct: bool = False
 
 
 def _quiet(fn: Callable[[], object]) -> object:
@@ -278,6 +280,7 @@ METHODS: tuple[Method, ...] = (
     Method("mmapckpt", "mmapckpt (MmapWriter/MmapReader)", _mmap_save, _mmap_load, _mmap_lazy, "mmapckpt.load"),
     Method("mmapckpt-api", "mmapckpt.save / mmapckpt.load_into (one process, no DCP planning)", _api_save, _api_load,
            None),
+    Method("mmapckpt-fast", "mmapckpt with FastSavePlanner/FastLoadPlanner", _fast_save, _fast_load, None),
     Method("dcp", "stock DCP (FileSystemWriter/Reader)", _dcp_save, _dcp_load, None),
     Method("safetensors", "safetensors (save_file/safe_open)", _st_save, _st_load, _st_lazy,
            "safetensors load_file"),
@@ -289,7 +292,6 @@ METHODS: tuple[Method, ...] = (
 #: copies out of the mapping), to show in one run what the fast paths move.
 EXTRA_METHODS: tuple[Method, ...] = (
     Method("mmapckpt-base", "mmapckpt, buffered writes and mapped copies", _base_save, _base_load, None),
-    Method("mmapckpt-fast", "mmapckpt with FastSavePlanner/FastLoadPlanner", _fast_save, _fast_load, None),
     Method("mmapckpt-fast-model", "mmapckpt with the fast planners, the state dict as {'model': sd}",
            _under_model(_fast_save), _under_model(_fast_load), None),
 )

@@ -10,8 +10,10 @@ import os
 import pytest
 
 from mmapckpt.bench import runner as bench
+from mmapckpt.bench import targets
 from mmapckpt.bench.methods import METHODS, lazy_note
-from mmapckpt.bench.report import PHASES, TARGET_METHODS, TARGETS
+from mmapckpt.bench.peers import PEER_KEYS
+from mmapckpt.bench.report import PHASES, row_prefix
 
 
 def _args(tmp_path, *extra: str) -> argparse.Namespace:
@@ -25,7 +27,7 @@ def _positive(x: object) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-@pytest.mark.slow  # one child process per method for the memory rows: ~15 s on a busy 2-core machine
+@pytest.mark.slow  # a child process per method for the memory rows, one per peer: ~60 s on a busy 2-core machine
 def test_quick_run_produces_every_row_and_valid_json(tmp_path, capsys) -> None:
     assert bench.run(_args(tmp_path, "--repeats", "2", "--targets")) == 0
     out = capsys.readouterr().out
@@ -34,6 +36,7 @@ def test_quick_run_produces_every_row_and_valid_json(tmp_path, capsys) -> None:
     # every method, every phase it supports, with two timings each
     expected = {(m.key, p) for m in METHODS for p in ("save", "warm", "cold")}
     expected |= {(m.key, "lazy") for m in METHODS if m.lazy is not None and not (m.key == "mmapckpt" and lazy_note())}
+    expected |= {(k, p) for k in PEER_KEYS for p in ("warm", "cold")}  # the peers, by default
     got = {(r["method"], r["phase"]) for r in doc["rows"]}
     assert got == expected
     for r in doc["rows"]:
@@ -44,7 +47,8 @@ def test_quick_run_produces_every_row_and_valid_json(tmp_path, capsys) -> None:
     assert all(r["ratio_to_dcp"] == 1.0 for r in dcp_rows)
 
     # the limits, each measured twice on as many bytes as the state dict
-    assert {"copy", "write_buffered", "write_direct", "cold_read"} <= set(doc["limits"])
+    assert {"copy", "write_buffered", "write_direct", "cold_read", "disk_best", "read_direct_x16",
+            "read_buffered_x2", "read_direct_files_x4"} <= set(doc["limits"])
     assert all(v["n"] == 2 and _positive(v["gbps"]) for k, v in doc["limits"].items() if k != "safetensors_lazy")
 
     # memory of a load into targets, in a child process per method
@@ -54,16 +58,17 @@ def test_quick_run_produces_every_row_and_valid_json(tmp_path, capsys) -> None:
 
     run = doc["run"]
     assert run["tensors"] == 13 and run["bytes"] > 1_000_000 and run["repeats"] == 2
-    assert all(run["correct"].values()) and set(run["correct"]) == {m.key for m in METHODS}
-    assert set(run["write_paths"]) == {"mmapckpt", "mmapckpt-api"}
+    assert all(run["correct"].values()) and set(run["correct"]) == {m.key for m in METHODS} | set(PEER_KEYS)
+    assert set(run["write_paths"]) == {"mmapckpt", "mmapckpt-api", "mmapckpt-fast"}
     assert all(set(v) <= {"direct", "buffered"} for v in run["write_paths"].values())
-    assert {(t["method"], t["phase"]) for t in doc["targets"]} == (
-        {(m, p) for m in TARGET_METHODS for p in TARGETS if (m, p) in got} | {(m, "memory") for m in TARGET_METHODS})
+    # every target of the issue is measured, but the scan's (not run by --quick)
+    assert len(doc["targets"]) == len(targets.FRACTIONS) + 4 * len(targets.PEER_FAMILIES) + 1
+    assert [t["target"] for t in doc["targets"] if t["met"] is None] == ["many-entry scan: its targets"]
 
     # the table shows every row and every limit; the temporary checkpoints are gone
     for r in doc["rows"]:
-        assert f"{PHASES[r['phase']][0]:<24}{r['method']:<15}" in out
-    assert "limit: sequential cold read" in out and "against the targets" in out
+        assert row_prefix(r["phase"], r["method"]) in out
+    assert "limit: cold read, 1 buffered stream" in out and "against the targets" in out
     assert not [n for n in os.listdir(tmp_path / "work") if n.startswith(".mmapckpt-bench-")]
 
 
