@@ -112,11 +112,11 @@ class LazyCheckpoint:
             raise ValueError(f"framework {framework!r} is not supported: pass framework='pt' (or 'torch') for "
                              "torch tensors, or 'numpy' (or 'np') for numpy arrays")
         self.device = torch.device(device)
-        check_device(self.device)
         self._numpy = framework in ("numpy", "np")
         if self._numpy and self.device.type != "cpu":
             raise ValueError(f"framework={framework!r} returns numpy arrays, which live on the CPU: "
                              f"device={str(self.device)!r} is not possible")
+        check_device(self.device)
         self._to = None if self.device.type == "cpu" else self.device  # one test per get_tensor on the CPU
         self.path = os.fspath(path)
         opened = open_backend(self.path, verify=verify, storage_options=storage_options)
