@@ -33,7 +33,7 @@ from .format.entries import ChunkInfo, EntryInfo, paused_gc
 from .format.safetensors import SAFETENSORS_DTYPES
 from .reading.backend import ChunkBackend
 from .reading.fill import fill_targets
-from .reading.keys import check_patterns, is_glob, matches, strip_names
+from .reading.keys import check_patterns, matches, strip_names
 from .reading.locate import open_backend
 from .reading.regions import normalize_index, read_selection, read_tensor
 from .reading.stager import chunk_stager
@@ -319,7 +319,7 @@ def open(path: str | os.PathLike[str], framework: str = "pt", device: str | torc
 
 
 def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], set[str]]:
-    """The names ``keys`` selects, and those of them named explicitly (by a pattern without wildcards)."""
+    """The names ``keys`` selects, and those of them named explicitly (spelled as a pattern)."""
     if keys is None:
         return names, set()
     if callable(keys):
@@ -329,7 +329,7 @@ def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], 
     if unmatched:
         raise KeyError(f"not in the checkpoint at {path} (keys are glob patterns on its names, case-sensitive): "
                        f"{unmatched}")
-    return [n for n in names if matches(n, pats)], {p for p in pats if not is_glob(p)}
+    return [n for n in names if matches(n, pats)], set(pats).intersection(names)
 
 
 def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

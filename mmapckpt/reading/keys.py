@@ -4,7 +4,8 @@ One matcher for the whole package: ``mmapckpt.load(keys=...)``, ``open``/``load`
 ``strip_prefix=`` and ``convert --keys/--strip-prefix`` all select through this module.
 Patterns are ``fnmatch`` globs matched against the whole stored name, case-sensitive;
 ``*`` also matches dots, so ``"model.*"`` selects ``model.layers.0.weight``. A name
-without ``*``, ``?`` or ``[`` matches only itself.
+without ``*``, ``?`` or ``[`` matches only itself, and a pattern always matches the name
+spelled exactly as it (``"layers[0].w"`` selects that name, although as a glob it would not).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Collection, Iterable, Sequence
 
 from ..errors import CheckpointError
 
-__all__ = ["check_patterns", "is_glob", "matches", "select_names", "strip_names"]
+__all__ = ["check_patterns", "matches", "select_names", "strip_names"]
 
 
 def check_patterns(patterns: Iterable[str]) -> list[str]:
@@ -33,14 +34,9 @@ def check_patterns(patterns: Iterable[str]) -> list[str]:
     return pats
 
 
-def is_glob(pattern: str) -> bool:
-    """Whether ``pattern`` holds a wildcard (``*``, ``?``, ``[``), rather than naming one entry."""
-    return any(c in pattern for c in "*?[")
-
-
 def matches(name: str, patterns: Collection[str]) -> bool:
-    """Whether ``name`` matches any of the glob ``patterns`` (case-sensitive, the whole name)."""
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    """Whether ``name`` matches any of the glob ``patterns`` (case-sensitive, the whole name), or is one of them."""
+    return any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def strip_names(names: Sequence[str], strip_prefix: str, path: str, *,
