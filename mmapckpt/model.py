@@ -156,9 +156,10 @@ def _check_tie(ckpt: LazyCheckpoint, present: list[str]) -> None:
     if len(present) < 2:
         return
     aliases = shared_names({n: ckpt.info(n) for n in present}, present)
-    first = ckpt.get_tensor(present[0])
-    for n in present[1:]:
-        if n not in aliases and not torch.equal(first, ckpt.get_tensor(n)):
+    apart = [n for n in present[1:] if n not in aliases]  # stored once (save's aliases): nothing to read
+    first = ckpt.get_tensor(present[0]) if apart else None
+    for n in apart:
+        if not torch.equal(first, ckpt.get_tensor(n)):
             raise ModelMismatchError(f"the model ties {present[0]!r} and {n!r} (one Parameter), but the checkpoint "
                                      "holds different values for them; untie them in the model to load both",
                                      path=ckpt.path, entry=ckpt.info(n).name)
