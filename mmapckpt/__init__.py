@@ -21,6 +21,7 @@ from .errors import (
     EntryBoundsError,
     FormatError,
     IncompleteCheckpointError,
+    ModelMismatchError,
     SizeMismatchError,
     StorageAccessError,
     StorageUnavailableError,
@@ -32,6 +33,7 @@ from .errors import (
 )
 from .into import load_into
 from .lazy import ChunkInfo, EntryInfo, LazyCheckpoint, TensorSlice, load, open
+from .model import load_model
 from .saving import save
 from .tools.describe import CheckpointInfo, inspect_checkpoint
 from .tools.verify import VerifyReport, verify_checkpoint
@@ -45,6 +47,7 @@ __all__ = [
     "open",
     "load",
     "load_into",
+    "load_model",
     "LazyCheckpoint",
     "TensorSlice",
     "EntryInfo",
@@ -75,6 +78,7 @@ __all__ = [
     "UnsafePickleError",
     "ChecksumError",
     "SizeMismatchError",
+    "ModelMismatchError",
     "CheckpointWriteError",
     "StorageAccessError",
     "StorageUnavailableError",

@@ -20,6 +20,8 @@ Each subclass also derives from the built-in exception users already catch::
         │   └── UnsafePickleError                             stock metadata naming a class outside DCP's
         ├── ChecksumError                (ValueError)         data bytes do not match their checksum
         ├── SizeMismatchError            (ValueError)         stored chunk and target disagree
+        ├── ModelMismatchError           (RuntimeError)       checkpoint and model disagree (load_model): missing or
+        │                                                     unexpected names, a tensor nothing can fill
         ├── CheckpointWriteError         (OSError)            a save failed (disk full, permissions)
         ├── StorageAccessError           (PermissionError)    an object store refused the credentials
         └── StorageUnavailableError      (ConnectionError)    an object store unreachable, or failing past its retries
@@ -47,6 +49,7 @@ __all__ = [
     "UnsafePickleError",
     "ChecksumError",
     "SizeMismatchError",
+    "ModelMismatchError",
     "CheckpointWriteError",
     "StorageAccessError",
     "StorageUnavailableError",
@@ -153,6 +156,12 @@ class ChecksumError(CheckpointError, ValueError):
 
 class SizeMismatchError(CheckpointError, ValueError):
     """A stored chunk does not fit the tensor it is loaded into."""
+
+
+class ModelMismatchError(CheckpointError, RuntimeError):
+    """The checkpoint does not fit the model: names missing or unexpected (``load_model(strict=True)``),
+    tied weights stored with different values, or a tensor left on the meta device that neither the
+    checkpoint nor the model's own initialisation can fill. A RuntimeError, as ``load_state_dict`` raises."""
 
 
 class CheckpointWriteError(CheckpointError, OSError):

@@ -34,7 +34,7 @@ __all__ = ["load_into"]
 def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool = True,
               allow_cast: bool = False, staging_bytes: int = DEFAULT_STAGING_BYTES,
               staging_buffers: int = DEFAULT_STAGING_BUFFERS,
-              storage_options: Mapping[str, Any] | None = None) -> list[str]:
+              storage_options: Mapping[str, Any] | None = None, strip_prefix: str | None = None) -> list[str]:
     """Copy the checkpoint's tensors into the tensors of ``state_dict``, in place.
 
     Every tensor value of ``state_dict`` receives the full (unsharded) tensor of the same
@@ -54,6 +54,8 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
             targets (allocated for this call only when a target is on one).
         staging_buffers: the number of buffers in that ring.
         storage_options: settings of an object store's client (see :func:`mmapckpt.open`).
+        strip_prefix: remove this prefix (e.g. ``"model."``) from the checkpoint's names that
+            start with it before matching them with ``state_dict``'s (see :func:`mmapckpt.open`).
 
     Returns:
         The names of ``state_dict``'s tensors that the checkpoint does not hold (empty when strict).
@@ -75,7 +77,7 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
     if meta:
         raise ValueError(f"{meta[0]!r} (and {len(meta) - 1} more) is on the meta device: it has no memory to load "
                          "into. Use model.load_state_dict(mmapckpt.load(path), assign=True) instead")
-    with LazyCheckpoint(path, storage_options=storage_options) as ckpt, paused_gc(), torch.no_grad():
+    with LazyCheckpoint(path, storage_options=storage_options, strip_prefix=strip_prefix) as ckpt, paused_gc(), torch.no_grad():
         missing = [n for n in targets if n not in ckpt]
         if missing and strict:
             raise KeyError(f"not in the checkpoint at {ckpt.path}: {sorted(missing)[:20]}")

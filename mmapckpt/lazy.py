@@ -30,8 +30,10 @@ import torch
 from .errors import CheckpointError, FormatError
 from .format.aliases import shared_names
 from .format.entries import ChunkInfo, EntryInfo, paused_gc
+from .format.safetensors import SAFETENSORS_DTYPES
 from .reading.backend import ChunkBackend
 from .reading.fill import fill_targets
+from .reading.keys import check_patterns, matches, strip_names
 from .reading.locate import open_backend
 from .reading.regions import normalize_index, read_selection, read_tensor
 from .reading.stager import chunk_stager
@@ -41,6 +43,16 @@ from .io.staging import StagingPool, check_device, staging_options
 __all__ = ["open", "load", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
 
 KeySelector = Union[Collection[str], Callable[[str], bool], None]
+
+#: torch dtype -> safetensors' dtype code (what ``get_slice(name).get_dtype()`` returns).
+_CODES = {d: code for code, d in SAFETENSORS_DTYPES.items()}
+_FRAMEWORKS = ("pt", "torch", "numpy", "np")
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    """safetensors' name of ``dtype`` (``"BF16"``, ``"F32"``, ...); torch's name for a dtype
+    safetensors cannot store (``"complex128"``)."""
+    return _CODES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 class TensorSlice:
@@ -65,17 +77,17 @@ class TensorSlice:
     def get_shape(self) -> list[int]:
         return list(self.shape)
 
-    def get_dtype(self) -> torch.dtype:
-        return self.dtype
+    def get_dtype(self) -> str:
+        """The dtype as ``safe_open``'s slices name it: ``"F32"``, ``"BF16"``, ``"F8_E4M3"``, ...
+        (the attribute ``dtype`` is the torch dtype)."""
+        return dtype_code(self._info.dtype)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        """A new tensor holding ``full_tensor[index]``, read from only the chunks and pages it needs."""
+    def __getitem__(self, index: Any) -> Any:
+        """A new tensor (a numpy array with ``framework="numpy"``) holding ``full_tensor[index]``,
+        read from only the chunks and pages it needs."""
         sel, out_shape = normalize_index(index, self.shape)
         t = read_selection(self._ckpt.backend, self._info, sel).view(out_shape)
-        return t if self._ckpt.device.type == "cpu" else t.to(self._ckpt.device)
-
-
-_FRAMEWORKS = ("pt", "torch")
+        return self._ckpt._returned(t, self._info.name)
 
 
 class LazyCheckpoint:
@@ -83,27 +95,40 @@ class LazyCheckpoint:
 
     Args:
         path: the checkpoint directory or file (kept as the attribute ``path``).
-        framework: ``"pt"`` (or ``"torch"``).
+        framework: ``"pt"`` (or ``"torch"``), or ``"numpy"`` (or ``"np"``).
         device: where ``get_tensor`` and slices return tensors (kept as the attribute ``device``).
         verify: check each mmapckpt entry's CRC-32 the first time it is read.
         storage_options: settings of an object store's client (docs/object-storage.md).
+        strip_prefix: remove this prefix from the names that start with it (see :func:`open`).
 
     Attributes:
         kind: its format: ``"mmapckpt"``, ``"dcp"``, ``"safetensors"`` or ``"torch"``.
     """
 
     def __init__(self, path: str | os.PathLike[str], framework: str = "pt", device: str | torch.device = "cpu", *,
-                 verify: bool = False, storage_options: Mapping[str, Any] | None = None) -> None:
+                 verify: bool = False, storage_options: Mapping[str, Any] | None = None,
+                 strip_prefix: str | None = None) -> None:
         if framework not in _FRAMEWORKS:
-            raise ValueError(f"framework {framework!r} is not supported: mmapckpt returns torch tensors, so pass "
-                             "framework='pt' (or 'torch')")
+            raise ValueError(f"framework {framework!r} is not supported: pass framework='pt' (or 'torch') for "
+                             "torch tensors, or 'numpy' (or 'np') for numpy arrays")
         self.device = torch.device(device)
+        self._numpy = framework in ("numpy", "np")
+        if self._numpy and self.device.type != "cpu":
+            raise ValueError(f"framework={framework!r} returns numpy arrays, which live on the CPU: "
+                             f"device={str(self.device)!r} is not possible")
         check_device(self.device)
         self._to = None if self.device.type == "cpu" else self.device  # one test per get_tensor on the CPU
         self.path = os.fspath(path)
         opened = open_backend(self.path, verify=verify, storage_options=storage_options)
         self.kind, self._entries, self._user_metadata = opened.kind, opened.entries, opened.user_metadata
         self._files: ChunkBackend | None = opened.files
+        if strip_prefix is not None:  # entries keep their stored names (EntryInfo.name), for messages
+            try:
+                renamed = strip_names(list(self._entries), strip_prefix, self.path)
+            except BaseException:
+                self.close()
+                raise
+            self._entries = {new: self._entries[old] for new, old in renamed.items()}
 
     # ------------------------------------------------------------------ safe_open-like surface
     def __enter__(self) -> LazyCheckpoint:
@@ -119,8 +144,15 @@ class LazyCheckpoint:
             files.close()
 
     def keys(self) -> list[str]:
-        """Every entry's fully-qualified name (tensors and objects), in the metadata's order."""
+        """Every entry's fully-qualified name (tensors and objects), in the metadata's order
+        (sorted, as ``safe_open``'s, for safetensors files and Hugging Face directories)."""
         return list(self._entries)
+
+    def offset_keys(self) -> list[str]:
+        """The names in the order their bytes lie in the files (by file, then offset), as
+        ``safe_open(...).offset_keys()``: reading in this order reads each file front to back."""
+        return sorted(self._entries, key=lambda n: min(((c.file, c.file_offset) for c in self._entries[n].chunks),
+                                                       default=("", 0)))
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
@@ -165,11 +197,27 @@ class LazyCheckpoint:
             KeyError: no such name.
             CheckpointError: ``name`` is not a tensor, or its stored bytes are inconsistent.
         """
-        t = read_tensor(self.backend, self.tensor_info(name))
+        info = self.tensor_info(name)
+        return self._returned(read_tensor(self.backend, info), info.name)
+
+    def get_tensors(self) -> dict[str, Any]:
+        """Every tensor entry, as ``{name: get_tensor(name)}`` in :meth:`offset_keys` order (as
+        ``safe_open(...).get_tensors()``); non-tensor entries are left out (use :meth:`get_object`)."""
+        return {n: self.get_tensor(n) for n in self.offset_keys() if self._entries[n].kind == "tensor"}
+
+    def _returned(self, t: torch.Tensor, stored: str) -> Any:
+        """``t`` as the handle's framework and device give it back (numpy shares the CPU memory)."""
+        if self._numpy:
+            try:
+                return t.numpy()
+            except TypeError:  # bfloat16, float8, ...: torch says "unsupported ScalarType"
+                raise TypeError(f"{self.path}: entry {stored!r} is {dtype_code(t.dtype)} ({t.dtype}), which numpy "
+                                "has no dtype for: open it with framework='pt' to get a torch tensor") from None
         return t if self._to is None else t.to(self._to)
 
     def get_slice(self, name: str) -> TensorSlice:
-        """A sliceable proxy for ``name``: ``get_slice(name)[2:, ::3]`` reads only what it needs."""
+        """A sliceable proxy for ``name``: ``get_slice(name)[2:, ::3]`` reads only what it needs;
+        ``get_shape()`` gives a list and ``get_dtype()`` safetensors' dtype code, as ``safe_open``'s."""
         return TensorSlice(self, self.tensor_info(name))
 
     def get_object(self, name: str, *, allow_unpickle: bool = False) -> Any:
@@ -225,7 +273,8 @@ class LazyCheckpoint:
 
 
 def open(path: str | os.PathLike[str], framework: str = "pt", device: str | torch.device = "cpu", *,
-         verify: bool = False, storage_options: Mapping[str, Any] | None = None) -> LazyCheckpoint:
+         verify: bool = False, storage_options: Mapping[str, Any] | None = None,
+         strip_prefix: str | None = None) -> LazyCheckpoint:
     """Open a checkpoint for lazy reading, as ``safetensors.safe_open(path, framework, device)`` does.
 
     Args:
@@ -233,8 +282,9 @@ def open(path: str | os.PathLike[str], framework: str = "pt", device: str | torc
             ``.safetensors`` file; a Hugging Face directory (``model.safetensors.index.json``
             and its shards, or one ``model.safetensors``); or a ``torch.save`` file (read with
             ``torch.load(weights_only=True, mmap=True)``).
-        framework: ``"pt"`` (or ``"torch"``): mmapckpt returns torch tensors; anything else
-            raises ValueError.
+        framework: ``"pt"`` (or ``"torch"``) for torch tensors; ``"numpy"`` (or ``"np"``) for
+            numpy arrays sharing the tensors' memory (CPU only; a dtype numpy lacks, such as
+            bfloat16 or float8, raises TypeError naming the entry); anything else raises ValueError.
         device: where ``get_tensor`` and ``get_slice(...)[...]`` return tensors. On the CPU
             they are views where the format allows; on an accelerator each is copied there
             (use :func:`load` with ``device=`` for a whole state dict: it streams through
@@ -247,6 +297,10 @@ def open(path: str | os.PathLike[str], framework: str = "pt", device: str | torc
         storage_options: for a ``path`` on an object store (``s3://BUCKET/PREFIX``), the settings
             of its client (credentials, endpoint, request sizes; docs/object-storage.md),
             overriding the ``AWS_*`` environment; ignored for a local path.
+        strip_prefix: remove this prefix (e.g. ``"model."``) from the names that start with it,
+            keeping the others as they are: ``keys()`` and every lookup use the new names. As
+            ``convert --strip-prefix``, it raises CheckpointError when no name starts with it,
+            when stripping leaves a name empty or starting with ``.``, or makes two names one.
 
     Returns:
         A :class:`LazyCheckpoint`, usable as a context manager; ``metadata()`` gives the user
@@ -260,29 +314,29 @@ def open(path: str | os.PathLike[str], framework: str = "pt", device: str | torc
         ...     w = f.get_tensor("layer.weight")          # a view: nothing read yet
         ...     rows = f.get_slice("embed.weight")[100:200]
     """
-    return LazyCheckpoint(path, framework, device, verify=verify, storage_options=storage_options)
+    return LazyCheckpoint(path, framework, device, verify=verify, storage_options=storage_options,
+                          strip_prefix=strip_prefix)
 
 
-def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], bool]:
-    """The names ``keys`` selects, and whether they were named explicitly."""
+def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], set[str]]:
+    """The names ``keys`` selects, and those of them named explicitly (spelled as a pattern)."""
     if keys is None:
-        return names, False
+        return names, set()
     if callable(keys):
-        return [n for n in names if keys(n)], False
-    if isinstance(keys, str):
-        raise TypeError("keys must be a collection of names or a predicate, not a single string")
-    wanted = set(keys)
-    missing = wanted.difference(names)
-    if missing:
-        raise KeyError(f"not in the checkpoint at {path}: {sorted(missing)}")
-    return [n for n in names if n in wanted], True
+        return [n for n in names if keys(n)], set()
+    pats = check_patterns(keys)
+    unmatched = [p for p in pats if not any(matches(n, (p,)) for n in names)]
+    if unmatched:
+        raise KeyError(f"not in the checkpoint at {path} (keys are glob patterns on its names, case-sensitive): "
+                       f"{unmatched}")
+    return [n for n in names if matches(n, pats)], set(pats).intersection(names)
 
 
 def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
          keys: KeySelector = None, allow_unpickle: bool = False, prefetch: bool = False, verify: bool = False,
          staging_bytes: int | None = None, staging_buffers: int | None = None,
          buffer_bytes: int | None = None, num_buffers: int | None = None,
-         storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+         storage_options: Mapping[str, Any] | None = None, strip_prefix: str | None = None) -> dict[str, Any]:
     """Load a checkpoint's full (unsharded) state dict as a flat ``{fqn: tensor}`` dict.
 
     Every format :func:`open` takes is accepted, with the same result for the same tensors.
@@ -298,7 +352,10 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         path: a checkpoint directory or file (see :func:`open`).
         device: where the tensors go.
         dtype: cast floating-point tensors to this dtype (others are kept as stored).
-        keys: names to load, or a predicate on names; None loads every tensor.
+        keys: glob patterns of the names to load, as ``convert --keys`` takes them (``fnmatch``,
+            case-sensitive, ``*`` also matches dots: ``["model.layers.0.*", "lm_head.weight"]``),
+            or a predicate on names; None loads every tensor. A pattern that matches no name
+            raises KeyError. With ``strip_prefix`` they match the stored names, as in ``convert``.
         allow_unpickle: also load non-tensor entries (pickles; only for trusted files).
             Without it they are left out, and naming one in ``keys`` raises CheckpointError
             (a torch.save file's values too, so that every format gives the same dict).
@@ -313,6 +370,9 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         buffer_bytes: deprecated name of ``staging_bytes``.
         num_buffers: deprecated name of ``staging_buffers``.
         storage_options: settings of an object store's client (see :func:`open`).
+        strip_prefix: remove this prefix from the selected names that start with it (see
+            :func:`open`): ``load(p, keys=["model.*"], strip_prefix="model.")`` gives a training
+            checkpoint's model under the names ``model.state_dict()`` has.
 
     Returns:
         ``{fqn: tensor}`` (plus objects with ``allow_unpickle``), ready for
@@ -328,12 +388,15 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
     nbytes, count = staging_options(staging_bytes, staging_buffers, buffer_bytes, num_buffers, "mmapckpt.load")
     with LazyCheckpoint(path, verify=verify, storage_options=storage_options) as ckpt:
         names, explicit = _select(ckpt.keys(), keys, ckpt.path)
-        objects = [n for n in names if ckpt.info(n).kind == "object"]
-        if objects and explicit and not allow_unpickle:
+        named_objects = [n for n in names if n in explicit and ckpt.info(n).kind == "object"]
+        if named_objects and not allow_unpickle:
             if ckpt.backend.pickled_objects:
-                ckpt.get_object(objects[0])  # raises the explanatory CheckpointError
+                ckpt.get_object(named_objects[0])  # raises the explanatory CheckpointError
             raise CheckpointError("entry is a non-tensor value: pass allow_unpickle=True to include such values",
-                                  path=ckpt.path, entry=objects[0])
+                                  path=ckpt.path, entry=named_objects[0])
+        if strip_prefix is not None:
+            new_names = {old: new for new, old in strip_names(names, strip_prefix, ckpt.path).items()}
+        objects = [n for n in names if ckpt.info(n).kind == "object"]
         out: dict[str, Any] = {}
         tensors = [n for n in names if ckpt.info(n).kind == "tensor"]
         if prefetch:
@@ -368,6 +431,8 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         if allow_unpickle:
             for n in objects:
                 out[n] = ckpt.get_object(n, allow_unpickle=True)
+        if strip_prefix is not None:
+            return {new_names[n]: out[n] for n in names if n in out}
         return {n: out[n] for n in names if n in out}
 
 

@@ -10,7 +10,6 @@ Items are read one at a time, so a conversion never holds more than one of them.
 
 from __future__ import annotations
 
-import fnmatch
 import io
 from collections.abc import Sequence
 from typing import Any, Iterator
@@ -19,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointError, CheckpointWriteError
+from ..reading.keys import select_names as keys_select
 from ..reading.locate import FORMATS, SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..format.safetensors import SAFETENSORS_DTYPES
 
@@ -96,46 +96,10 @@ class Source:
 # --------------------------------------------------------------------------- convert(keys=, strip_prefix=)
 def select_names(names: Sequence[str], keys: Sequence[str] | None, strip_prefix: str | None,
                  path: str) -> dict[str, str]:
-    """``{new name: stored name}``: the stored names matching any glob of ``keys`` (all without
-    ``keys``), then ``strip_prefix`` removed from those that start with it, in the source's order.
-
-    Raises:
-        TypeError, ValueError: ``keys`` is a single string or empty; ``strip_prefix`` is empty.
-        CheckpointError: no name matches ``keys``; no selected name starts with ``strip_prefix``;
-            stripping makes two names one (or one empty).
-    """
-    chosen = list(names)
-    if keys is not None:
-        if isinstance(keys, str):
-            raise TypeError(f"keys must be a list of glob patterns, not a single string: keys=[{keys!r}]")
-        pats = list(keys)
-        if not pats or not all(isinstance(p, str) and p for p in pats):
-            raise ValueError(f"keys must be non-empty glob patterns, got {pats!r}")
-        chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in pats)]
-        if not chosen:
-            shown = ", ".join(repr(n) for n in list(names)[:5]) + (", ..." if len(names) > 5 else "")
-            raise CheckpointError(f"no entry matches --keys {' '.join(pats)} (patterns are globs on the stored "
-                                  f"names, case-sensitive; the names are {shown})", path=path)
-    if strip_prefix is None:
-        return {n: n for n in chosen}
-    if not isinstance(strip_prefix, str) or not strip_prefix:
-        raise ValueError(f"strip_prefix must be a non-empty string, got {strip_prefix!r}")
-    if not any(n.startswith(strip_prefix) for n in chosen):
-        raise CheckpointError(f"no selected entry starts with --strip-prefix {strip_prefix!r} (e.g. "
-                              f"{chosen[0]!r}); did you mean a prefix ending in '.'?", path=path)
-    out: dict[str, str] = {}
-    for old in chosen:
-        new = old.removeprefix(strip_prefix)
-        if not new:
-            raise CheckpointError(f"stripping {strip_prefix!r} leaves an empty name", path=path, entry=old)
-        if new.startswith(".") and not old.startswith("."):  # "model" for "model.": an easy slip
-            raise CheckpointError(f"stripping {strip_prefix!r} leaves {new!r}; did you mean --strip-prefix "
-                                  f"{strip_prefix + '.'!r}?", path=path, entry=old)
-        if new in out:
-            raise CheckpointError(f"stripping {strip_prefix!r} gives {out[new]!r} and {old!r} the same name "
-                                  f"{new!r}; select only one of them with --keys", path=path, entry=old)
-        out[new] = old
-    return out
+    """``{new name: stored name}`` for ``convert(keys=, strip_prefix=)``: ``reading/keys.py``'s
+    :func:`~mmapckpt.reading.keys.select_names` (the one matcher ``load(keys=)`` also uses), its
+    messages spelled as the command line's ``--keys``/``--strip-prefix``."""
+    return keys_select(names, keys, strip_prefix, path, flags=("--keys", "--strip-prefix"))
 
 
 def _stripped_path(path: tuple[Any, ...], new: str, prefix: str) -> tuple[Any, ...]:
