@@ -194,6 +194,13 @@ def test_a_shard_the_index_never_names(dirs, tmp_path) -> None:
     _rewrite_index(d, index)
     e = _everywhere_raises(d, CheckpointError, "index never names", tmp_path)
     assert e.path == os.path.join(d, last)
+    # a shard of another series (another count, or a tagged name) is another checkpoint's leftover (an
+    # interrupted conversion's): it is left alone, as the index's own files are read
+    d, index, shards = _copy(dirs, tmp_path, "leftovers")
+    n = len(shards)
+    for other in (f"pytorch_model-00001-of-{n + 1:05d}.bin", f"pytorch_model-00001-of-{n:05d}.0a1b2c3d.bin"):
+        shutil.copy(os.path.join(d, shards[0]), os.path.join(d, other))
+    _equal(mmapckpt.load(d), _torch_load(dirs["sharded"]))
 
 
 def test_a_name_twice_in_the_index_and_other_damage(dirs, tmp_path) -> None:
@@ -245,8 +252,8 @@ def _hub(cache: str, repo_id: str, src: str, rev: str) -> str:
     blobs named by their SHA-256, snapshot files relative links to them, refs/main holding ``rev``."""
     repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
     snap = os.path.join(repo, "snapshots", rev)
-    for d in ("blobs", "refs", snap):
-        os.makedirs(os.path.join(repo, d), exist_ok=True)
+    for d in (os.path.join(repo, "blobs"), os.path.join(repo, "refs"), snap):
+        os.makedirs(d, exist_ok=True)
     with open(os.path.join(repo, "refs", "main"), "w") as f:
         f.write(rev)
     for name in os.listdir(src):
