@@ -20,6 +20,7 @@ import shutil
 import pytest
 import torch
 from helpers import assert_bitwise_equal
+from unmapped import medium, url  # noqa: F401  (medium: the unmapped:// fixture)
 
 import mmapckpt
 from mmapckpt import CheckpointError, CheckpointNotFoundError, FormatError, UnsafePathError, convert
@@ -123,6 +124,21 @@ def test_convert_and_back_bitwise(dirs, tmp_path, to) -> None:
     direct = str(tmp_path / "direct.pt")
     convert(dirs["single"], direct, to="torch")
     _equal(torch.load(direct, weights_only=True), want)
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_at_a_url(dirs, medium, tmp_path, layout) -> None:  # noqa: F811
+    """On a medium without mappings (an object store's prefix) each shard is read whole through the storage."""
+    u, want = url(dirs[layout]), _torch_load(dirs[layout])
+    with mmapckpt.open(u) as f:
+        assert f.kind == "torch"
+        _equal({k: f.get_tensor(k) for k in f.keys()}, want)
+    _equal(mmapckpt.load(u), want)
+    assert medium[0] >= sum(os.path.getsize(os.path.join(dirs[layout], n)) for n in os.listdir(dirs[layout])
+                            if n.endswith(".bin"))
+    out = str(tmp_path / "out")
+    convert(u, out, to="mmapckpt")
+    _equal(mmapckpt.load(out), want)
 
 
 def test_inspect_names_the_layout(dirs, capsys) -> None:
@@ -314,10 +330,13 @@ def test_a_hub_repository_root_without_its_snapshot(dirs, tmp_path) -> None:
     with pytest.raises(CheckpointNotFoundError, match="no snapshot here") as ei:
         mmapckpt.load(repo)
     assert rev in str(ei.value)  # says which snapshots are there to name instead
-    with open(os.path.join(repo, "refs", "main"), "w") as f:
-        f.write("../../elsewhere")
-    with pytest.raises(CheckpointNotFoundError, match="no snapshot here"):
-        convert(repo, str(tmp_path / "never"), to="mmapckpt")
+    shutil.copytree(dirs["single"], os.path.join(cache, "elsewhere"))  # a model a path out of snapshots/ reaches
+    for rev in ("../../elsewhere", os.path.join(cache, "elsewhere")):
+        with open(os.path.join(repo, "refs", "main"), "w") as f:
+            f.write(rev)
+        with pytest.raises(CheckpointNotFoundError, match="no snapshot here"):
+            convert(repo, str(tmp_path / "never"), to="mmapckpt")
+        assert not os.path.exists(tmp_path / "never")
     os.unlink(os.path.join(repo, "refs", "main"))
     with pytest.raises(CheckpointNotFoundError, match="refs/main"):
         mmapckpt.open(repo)
