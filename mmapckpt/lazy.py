@@ -280,8 +280,10 @@ def open(path: str | os.PathLike[str], framework: str = "pt", device: str | torc
     Args:
         path: an mmapckpt or stock DCP checkpoint directory (holding ``.metadata``); a
             ``.safetensors`` file; a Hugging Face directory (``model.safetensors.index.json``
-            and its shards, or one ``model.safetensors``); or a ``torch.save`` file (read with
-            ``torch.load(weights_only=True, mmap=True)``).
+            and its shards, or one ``model.safetensors``; else ``pytorch_model.bin.index.json``
+            and its shards, or one ``pytorch_model.bin``), also a hub cache snapshot or its
+            repository root ``models--ORG--NAME`` (the snapshot ``refs/main`` names); or a
+            ``torch.save`` file (read with ``torch.load(weights_only=True, mmap=True)``).
         framework: ``"pt"`` (or ``"torch"``) for torch tensors; ``"numpy"`` (or ``"np"``) for
             numpy arrays sharing the tensors' memory (CPU only; a dtype numpy lacks, such as
             bfloat16 or float8, raises TypeError naming the entry); anything else raises ValueError.

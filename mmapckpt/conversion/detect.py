@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..format.metadata import KIND_MMAPCKPT
-from ..reading.locate import detect_format, locate_checkpoint, place_format, safetensors_files
+from ..reading.locate import detect_format, indexed_files, locate_checkpoint, place_format, safetensors_files
 from ..storage.commits import read_metadata
 from .common import Source
 from .flat import SafetensorsSource, TorchSource
@@ -28,4 +28,4 @@ def open_source(path: str | os.PathLike[str], *, storage_options: Mapping[str, A
         return (MmapckptSource if got == KIND_MMAPCKPT else StockSource)(place.path, md, storage)
     if kind == "safetensors":  # a file, a Hugging Face index and its shards, or a directory with model.safetensors
         return SafetensorsSource(place, safetensors_files(place))
-    return TorchSource(place)
+    return TorchSource(place, indexed_files(place, "torch"))  # a file, or pytorch_model.bin (and an index)

@@ -231,8 +231,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     temporary file first.
 
     Args:
-        src: a checkpoint directory (mmapckpt or stock DCP), a ``.safetensors`` file, a
-            directory with ``model.safetensors.index.json``, or a ``torch.save`` file; or a URL of one.
+        src: a checkpoint directory (mmapckpt or stock DCP), a ``.safetensors`` file, a Hugging Face
+            directory or hub cache snapshot or repository (as :func:`mmapckpt.open` takes them: safetensors
+            or ``pytorch_model.bin`` files), or a ``torch.save`` file; or a URL of one.
         dst: where to write; a directory for mmapckpt, dcp and sharded safetensors, else a file
             (safetensors into an existing directory is written there as ``model.safetensors``).
             A symbolic link is kept: what it names is replaced (a dangling link is refused).

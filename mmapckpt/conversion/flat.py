@@ -1,4 +1,5 @@
-"""Sources for flat files: a safetensors file (or HF-sharded directory) and a torch.save state dict.
+"""Sources for flat files: a safetensors file (or HF-sharded directory) and a torch.save state dict (or a Hugging
+Face directory of them).
 
 The bytes are read by the format wing (``format/safetensors.py`` parses and checks the
 header, ``reading/torchfile.py`` loads with ``weights_only=True``), the same readers
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..format.safetensors import entry_infos
 from ..reading.located import Place
 from ..reading.safetensors_files import SafetensorsFile
-from ..reading.torchfile import flat_torch_file, is_zip, torch_source
+from ..reading.torchfile import flat_torch_files, is_zip
 from .common import SINGLE_FILE, Source
 
 __all__ = ["SafetensorsSource", "TorchSource"]
@@ -94,16 +95,20 @@ class SafetensorsSource(Source):
 
 
 class TorchSource(Source):
-    def __init__(self, place: Place) -> None:
-        """The file at ``place``: a local file is mapped by torch.load, one at a URL read whole into memory."""
-        self.path, self.kind, self.files = place.path, "torch", 1
-        src = torch_source(place)
-        flat, mapping = flat_torch_file(src)
+    def __init__(self, place: Place, found: tuple[dict[str, list[str] | None], str | None] | None = None) -> None:
+        """The file at ``place``, or ``found`` (``reading/locate.py`` ``indexed_files(place, "torch")``: a
+        directory's files and index); a local file is mapped by torch.load, one at a URL read whole into memory."""
+        files, index = ({place.name or "": None}, None) if found is None else found
+        self.path, self.kind, self.files = place.path, "torch", len(files)
+        flat, mapping = flat_torch_files(place, files)
         self._values = flat
         specs = {k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
         self.metadata, order = _flat_metadata(specs, mapping)
         self.layout = [(SINGLE_FILE, order)]
-        self.version = "torch.save zip archive" if is_zip(src) else "torch.save legacy format"
+        with place.open(next(iter(files))) as f:
+            kind = "torch.save zip archive" if is_zip(f) else "torch.save legacy format"
+        self.version = kind if not place.is_dir else \
+            f"{kind}: pytorch_model.bin in a directory" if index is None else f"{kind}: {len(files)} shards with index"
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         return self._values[idx.fqn]

@@ -11,10 +11,10 @@ import os
 import re
 from typing import Any
 
-from ..errors import CheckpointError, TruncatedFileError, UnsafePathError
+from ..errors import CheckpointError, CheckpointNotFoundError, TruncatedFileError, UnsafePathError
 
 __all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "open_inside",
-           "hub_blobs", "is_cached", "unlink_quietly", "refuse_url"]
+           "hub_blobs", "hub_snapshot", "is_cached", "unlink_quietly", "refuse_url"]
 
 
 def fsync_dir(path: str) -> None:
@@ -128,6 +128,38 @@ def hub_blobs(root: str) -> str | None:
             blobs = os.path.join(repo, "blobs")
             return blobs if _HUB_REPO.fullmatch(os.path.basename(repo)) and os.path.isdir(blobs) else None
         p = parent
+
+
+#: A revision as refs/ files hold it (a commit hash; a name only, never a path).
+_HUB_REVISION = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,254}")
+
+
+def hub_snapshot(repo: str) -> str | None:
+    """The snapshot ``refs/main`` names, where ``repo`` is the root of a repository of a Hugging Face hub cache
+    (``models--ORG--NAME`` holding ``snapshots/``); None for any other directory.
+
+    Raises:
+        CheckpointNotFoundError: a hub repository whose ``refs/main`` is missing, holds no revision name, or
+            names a snapshot that is not there (or not inside ``snapshots/``).
+    """
+    snapshots = os.path.join(repo, "snapshots")
+    if not _HUB_REPO.fullmatch(os.path.basename(os.path.normpath(repo))) or not os.path.isdir(snapshots):
+        return None
+    have = sorted(os.listdir(snapshots))
+    fix = f"name a snapshot directory instead ({os.path.join(repo, 'snapshots', 'REV')}; here: {have or 'none'})"
+    ref = os.path.join(repo, "refs", "main")
+    try:
+        with open(ref, "rb") as f:
+            rev = f.read(256).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointNotFoundError(f"hub cache repository without a readable refs/main ({e}): {fix}",
+                                      path=repo) from None
+    snap = os.path.join(snapshots, rev)
+    if not _HUB_REVISION.fullmatch(rev) or not os.path.isdir(snap) or \
+            not _within(os.path.realpath(snapshots), os.path.realpath(snap)):
+        raise CheckpointNotFoundError(f"hub cache refs/main names revision {rev[:80]!r}, which has no snapshot "
+                                      f"here: {fix}", path=repo)
+    return snap
 
 
 def map_file(path: str, size: int) -> mmap.mmap | None:

@@ -10,6 +10,10 @@ names a directory where files exist under it, else a file):
   a Hugging Face sharded model; its ``weight_map`` names each tensor's file;
 - a directory with ``model.safetensors`` and no index: a Hugging Face model in one file
   (``config.json`` and tokenizer files beside it are ignored);
+- a directory with ``pytorch_model.bin.index.json`` (or exactly one ``*.bin.index.json``) or
+  ``pytorch_model.bin``, and no safetensors weights (which win where both are there, as
+  ``transformers`` picks them): a Hugging Face model of ``torch.save`` files, its index read by
+  the same code as a safetensors index;
 - a file that is a safetensors file (by its name or its first bytes), or a ``torch.save``
   file (a zip archive or a pickle).
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -40,9 +45,13 @@ __all__ = [
     "FORMATS",
     "SAFETENSORS_INDEX",
     "SAFETENSORS_SINGLE",
+    "TORCH_INDEX",
+    "TORCH_SINGLE",
     "Opened",
     "detect_format",
+    "directory_kind",
     "index_name",
+    "indexed_files",
     "locate_checkpoint",
     "open_backend",
     "place_format",
@@ -52,16 +61,32 @@ __all__ = [
 FORMATS = ("mmapckpt", "dcp", "safetensors", "torch")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"  # the one file of an unsharded Hugging Face model directory
+TORCH_INDEX = "pytorch_model.bin.index.json"  # the same index, of torch.save shards
+TORCH_SINGLE = "pytorch_model.bin"
+#: Per format of a Hugging Face directory: its index, the ending of any other index, its one unsharded file.
+_HF_NAMES = {"safetensors": (SAFETENSORS_INDEX, ".safetensors.index.json", SAFETENSORS_SINGLE),
+             "torch": (TORCH_INDEX, ".bin.index.json", TORCH_SINGLE)}
 #: The largest safetensors index read (real ones are tens of KiB).
 MAX_INDEX_SIZE = 64 << 20
 
 
-def index_name(storage: CheckpointStorage) -> str | None:
-    """The directory's safetensors index: model.safetensors.index.json, else the only *.safetensors.index.json."""
-    if storage.exists(SAFETENSORS_INDEX):
-        return SAFETENSORS_INDEX
-    found = sorted(n for n in storage.list() if n.endswith(".safetensors.index.json"))
+def index_name(storage: CheckpointStorage, kind: str = "safetensors") -> str | None:
+    """The directory's index of ``kind`` files: model.safetensors.index.json, else the only
+    *.safetensors.index.json (``kind="torch"``: pytorch_model.bin.index.json, else the only *.bin.index.json)."""
+    index, ending, _ = _HF_NAMES[kind]
+    if storage.exists(index):
+        return index
+    found = sorted(n for n in storage.list() if n.endswith(ending))
     return found[0] if len(found) == 1 else None
+
+
+def directory_kind(storage: CheckpointStorage) -> str | None:
+    """``"safetensors"`` or ``"torch"`` for a Hugging Face model directory (safetensors weights win where it
+    holds both), else None."""
+    for kind, (_, _, single) in _HF_NAMES.items():
+        if index_name(storage, kind) is not None or storage.exists(single):
+            return kind
+    return None
 
 
 def _pairs_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -79,33 +104,41 @@ def _read_index(place: Place, rel: str) -> dict[str, str]:
         data = place.storage.read_file(rel, MAX_INDEX_SIZE)
         doc = json.loads(bytes(data).decode("utf-8"), object_pairs_hook=_pairs_once)
     except FormatError as e:
-        raise FormatError(f"unreadable safetensors index: {e.args[0]}", path=full) from None
+        raise FormatError(f"unreadable index: {e.args[0]}", path=full) from None
     except (OSError, ValueError, RecursionError) as e:
-        raise FormatError(f"unreadable safetensors index: {e}", path=full) from None
+        raise FormatError(f"unreadable index: {e}", path=full) from None
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-        raise FormatError("safetensors index has no 'weight_map' of name -> file", path=full)
+        raise FormatError("index has no 'weight_map' of name -> file", path=full)
     return wm
 
 
 def safetensors_files(place: Place) -> tuple[dict[str, list[str] | None], str | None]:
-    """``({name of each file: the tensors the index puts there, or None for all}, the index's name)``; names
-    are relative to ``place.root`` (``place.full(name)`` gives the full one, ``place.open(name)`` the file).
+    """:func:`indexed_files` of safetensors files."""
+    return indexed_files(place, "safetensors")
 
-    A directory's index, ``model.safetensors`` and the files the index names must resolve inside
-    the directory (locally: or be links into the ``blobs/`` of the hub cache whose snapshot it is).
+
+def indexed_files(place: Place, kind: str) -> tuple[dict[str, list[str] | None], str | None]:
+    """``({name of each file: the tensors the index puts there, or None for all}, the index's name)`` of a
+    Hugging Face directory of ``kind`` ("safetensors" or "torch") files, or of the one file ``place`` names;
+    names are relative to ``place.root`` (``place.full(name)`` gives the full one, ``place.open(name)`` the file).
+
+    A directory's index, its one file (``model.safetensors``, ``pytorch_model.bin``) and the files the index
+    names must resolve inside the directory (locally: or be links into the ``blobs/`` of the hub cache whose
+    snapshot it is).
 
     Raises:
-        CheckpointNotFoundError: a directory without an index or ``model.safetensors``.
+        CheckpointNotFoundError: a directory without an index or the one file.
         FormatError, CheckpointError: a damaged index, or a file it names that is missing or outside the directory.
     """
     if place.name is not None:
         return {place.name: None}, None
-    idx = index_name(place.storage)
+    index, _, single = _HF_NAMES[kind]
+    idx = index_name(place.storage, kind)
     if idx is None:
-        if not place.exists(SAFETENSORS_SINGLE):
-            raise CheckpointNotFoundError(f"no {SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE} here", path=place.path)
-        return {place.inside(SAFETENSORS_SINGLE): None}, None
+        if not place.exists(single):
+            raise CheckpointNotFoundError(f"no {index} or {single} here", path=place.path)
+        return {place.inside(single): None}, None
     idx = place.inside(idx)
     files: dict[str, list[str] | None] = {}
     for name, rel in _read_index(place, idx).items():
@@ -113,7 +146,25 @@ def safetensors_files(place: Place) -> tuple[dict[str, list[str] | None], str | 
         if not place.exists(rel):
             raise CheckpointError("shard file named in the index is missing", path=place.full(rel), entry=name)
         files.setdefault(rel, []).append(name)  # type: ignore[union-attr]
+    _no_unnamed_shards(place, files)
     return files, idx
+
+
+#: A shard's name as Hugging Face numbers them: model-00001-of-00003.safetensors, pytorch_model-00002-of-00003.bin.
+_SHARD = re.compile(r"(.+)-\d{5}-of-(\d{5})(\.[^/]+)")
+
+
+def _no_unnamed_shards(place: Place, files: Mapping[str, Any]) -> None:
+    """Refuse a shard of the index's series (same stem, count and ending) that the index never names: its tensors
+    would be silently left out."""
+    series = {(m[1], m[2], m[3]) for rel in files if (m := _SHARD.fullmatch(rel))}
+    if not series:
+        return
+    for name in sorted(place.storage.list()):
+        m = _SHARD.fullmatch(name)
+        if m and (m[1], m[2], m[3]) in series and name not in files:
+            raise CheckpointError("shard file the index never names: its tensors would be left out. Restore the "
+                                  "index that names it, or move the file away", path=place.full(name))
 
 
 def locate_checkpoint(path: str | os.PathLike[str], *,
@@ -132,14 +183,16 @@ def place_format(place: Place) -> str:
         storage = place.storage
         if storage.exists(METADATA_NAME):
             return storage.commit_kind(METADATA_NAME)
-        if index_name(storage) is not None or storage.exists(SAFETENSORS_SINGLE):
-            return "safetensors"
+        kind = directory_kind(storage)
+        if kind is not None:
+            return kind
         try:
             storage.find_metadata()  # raises IncompleteCheckpointError (shards without a commit) or:
         except CheckpointNotFoundError:
             pass
         raise CheckpointNotFoundError(f"no checkpoint here: no {METADATA_NAME} (mmapckpt or DCP), "
-                                      f"{SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE}", path=place.path)
+                                      f"{SAFETENSORS_INDEX}, {SAFETENSORS_SINGLE}, {TORCH_INDEX} or {TORCH_SINGLE}",
+                                      path=place.path)
     if place.name.endswith(".safetensors"):
         return "safetensors"
     with place.open() as f:
@@ -227,7 +280,7 @@ def open_backend(path: str | os.PathLike[str], *, verify: bool = False,
     if kind == "safetensors":
         return _open_safetensors(place)
     if kind == "torch":
-        files, entries = TorchFiles.open(place)
+        files, entries = TorchFiles.open(place, indexed_files(place, kind)[0])
         return Opened(kind, place.root, entries, files, _no_metadata)
     storage = place.storage
     meta = storage.find_metadata()

@@ -1,7 +1,8 @@
 """Where a path or URL names a checkpoint: a directory, or one file of a directory.
 
 A local path is what the file system says: a directory, or a file (links followed, as
-``open`` follows them). A URL (``scheme://...``, a medium registered with
+``open`` follows them); the root of a repository of a Hugging Face hub cache
+(``models--ORG--NAME``) names the snapshot its ``refs/main`` names (io/files.py ``hub_snapshot``). A URL (``scheme://...``, a medium registered with
 ``storage/location.py`` ``register_scheme``) names files and directories as object stores
 do: ``scheme://a/b`` is a directory where files exist under ``a/b/``
 (:meth:`CheckpointStorage.is_location`), else a file where ``a/b`` itself is one: file ``b``
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ..errors import CheckpointNotFoundError
-from ..io.files import open_inside
+from ..io.files import hub_snapshot, open_inside
 from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.local import LocalFile, LocalStorage
 from ..storage.location import is_url, storage_for
@@ -109,11 +110,12 @@ def locate(location: str | os.PathLike[str], *, options: Mapping[str, Any] | Non
 
     Raises:
         CheckpointNotFoundError: nothing there; a local path that is neither file nor directory; a URL of
-            a scheme no medium serves.
+            a scheme no medium serves; a hub cache repository without the snapshot its ``refs/main`` names.
     """
     p = os.fspath(location)
     if not is_url(p):
         if os.path.isdir(p):
+            p = hub_snapshot(p) or p
             return Place(p, LocalStorage(p), None, True)
         if not os.path.exists(p):
             raise CheckpointNotFoundError("no such file or directory", path=p)

@@ -9,7 +9,9 @@ torch (a URL: reading/located.py) is read whole into memory (as many bytes as th
 through ``StoredFile.read_into``) and loaded from there, with the same ``weights_only=True``:
 the format has no index of ranges to read tensors by. Nested state dicts are flattened as
 ``dcp.save`` names them (``{"model": {"w": t}}`` -> ``"model.w"``), the names ``inspect`` and
-``convert`` show.
+``convert`` show. A Hugging Face directory of such files (``pytorch_model.bin``, or shards and
+``pytorch_model.bin.index.json``: reading/locate.py ``indexed_files``) is every file loaded so,
+merged into one state dict.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from ..storage.base import StoredFile
 from ..storage.local import LocalFile
 from .located import Place
 
-__all__ = ["MemoryFile", "StoredReader", "TorchFiles", "flat_torch_file", "is_torch_file", "is_zip",
-           "load_torch_file", "torch_source"]
+__all__ = ["MemoryFile", "StoredReader", "TorchFiles", "flat_torch_file", "flat_torch_files", "is_torch_file",
+           "is_zip", "load_torch_file", "torch_source"]
 
 #: What a torch.save file is loaded from: a local path (mapped), or its bytes read into memory.
 TorchSource = Union[str, "MemoryFile"]
@@ -90,11 +92,12 @@ class MemoryFile(_Window):
         mv[:] = self.data[pos:pos + len(mv)]
 
 
-def torch_source(place: Place) -> TorchSource:
-    """What to load the torch.save file at ``place`` from: its local path, else its bytes read into memory."""
+def torch_source(place: Place, rel: str | None = None) -> TorchSource:
+    """What to load the torch.save file at ``place`` (or file ``rel`` of that directory, a name checked by
+    ``place.inside``) from: its local path, else its bytes read into memory."""
     if place.local:
-        return place.path
-    with place.open() as f:
+        return place.full(rel)
+    with place.open(rel) as f:
         return MemoryFile(f.read(0, f.size), f.path)
 
 
@@ -102,10 +105,13 @@ def _path(src: TorchSource) -> str:
     return src if isinstance(src, str) else src.path
 
 
-def is_zip(src: TorchSource) -> bool:
-    """Whether the torch.save file is a zip archive (the format since torch 1.6)."""
+def is_zip(src: TorchSource | StoredFile) -> bool:
+    """Whether the torch.save file is a zip archive (the format since torch 1.6); a stored file is read only
+    where a zip archive's end would be."""
     if isinstance(src, str):
         return zipfile.is_zipfile(src)
+    if isinstance(src, StoredFile):
+        return zipfile.is_zipfile(StoredReader(src))
     src.seek(0)
     return zipfile.is_zipfile(src)
 
@@ -150,6 +156,27 @@ def load_torch_file(src: TorchSource | Place) -> Any:
                           path=path) from None
 
 
+def flat_torch_files(place: Place, files: dict[str, list[str] | None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`flat_torch_file` of each of ``files`` (reading/locate.py ``indexed_files``: each file's name in
+    ``place``'s directory, and the names the index puts there or None for all), merged in the index's order;
+    what a file holds that the index puts elsewhere, or nowhere, is left out (as of a safetensors shard).
+
+    Raises:
+        FormatError: a file does not hold a state dict, or lacks a name the index puts there.
+    """
+    values: dict[str, Any] = {}
+    mapping: dict[str, Any] = {}
+    for rel, names in files.items():
+        src = torch_source(place, rel)
+        flat, nesting = flat_torch_file(src)
+        for name in flat if names is None else names:
+            if name not in flat:
+                raise FormatError("the index names this tensor for this file, but the file lacks it",
+                                  path=_path(src), entry=name)
+            values[name], mapping[name] = flat[name], nesting[name]
+    return values, mapping
+
+
 def flat_torch_file(src: TorchSource | Place) -> tuple[dict[str, Any], dict[str, Any]]:
     """The file's state dict flattened as ``dcp.save`` names it, and DCP's mapping back to the nesting.
 
@@ -181,17 +208,23 @@ class TorchFiles:
         self.path, self.values = path, values
 
     @classmethod
-    def open(cls, place: Place) -> tuple[TorchFiles, dict[str, EntryInfo]]:
-        """Load the file; return the backend and its index (one whole-tensor chunk per tensor)."""
-        flat, _ = flat_torch_file(place)
-        rel, path = place.name or "", place.path
+    def open(cls, place: Place, files: dict[str, list[str] | None] | None = None
+             ) -> tuple[TorchFiles, dict[str, EntryInfo]]:
+        """Load the file at ``place``, or ``files`` of its directory (see :func:`flat_torch_files`); return the
+        backend and its index (one whole-tensor chunk per tensor)."""
+        if files is None:
+            files = {place.name or "": None}
+        flat, _ = flat_torch_files(place, files)
+        where = {name: rel for rel, names in files.items() for name in (flat if names is None else names)}
+        path = place.path
         values: dict[str, Any] = {}
         entries: dict[str, EntryInfo] = {}
         for i, (name, v) in enumerate(flat.items()):
+            rel = where[name]
             if isinstance(v, torch.Tensor):
                 t = v if type(v) is torch.Tensor else v.detach()  # a Parameter comes back as a plain tensor
                 if t.device.type != "cpu":  # map_location="cpu" makes this unreachable; never hand out others
-                    raise FormatError(f"tensor was loaded on {t.device}", path=path, entry=name)
+                    raise FormatError(f"tensor was loaded on {t.device}", path=place.full(rel), entry=name)
                 shape = tuple(t.shape)
                 # no file position: torch places the bytes (a distinct negative offset keeps entries apart)
                 c = ChunkInfo((0,) * len(shape), shape, rel, -1 - i, t.numel() * t.element_size())
