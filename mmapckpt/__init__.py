@@ -13,7 +13,8 @@ import typing
 
 __version__ = "0.1.0"
 
-#: public name -> the module (relative to this package) that defines it. Add a name here and to __all__.
+#: public name -> the module (relative to this package) that defines it. A new name goes here, in __all__ and
+#: in the TYPE_CHECKING block (tests/test_public_api.py checks that the three agree).
 _WHERE = {
     "MmapWriter": ".dcp.writer",
     "MmapReader": ".dcp.reader",
@@ -57,7 +58,16 @@ _WHERE = {
     "checkpoint_error": ".dcp.unwrap",
 }
 
-__all__ = [*_WHERE, "__version__"]
+__all__ = [
+    "MmapWriter", "MmapReader", "save", "open", "load", "load_into", "LazyCheckpoint", "TensorSlice",
+    "EntryInfo", "ChunkInfo", "ZeroCopyLoadPlanner", "SafeLoadPlanner", "FastLoadPlanner", "FastSavePlanner",
+    "convert", "ConvertResult", "ConversionWarning", "inspect_checkpoint", "CheckpointInfo",
+    "verify_checkpoint", "VerifyReport", "CheckpointError", "CheckpointNotFoundError",
+    "IncompleteCheckpointError", "CheckpointExistsError", "FormatError", "BadMagicError",
+    "UnsupportedVersionError", "ByteOrderError", "TruncatedFileError", "EntryBoundsError", "UnknownDtypeError",
+    "UnsafePathError", "UnsafePickleError", "ChecksumError", "SizeMismatchError", "CheckpointWriteError",
+    "StorageAccessError", "StorageUnavailableError", "checkpoint_error", "__version__",
+]
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from .conversion.driver import ConversionWarning, ConvertResult, convert

@@ -43,6 +43,7 @@ def test_type_checkers_see_the_same_names() -> None:
                 assert isinstance(imp, ast.ImportFrom)
                 seen.update({a.name: "." * imp.level + (imp.module or "") for a in imp.names})
     assert seen == mmapckpt._WHERE
+    assert list(mmapckpt.__all__) == [*mmapckpt._WHERE, "__version__"]
 
 
 def test_importing_the_package_imports_no_torch() -> None:

@@ -95,14 +95,15 @@ class Source:
 
 # --------------------------------------------------------------------------- convert(keys=, strip_prefix=)
 def select_names(names: Sequence[str], keys: Sequence[str] | None, strip_prefix: str | None,
-                 path: str) -> dict[str, str]:
+                 path: str, exclude: Sequence[str] | None = None) -> dict[str, str]:
     """``{new name: stored name}``: the stored names matching any glob of ``keys`` (all without
-    ``keys``), then ``strip_prefix`` removed from those that start with it, in the source's order.
+    ``keys``) and none of ``exclude``, then ``strip_prefix`` removed from those that start with it,
+    in the source's order.
 
     Raises:
-        TypeError, ValueError: ``keys`` is a single string or empty; ``strip_prefix`` is empty.
-        CheckpointError: no name matches ``keys``; no selected name starts with ``strip_prefix``;
-            stripping makes two names one (or one empty).
+        TypeError, ValueError: ``keys`` or ``exclude`` is a single string or empty; ``strip_prefix`` is empty.
+        CheckpointError: no name matches ``keys``, or ``exclude`` leaves none; no selected name starts with
+            ``strip_prefix``; stripping makes two names one (or one empty).
     """
     chosen = list(names)
     if keys is not None:
@@ -116,6 +117,8 @@ def select_names(names: Sequence[str], keys: Sequence[str] | None, strip_prefix:
             shown = ", ".join(repr(n) for n in list(names)[:5]) + (", ..." if len(names) > 5 else "")
             raise CheckpointError(f"no entry matches --keys {' '.join(pats)} (patterns are globs on the stored "
                                   f"names, case-sensitive; the names are {shown})", path=path)
+    if exclude is not None:
+        chosen = _excluded(chosen, exclude, path)
     if strip_prefix is None:
         return {n: n for n in chosen}
     if not isinstance(strip_prefix, str) or not strip_prefix:
@@ -136,6 +139,19 @@ def select_names(names: Sequence[str], keys: Sequence[str] | None, strip_prefix:
                                   f"{new!r}; select only one of them with --keys", path=path, entry=old)
         out[new] = old
     return out
+
+
+def _excluded(chosen: list[str], exclude: Sequence[str], path: str) -> list[str]:
+    """``chosen`` without the names matching a glob of ``exclude`` (``--exclude``)."""
+    if isinstance(exclude, str):
+        raise TypeError(f"exclude must be a list of glob patterns, not a single string: exclude=[{exclude!r}]")
+    pats = list(exclude)
+    if not pats or not all(isinstance(p, str) and p for p in pats):
+        raise ValueError(f"exclude must be non-empty glob patterns, got {pats!r}")
+    kept = [n for n in chosen if not any(fnmatch.fnmatchcase(n, p) for p in pats)]
+    if not kept:
+        raise CheckpointError(f"--exclude {' '.join(pats)} leaves no entry to convert", path=path)
+    return kept
 
 
 def _stripped_path(path: tuple[Any, ...], new: str, prefix: str) -> tuple[Any, ...]:
@@ -197,12 +213,12 @@ class RecordingFile:
     RuntimeError that has lost the errno and the reason ("unexpected pos ...")."""
 
     def __init__(self, f: Any) -> None:
-        self.f, self.error = f, None
+        self.f, self.error = f, None  # the OSError (or KeyboardInterrupt) a write met
 
     def write(self, b: Any) -> int:
         try:
             return self.f.write(b)
-        except OSError as e:
+        except (OSError, KeyboardInterrupt) as e:  # torch.save turns both into a RuntimeError
             self.error = e
             raise
 
@@ -235,6 +251,8 @@ class Writing:
     def __exit__(self, kind: Any, e: BaseException | None, tb: Any) -> bool:
         if e is None or isinstance(e, CheckpointError) or not isinstance(e, (OSError, RuntimeError)):
             return False
+        if self.out is not None and isinstance(self.out.error, KeyboardInterrupt):
+            raise KeyboardInterrupt from None  # Ctrl-C inside torch.save is still Ctrl-C
         reason: BaseException = e
         if isinstance(e, RuntimeError) and self.out is not None and self.out.error is not None:
             reason = self.out.error  # what the disk said, under torch.save's RuntimeError
