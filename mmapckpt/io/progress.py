@@ -16,9 +16,12 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["Progress", "ProgressCallback", "human_bytes", "format_duration"]
+__all__ = ["Progress", "ProgressCallback", "MIN_INTERVAL", "human_bytes", "format_duration"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+#: Seconds between redraws and callback calls, unless a Progress is given its own.
+MIN_INTERVAL = 0.1
 
 #: ``callback(phase, done, total)``: the phase's name and the bytes done and in all, counted over every phase.
 ProgressCallback = Callable[[str, int, int], Any]
@@ -58,7 +61,8 @@ class Progress:
         label: a short text shown before the bar (``"mmapckpt -> torch"``).
         enabled: False draws nothing (``--quiet``); a callback is still called.
         stream: where to draw (default ``sys.stderr``); nothing is drawn unless it is a tty.
-        min_interval: seconds between redraws (and callback calls), so many small updates stay cheap.
+        min_interval: seconds between redraws (and callback calls), so many small updates stay cheap
+            (default :data:`MIN_INTERVAL`).
         callback: ``callback(phase, done, total)`` after each phase starts, at most every ``min_interval``
             seconds while bytes move, and once when the job ends (``done == total``).
 
@@ -68,7 +72,7 @@ class Progress:
     """
 
     def __init__(self, total: int, label: str, *, enabled: bool = True, stream: TextIO | None = None,
-                 min_interval: float = 0.1, callback: ProgressCallback | None = None) -> None:
+                 min_interval: float | None = None, callback: ProgressCallback | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         isatty = getattr(self.stream, "isatty", None)
         self.active = bool(enabled and callable(isatty) and isatty())
@@ -76,7 +80,7 @@ class Progress:
         self.label = label
         self.done = 0
         self.phase_name = ""
-        self.min_interval = min_interval
+        self.min_interval = MIN_INTERVAL if min_interval is None else min_interval
         self.callback = callback
         self._phase_end: int | None = None
         self._start = time.monotonic()
@@ -86,7 +90,7 @@ class Progress:
         tqdm = _tqdm() if self.active else None
         self._tqdm = None if tqdm is None else tqdm(
             total=self.total or None, desc=label, unit="B", unit_scale=True, unit_divisor=1024, file=self.stream,
-            mininterval=min_interval, dynamic_ncols=True, leave=True)
+            mininterval=self.min_interval, dynamic_ncols=True, leave=True)
 
     def phase(self, name: str, nbytes: int = 0) -> None:
         """Start phase ``name``, which will move ``nbytes`` of the total (0: one that only waits, e.g. a sync).

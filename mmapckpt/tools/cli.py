@@ -254,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, broken = _parse(argv)
     except _UsageExit as e:
         return e.code
+    except KeyboardInterrupt:  # Ctrl-C before a command runs: still one line
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     debug = bool(getattr(args, "debug", False))
     if args.command in broken:
         print(f"{PROG}: error: {broken[args.command]}", file=sys.stderr)
