@@ -232,7 +232,10 @@ def write_torch(src: Source, out: str, *, progress: Progress) -> list[str]:
         mapping = map_file(scratch, pos)
         os.unlink(scratch)  # the mapping keeps the bytes; a kill from here on leaves only ``out``
         progress.phase("torch.save", total)
-        _save_from_scratch(src, mapping, places, out, dropped, progress)
+        try:
+            _save_from_scratch(src, mapping, places, out, dropped, progress)
+        finally:  # the unlinked file's blocks go with the mapping: not kept by a failure's traceback
+            del mapping
     finally:
         if os.path.exists(scratch):
             os.unlink(scratch)
