@@ -83,6 +83,7 @@ class Progress:
         self.min_interval = MIN_INTERVAL if min_interval is None else min_interval
         self.callback = callback
         self._phase_end: int | None = None
+        self._reported: tuple[str, int, int] | None = None
         self._start = time.monotonic()
         self._last = 0.0
         self._drawn = False
@@ -128,10 +129,14 @@ class Progress:
         if not force and now - self._last < self.min_interval:
             return
         self._last = now
-        if self.callback is not None:
-            self.callback(self.phase_name, self.done, self.total)
+        self._call(self.phase_name, self.done, self.total)
         if self.active and self._tqdm is None:
             self._draw(now)
+
+    def _call(self, phase: str, done: int, total: int) -> None:
+        if self.callback is not None and (phase, done, total) != self._reported:  # no call repeats the last
+            self._reported = (phase, done, total)
+            self.callback(phase, done, total)
 
     def line(self, now: float | None = None) -> str:
         """The text of the plain bar as it would be drawn now: phase, bar, bytes, rate, elapsed and ETA."""
@@ -164,9 +169,8 @@ class Progress:
             return
         self._finish_phase()
         self._phase_end = None
-        if self.callback is not None:
-            self.callback(self.phase_name or "done", self.done, max(self.total, self.done))
-            self.callback = None
+        self._call(self.phase_name or "done", self.done, max(self.total, self.done))
+        self.callback = None
         if self._tqdm is not None:
             self._tqdm.close()
             self._tqdm = None
