@@ -342,6 +342,8 @@ def _convert_to_url(src: str, dst: str, to: str, limit: int | None, overwrite: b
     with open_source(src, storage_options=options) as opened:
         source, user, tensors, total, bar = _opened(opened, shape, to)
         with bar:
+            if to != "torch":  # write_torch names its own two phases
+                bar.phase("write", bar.total)
             dropped = convert_to_url(source, dst, to, limit, overwrite, bar, user, options)
     _warn_lost(dropped, to, user)
     return ConvertResult(source.kind, to, dst, len(tensors), total, tuple(dropped))
