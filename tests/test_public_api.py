@@ -25,7 +25,37 @@ def _public_members(mod: types.ModuleType) -> set[str]:
 
 def test_all_equals_what_the_package_exports() -> None:
     assert len(mmapckpt.__all__) == len(set(mmapckpt.__all__)), "duplicates in __all__"
+    for name in mmapckpt.__all__:  # the names are imported on first use (PEP 562): load them all
+        getattr(mmapckpt, name)
     assert set(mmapckpt.__all__) == _public_members(mmapckpt) | {"__version__"}
+    assert set(mmapckpt.__all__) <= set(dir(mmapckpt))
+
+
+def test_type_checkers_see_the_same_names() -> None:
+    """The ``TYPE_CHECKING`` block imports exactly the lazily exported names, from the modules that define them."""
+    import ast
+
+    tree = ast.parse(Path(mmapckpt.__file__).read_text())
+    seen: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom)
+                seen.update({a.name: "." * imp.level + (imp.module or "") for a in imp.names})
+    assert seen == mmapckpt._WHERE
+    assert list(mmapckpt.__all__) == [*mmapckpt._WHERE, "__version__"]
+
+
+def test_importing_the_package_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, mmapckpt; v = mmapckpt.__version__; d = dir(mmapckpt); "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "from mmapckpt import CheckpointError; assert 'torch' not in sys.modules, 'torch imported by errors'; "
+            "from mmapckpt import save; assert 'torch' in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 def test_every_name_in_all_resolves() -> None:

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointError, CheckpointWriteError
+from ..reading.keys import check_patterns, matches
 from ..reading.keys import select_names as keys_select
 from ..reading.locate import FORMATS, SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..format.safetensors import SAFETENSORS_DTYPES
@@ -95,11 +96,34 @@ class Source:
 
 # --------------------------------------------------------------------------- convert(keys=, strip_prefix=)
 def select_names(names: Sequence[str], keys: Sequence[str] | None, strip_prefix: str | None,
-                 path: str) -> dict[str, str]:
-    """``{new name: stored name}`` for ``convert(keys=, strip_prefix=)``: ``reading/keys.py``'s
-    :func:`~mmapckpt.reading.keys.select_names` (the one matcher ``load(keys=)`` also uses), its
-    messages spelled as the command line's ``--keys``/``--strip-prefix``."""
-    return keys_select(names, keys, strip_prefix, path, flags=("--keys", "--strip-prefix"))
+                 path: str, exclude: Sequence[str] | None = None) -> dict[str, str]:
+    """``{new name: stored name}`` for ``convert(keys=, exclude=, strip_prefix=)``: the names
+    ``reading/keys.py``'s :func:`~mmapckpt.reading.keys.select_names` (the one matcher ``load(keys=)``
+    also uses) selects, less those matching a glob of ``exclude``, its messages spelled as the command
+    line's ``--keys``/``--strip-prefix``.
+
+    Raises:
+        TypeError, ValueError: ``keys`` or ``exclude`` is a single string or empty; ``strip_prefix`` is empty.
+        CheckpointError: no name matches ``keys``, or ``exclude`` leaves none; no selected name starts with
+            ``strip_prefix``; stripping makes two names one (or one empty).
+    """
+    flags = ("--keys", "--strip-prefix")
+    if exclude is None:
+        return keys_select(names, keys, strip_prefix, path, flags=flags)
+    chosen = _excluded(list(keys_select(names, keys, None, path, flags=flags)), exclude, path)
+    return keys_select(chosen, None, strip_prefix, path, flags=flags)
+
+
+def _excluded(chosen: list[str], exclude: Sequence[str], path: str) -> list[str]:
+    """``chosen`` without the names matching a glob of ``exclude`` (``--exclude``)."""
+    try:
+        pats = check_patterns(exclude)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("keys", "exclude", 1)) from None
+    kept = [n for n in chosen if not matches(n, pats)]
+    if not kept:
+        raise CheckpointError(f"--exclude {' '.join(pats)} leaves no entry to convert", path=path)
+    return kept
 
 
 def _stripped_path(path: tuple[Any, ...], new: str, prefix: str) -> tuple[Any, ...]:
@@ -161,12 +185,12 @@ class RecordingFile:
     RuntimeError that has lost the errno and the reason ("unexpected pos ...")."""
 
     def __init__(self, f: Any) -> None:
-        self.f, self.error = f, None
+        self.f, self.error = f, None  # the OSError (or KeyboardInterrupt) a write met
 
     def write(self, b: Any) -> int:
         try:
             return self.f.write(b)
-        except OSError as e:
+        except (OSError, KeyboardInterrupt) as e:  # torch.save turns both into a RuntimeError
             self.error = e
             raise
 
@@ -199,6 +223,8 @@ class Writing:
     def __exit__(self, kind: Any, e: BaseException | None, tb: Any) -> bool:
         if e is None or isinstance(e, CheckpointError) or not isinstance(e, (OSError, RuntimeError)):
             return False
+        if self.out is not None and isinstance(self.out.error, KeyboardInterrupt):
+            raise KeyboardInterrupt from None  # Ctrl-C inside torch.save is still Ctrl-C
         reason: BaseException = e
         if isinstance(e, RuntimeError) and self.out is not None and self.out.error is not None:
             reason = self.out.error  # what the disk said, under torch.save's RuntimeError

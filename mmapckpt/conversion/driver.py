@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -24,17 +23,20 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..storage.lock import SaveLock
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from ..io.files import fsync_dir
-from ..io.progress import Progress
-from ..io.replace import recover, remove_stale_temps, replace_path, temp_sibling
+from ..io.progress import Progress, ProgressCallback
+from ..io.sizes import parse_size
+from ..io.replace import recover, remove_dead_temps, remove_stale_temps, replace_path, temp_sibling
+from .cast import CastSource, cast_dtype
 from .common import FORMATS, SAFETENSORS_SINGLE, SelectedSource, Source, select_names
 from ..storage.location import is_url, storage_for
 from .detect import open_source
 from .flat_sinks import write_safetensors, write_torch
-from .outputs import checkpoint_files
+from .outputs import checkpoint_files, copy_side_files
 from .sinks import write_dcp, write_mmapckpt
 from .to_url import convert_to_url, same_location
 
-__all__ = ["convert", "ConvertResult", "ConversionWarning", "parse_size", "previous_checkpoint_files", "FORMATS"]
+__all__ = ["convert", "ConvertResult", "ConversionWarning", "parse_size", "previous_checkpoint_files", "FORMATS",
+           "target_format"]
 
 
 class ConversionWarning(UserWarning):
@@ -62,25 +64,20 @@ class ConvertResult:
     dropped: tuple[str, ...]
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-         "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+#: ``convert(to=None)``: the format a destination's extension names; any other destination is an mmapckpt directory.
+_BY_EXTENSION = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
-def parse_size(size: int | str) -> int:
-    """``'5GB'`` -> 5*10**9, ``'512MiB'`` -> 512*2**20, ``1000`` -> 1000 (the Hugging Face convention)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        n = size
-    else:
-        m = _SIZE.match(str(size))
-        if not m:
-            raise ValueError(f"invalid size {size!r}; use e.g. 5GB, 500MB, 2GiB or a number of bytes")
-        unit = m.group(2).lower()
-        unit = unit[:-1] if unit.endswith("b") and unit != "b" else unit
-        n = int(float(m.group(1)) * _UNIT[unit])
-    if n <= 0:
-        raise ValueError(f"size must be positive, got {size!r}")
-    return n
+def target_format(dst: str | os.PathLike[str]) -> str:
+    """The format ``convert`` writes at ``dst`` when ``to`` is not given: ``.safetensors`` -> safetensors,
+    ``.pt``, ``.pth``, ``.bin`` -> torch, anything else (a directory) -> mmapckpt.
+
+    Example:
+        >>> target_format("model.safetensors"), target_format("out/model.bin"), target_format("ckpt")
+        ('safetensors', 'torch', 'mmapckpt')
+    """
+    name = os.fspath(dst).rstrip("/" + os.sep)
+    return _BY_EXTENSION.get(os.path.splitext(name)[1].lower(), "mmapckpt")
 
 
 def _check_paths(src: str, dst: str, target: str, overwrite: bool, options: Mapping[str, Any] | None) -> None:
@@ -179,8 +176,10 @@ def _recover(path: str) -> None:
     if done:
         warnings.warn(f"{path}: an interrupted `convert --overwrite` was found: {done}", ConversionWarning,
                       stacklevel=3)
-    if os.path.isdir(os.path.dirname(os.path.abspath(path))):
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(parent):
         remove_stale_temps(path)
+        remove_dead_temps(parent)  # a killed conversion to another name here left its unfinished output
 
 
 def _abandon(tmp: str, dst: str) -> None:
@@ -209,9 +208,11 @@ def _commit(tmp: str, dst: str, overwrite: bool) -> None:
                       f"be placed were kept in {kept[0]}", ConversionWarning, stacklevel=4)
 
 
-def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, overwrite: bool = False,
-            max_shard_size: int | str | None = None, progress: bool = False, keys: Sequence[str] | None = None,
-            strip_prefix: str | None = None, storage_options: Mapping[str, Any] | None = None) -> ConvertResult:
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str | None = None,
+            overwrite: bool = False, max_shard_size: int | str | None = None,
+            progress: bool | ProgressCallback = False, keys: Sequence[str] | None = None,
+            strip_prefix: str | None = None, exclude: Sequence[str] | None = None, dtype: Any = None,
+            storage_options: Mapping[str, Any] | None = None) -> ConvertResult:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
     The source format is detected. DCP <-> mmapckpt keeps the chunk layout, the
@@ -237,8 +238,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         dst: where to write; a directory for mmapckpt, dcp and sharded safetensors, else a file
             (safetensors into an existing directory is written there as ``model.safetensors``).
             A symbolic link is kept: what it names is replaced (a dangling link is refused).
-            Or a URL: the same, written through the medium's storage.
-        to: one of ``"mmapckpt"``, ``"dcp"``, ``"safetensors"``, ``"torch"``.
+            Or a URL: the same, written through the medium's storage. A Hugging Face directory
+            converted to a safetensors directory gets the source's ``config.json``,
+            ``generation_config.json`` and tokenizer files too (local destinations).
+        to: one of ``"mmapckpt"``, ``"dcp"``, ``"safetensors"``, ``"torch"``; None: from ``dst``'s
+            extension (:func:`target_format`: ``.safetensors``; ``.pt``, ``.pth``, ``.bin``; else mmapckpt).
         overwrite: replace an existing ``dst``: it holds the old or the new checkpoint at every
             instant, and a directory keeps every file that is not its checkpoint's
             (:func:`previous_checkpoint_files`). An interrupted earlier replacement of ``dst``
@@ -246,9 +250,18 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
             replaces, the conversion holds the directory's save lock (as ``MmapWriter`` does).
         max_shard_size: for safetensors only: write HF-style shards of at most this size
             (bytes, or a string such as ``"5GB"``) plus ``model.safetensors.index.json``.
-        progress: draw a progress bar on stderr when it is a terminal.
+        progress: True draws a progress bar on stderr when it is a terminal (tqdm's, where it is
+            installed); a callable is called as ``progress(phase, done, total)`` instead: ``phase``
+            names the step (``"write"``; for torch, ``"assemble"`` then ``"torch.save"``; then
+            ``"commit"``), ``done`` and ``total`` count bytes over all phases, and the last call has
+            ``done == total``.
         keys: convert only the entries whose stored name matches one of these globs
             (``fnmatch``, case-sensitive; ``*`` also matches dots), e.g. ``["model.*"]``.
+        exclude: then leave out the entries whose stored name matches one of these globs,
+            e.g. ``["*.rotary_emb.inv_freq", "optim.*"]``.
+        dtype: cast every float16, bfloat16, float32 and float64 tensor to this dtype (a torch
+            dtype or a name: ``"bfloat16"``, ``"bf16"``, ``"fp16"``, ``"float32"``, ...); integer,
+            bool, complex and float8 tensors are kept as they are.
         strip_prefix: then remove this prefix from the selected names that start with it
             (others keep their names), e.g. ``"model."``. Filtering is on the stored name,
             stripping after it; no match, or two names made one by stripping, raises.
@@ -269,14 +282,16 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         >>> convert("ckpt/step100", "model.safetensors", to="safetensors")  # doctest: +SKIP
         >>> convert("ckpt/step100", "hf", to="safetensors", keys=["model.*"], strip_prefix="model.")  # doctest: +SKIP
     """
+    to = target_format(dst) if to is None else to
     if to not in FORMATS:
         raise ValueError(f"unknown target format {to!r}; choose one of {', '.join(FORMATS)}")
+    shape = _Shaping(keys, exclude, strip_prefix, None if dtype is None else cast_dtype(dtype), progress)
     if max_shard_size is not None and to != "safetensors":
         raise ValueError("max_shard_size applies only to safetensors output")
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     src_s, dst_s = os.fspath(src), os.fspath(dst)
     if is_url(dst_s):
-        return _convert_to_url(src_s, dst_s, to, limit, overwrite, progress, keys, strip_prefix, storage_options)
+        return _convert_to_url(src_s, dst_s, to, limit, overwrite, shape, storage_options)
     dst_s = dst_s.rstrip("/" + os.sep) or dst_s  # "out/" names the entry "out" (its temp sibling is ".out.tmp-*")
     target = _through_link(dst_s)  # a link is kept: what it names is replaced
     with _directory_locks() as lock:
@@ -288,31 +303,49 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         _check_replaceable(target, to, limit)
         lock(target)  # where the recovery put it back
         with open_source(src_s, storage_options=storage_options) as opened:
-            source, user, tensors, total, bar = _opened(opened, keys, strip_prefix, to, progress)
+            source, user, tensors, total, bar = _opened(opened, shape, to)
             dropped = _convert(source, target, to, limit, os.path.abspath(dst_s), overwrite, bar, user, lock)
     _warn_lost(dropped, to, user)
     return ConvertResult(source.kind, to, dst_s, len(tensors), total, tuple(dropped))
 
 
-def _opened(opened: Source, keys: Sequence[str] | None, strip_prefix: str | None, to: str,
-            progress: bool) -> tuple[Source, dict[str, str] | None, list[TensorStorageMetadata], int, Progress]:
-    """The source as selected, its user metadata, its tensors, their bytes, and the progress bar."""
-    source = _selected(opened, keys, strip_prefix)
+@dataclass(frozen=True)
+class _Shaping:
+    """What a conversion does to its source's entries (select, rename, cast), and how it reports progress."""
+
+    keys: Sequence[str] | None
+    exclude: Sequence[str] | None
+    strip_prefix: str | None
+    dtype: Any
+    progress: bool | ProgressCallback
+
+
+def _opened(opened: Source, shape: _Shaping,
+            to: str) -> tuple[Source, dict[str, str] | None, list[TensorStorageMetadata], int, Progress]:
+    """The source as selected and cast, its user metadata, its tensors, their bytes, and the progress bar."""
+    source = _selected(opened, shape.keys, shape.strip_prefix, shape.exclude)
+    if shape.dtype is not None:
+        source = CastSource(source, shape.dtype)
     tensors = [md for _, md in source.items() if isinstance(md, TensorStorageMetadata)]
     total = sum(md.properties.dtype.itemsize * _numel(md.size) for md in tensors)
-    return source, source.user_metadata(), tensors, total, Progress(total, f"{source.kind} -> {to}", enabled=progress)
+    work = 2 * total if to == "torch" else total  # torch: assembled in a scratch file, then torch.save-d from it
+    call = shape.progress if callable(shape.progress) else None
+    bar = Progress(work, f"{source.kind} -> {to}", enabled=shape.progress is True, callback=call)
+    return source, source.user_metadata(), tensors, total, bar
 
 
-def _convert_to_url(src: str, dst: str, to: str, limit: int | None, overwrite: bool, progress: bool,
-                    keys: Sequence[str] | None, strip_prefix: str | None,
+def _convert_to_url(src: str, dst: str, to: str, limit: int | None, overwrite: bool, shape: _Shaping,
                     options: Mapping[str, Any] | None) -> ConvertResult:
     """:func:`convert` into a destination at a URL (conversion/to_url.py)."""
     storage_for(dst, error=CheckpointWriteError, options=options)  # a URL of no registered medium is refused
     if is_url(src) and same_location(src, dst):
         raise CheckpointError("the destination would replace the source; choose another destination", path=dst)
     with open_source(src, storage_options=options) as opened:
-        source, user, tensors, total, bar = _opened(opened, keys, strip_prefix, to, progress)
-        dropped = convert_to_url(source, dst, to, limit, overwrite, bar, user, options)
+        source, user, tensors, total, bar = _opened(opened, shape, to)
+        with bar:
+            if to != "torch":  # write_torch names its own two phases
+                bar.phase("write", bar.total)
+            dropped = convert_to_url(source, dst, to, limit, overwrite, bar, user, options)
     _warn_lost(dropped, to, user)
     return ConvertResult(source.kind, to, dst, len(tensors), total, tuple(dropped))
 
@@ -322,29 +355,30 @@ def _convert(source: Source, target: str, to: str, limit: int | None, final: str
     """Write ``source`` beside ``target``, then put it at ``target``; returns the entries left out."""
     tmp = temp_sibling(target)
     as_dir = _writes_directory(target, to, limit)
-    try:
-        with bar:
+    with bar:  # a failure or Ctrl-C ends the bar's line where it was (Progress.abandon)
+        try:
             dropped = _write(source, tmp, to, limit, final, bar, as_dir, user)
-    except OSError as e:  # CheckpointNotFoundError and the like (a source file gone) are OSErrors too
-        _abandon(tmp, target)
-        failed = _write_failed(e, tmp, target)
-        if failed is e:
+        except OSError as e:  # CheckpointNotFoundError and the like (a source file gone) are OSErrors too
+            _abandon(tmp, target)
+            failed = _write_failed(e, tmp, target)
+            if failed is e:
+                raise
+            raise failed from e
+        except BaseException:
+            _abandon(tmp, target)
             raise
-        raise failed from e
-    except BaseException:
-        _abandon(tmp, target)
-        raise
-    try:
-        lock(tmp)  # the new directory is locked before it is swapped in: no save slips in before we are done
-        _commit(tmp, target, overwrite)
-    except OSError as e:
-        _abandon(tmp, target)
-        if isinstance(e, CheckpointError):
+        try:
+            bar.phase("commit")
+            lock(tmp)  # the new directory is locked before it is swapped in: no save slips in before we are done
+            _commit(tmp, target, overwrite)
+        except OSError as e:
+            _abandon(tmp, target)
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointWriteError(f"conversion failed: {e}", path=target) from e
+        except BaseException:
+            _abandon(tmp, target)
             raise
-        raise CheckpointWriteError(f"conversion failed: {e}", path=target) from e
-    except BaseException:
-        _abandon(tmp, target)
-        raise
     return dropped
 
 
@@ -380,11 +414,12 @@ def _warn_lost(dropped: list[str], to: str, user: dict[str, str] | None) -> None
                       "(convert to mmapckpt or safetensors to keep it)", ConversionWarning, stacklevel=3)
 
 
-def _selected(source: Source, keys: Sequence[str] | None, strip_prefix: str | None) -> Source:
-    """``source``, or the view of it that ``keys`` and ``strip_prefix`` select."""
-    if keys is None and strip_prefix is None:
+def _selected(source: Source, keys: Sequence[str] | None, strip_prefix: str | None,
+              exclude: Sequence[str] | None = None) -> Source:
+    """``source``, or the view of it that ``keys``, ``exclude`` and ``strip_prefix`` select."""
+    if keys is None and strip_prefix is None and exclude is None:
         return source
-    names = select_names([n for n, _ in source.items()], keys, strip_prefix, source.path)
+    names = select_names([n for n, _ in source.items()], keys, strip_prefix, source.path, exclude)
     return SelectedSource(source, names, strip_prefix)
 
 
@@ -397,6 +432,8 @@ def _numel(size: tuple[int, ...]) -> int:
 
 def _write(source: Source, tmp: str, to: str, limit: int | None, final: str, bar: Progress,
            as_dir: bool, user: dict[str, str] | None) -> list[str]:
+    if to != "torch":  # write_torch names its own two phases
+        bar.phase("write", bar.total)
     if to == "mmapckpt":
         write_mmapckpt(source, tmp, checkpoint_id=final, progress=bar, user_metadata=user)
         return []
@@ -407,8 +444,12 @@ def _write(source: Source, tmp: str, to: str, limit: int | None, final: str, bar
         os.makedirs(tmp)
         dropped = write_safetensors(source, os.path.join(tmp, SAFETENSORS_SINGLE), max_shard_size=None, progress=bar,
                                     user_metadata=user)
+    elif to == "safetensors":
+        dropped = write_safetensors(source, tmp, max_shard_size=limit, progress=bar, user_metadata=user)
+    if to == "safetensors" and as_dir:
+        if source.kind == "safetensors" and os.path.isdir(source.path):  # Hugging Face -> Hugging Face
+            copy_side_files(source.path, tmp)
         fsync_dir(tmp)
-        return dropped
     if to == "safetensors":
-        return write_safetensors(source, tmp, max_shard_size=limit, progress=bar, user_metadata=user)
+        return dropped
     return write_torch(source, tmp, progress=bar)

@@ -203,9 +203,12 @@ def write_safetensors(src: Source, out: str | CheckpointStorage, *, max_shard_si
 def write_torch(src: Source, out: str, *, progress: Progress) -> list[str]:
     """Write ``src`` as one ``torch.save`` file of a flat state dict (fqn -> tensor or object).
 
-    Tensors are assembled into a scratch file first and saved from a mapping of it,
-    so torch.save never needs the whole state dict in memory. Returns the non-tensor
-    entries that could not be unpickled safely (``weights_only=True``) and were left out.
+    Tensors are assembled into a scratch file first (progress phase ``"assemble"``) and saved
+    from a mapping of it (phase ``"torch.save"``), so torch.save never needs the whole state dict
+    in memory. The scratch file is unlinked once mapped, before ``out`` is created: a process
+    killed at any moment leaves at most one file behind (the scratch or ``out``), and the mapping
+    frees its blocks when the process ends. Returns the non-tensor entries that could not be
+    unpickled safely (``weights_only=True``) and were left out.
     """
     tensors, _ = _split_entries(src)
     scratch = f"{out}.scratch-{uuid.uuid4().hex[:8]}"
@@ -213,7 +216,9 @@ def write_torch(src: Source, out: str, *, progress: Progress) -> list[str]:
     for fqn, md in tensors:
         places[fqn] = pos
         pos = (pos + nbytes(md) + 63) // 64 * 64
+    total = sum(nbytes(md) for _, md in tensors)
     dropped: list[str] = []
+    progress.phase("assemble", total)
     try:
         fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -224,20 +229,43 @@ def write_torch(src: Source, out: str, *, progress: Progress) -> list[str]:
                     _write_full_tensor(lambda o, b: pwrite_all(fd, b, o), places[fqn], fqn, md, src, progress)
         finally:
             os.close(fd)
-        _save_from_scratch(src, scratch, pos, places, out, dropped)
+        mapping = map_file(scratch, pos)
+        os.unlink(scratch)  # the mapping keeps the bytes; a kill from here on leaves only ``out``
+        progress.phase("torch.save", total)
+        try:
+            _save_from_scratch(src, mapping, places, out, dropped, progress)
+        finally:  # the unlinked file's blocks go with the mapping: not kept by a failure's traceback
+            del mapping
     finally:
         if os.path.exists(scratch):
             os.unlink(scratch)
     return dropped
 
 
-def _save_from_scratch(src: Source, scratch: str, size: int, places: dict[str, int], out: str,
-                       dropped: list[str]) -> None:
-    mapping = map_file(scratch, size)
+class _Counted:
+    """The file torch.save writes, counting its bytes into the progress (at most the phase's bytes)."""
+
+    def __init__(self, f: Any, progress: Progress) -> None:
+        self.f, self.progress = f, progress
+
+    def write(self, b: Any) -> int:
+        n = self.f.write(b)
+        self.progress.advance(memoryview(b).nbytes)
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+
+def _save_from_scratch(src: Source, mapping: Any, places: dict[str, int], out: str, dropped: list[str],
+                       progress: Progress) -> None:
     state = _scratch_state(src, mapping, places, dropped)
     try:
         with Writing(out) as w, open(out, "xb") as f:
-            torch.save(state, w.record(f))
+            torch.save(state, w.record(_Counted(f, progress)))  # Ctrl-C in the count is recorded too
             f.flush()
             fsync_file(f.fileno())
     finally:  # the scratch file's pages go with the last view of them: also while a failure's traceback lives

@@ -12,6 +12,7 @@ import fnmatch
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
@@ -25,7 +26,7 @@ from ..storage.local import LocalStorage
 from .common import SAFETENSORS_SINGLE, Writing
 
 __all__ = ["Put", "Appending", "raw_bytes", "nbytes", "fsync_file", "fresh_name", "storage_of", "commit_to",
-           "write_stored", "checkpoint_files", "is_commit_file"]
+           "write_stored", "checkpoint_files", "is_commit_file", "HF_SIDE_FILES", "copy_side_files"]
 
 #: Where tensor bytes go: ``put(offset, data)`` (a ``pwrite`` into a local file, a ``FileOutput.put``).
 Put = Callable[[int, Any], None]
@@ -149,3 +150,33 @@ def is_commit_file(name: str) -> bool:
     """Whether ``name`` is a file that makes a directory a checkpoint (its metadata, an index)."""
     return fnmatch.fnmatchcase(name, ".metadata") or fnmatch.fnmatchcase(name, "__*.metadata") or \
         name.endswith(".safetensors.index.json")
+
+
+#: The files of a Hugging Face model directory that go with its weights: a conversion from one Hugging Face
+#: directory to another copies those the source has (what ``from_pretrained`` and tokenizers read).
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.txt", "vocab.json",
+                 "merges.txt", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
+                 "chat_template.json", "preprocessor_config.json", "processor_config.json")
+
+
+def copy_side_files(src_dir: str, out_dir: str) -> list[str]:
+    """Copy the :data:`HF_SIDE_FILES` that are regular files in ``src_dir`` into the new directory ``out_dir``
+    (fsynced; ``out_dir``'s own fsync is the caller's); returns their names."""
+    copied = []
+    for name in HF_SIDE_FILES:
+        src = os.path.join(src_dir, name)
+        if not os.path.isfile(src):  # a link to a file counts: hub snapshots link every file into blobs/
+            continue
+        dst = os.path.join(out_dir, name)
+        try:
+            shutil.copyfile(src, dst)
+            fd = os.open(dst, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise CheckpointWriteError(f"copying {name} from the source directory failed: {e}", path=dst) from e
+        copied.append(name)
+    return copied

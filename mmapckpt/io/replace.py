@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import uuid
 from typing import Any, Iterable
 
@@ -33,7 +35,7 @@ from ..errors import CheckpointWriteError
 from .files import atomic_write, fsync_dir, unlink_quietly
 
 __all__ = ["EXCHANGE", "rename_exchange", "temp_sibling", "replace_path", "recover", "remove_stale_temps",
-           "journal_path"]
+           "remove_dead_temps", "journal_path"]
 
 #: Set to False to force the rename-aside fallback (tests do, to show its recovery works).
 EXCHANGE = True
@@ -79,10 +81,17 @@ def _rename_noreplace(src: str, dst: str) -> None:
         os.rename(src, dst)
 
 
+def _host() -> str:
+    """8 hex digits of this host's name: a temp sibling's pid means something only on the host that wrote it
+    (a directory shared over the network is seen by processes of other hosts)."""
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
 def temp_sibling(path: str, what: str = "tmp") -> str:
-    """``.{name}.{what}-{pid}-{hex}`` beside ``path``: the pid tells a stale one (its writer is gone)."""
+    """``.{name}.{what}-h{host}-{pid}-{hex}`` beside ``path``: the host and pid tell a stale one (its writer,
+    a process of this host, is gone)."""
     parent, base = os.path.split(os.path.abspath(path))
-    return os.path.join(parent, f".{base}.{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return os.path.join(parent, f".{base}.{what}-h{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def journal_path(path: str) -> str:
@@ -107,16 +116,45 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: A temp sibling's name (:func:`temp_sibling`): base, kind, writer's host (absent in older names) and pid.
+_TEMP = re.compile(r"^\.(?P<base>.+)\.(?P<what>tmp|old)-(?:h(?P<host>[0-9a-f]{8})-)?(?P<pid>\d+)-[0-9a-f]{8}(?:\..*)?$")
+
+
+def _dead_writer(m: re.Match[str]) -> bool:
+    """Whether the process that named a temp sibling is gone: of this host, not us, and not running."""
+    pid = int(m.group("pid"))
+    host = m.group("host")
+    return (host is None or host == _host()) and pid != os.getpid() and not _alive(pid)
+
+
 def remove_stale_temps(path: str) -> list[str]:
     """Remove temp siblings of ``path`` (see :func:`temp_sibling`) whose writing process is gone."""
     parent, base = os.path.split(os.path.abspath(path))
-    pat = re.compile(rf"^\.{re.escape(base)}\.(?:tmp|old)-(\d+)-[0-9a-f]{{8}}(?:\..*)?$")
     removed = []
     for name in os.listdir(parent):
-        m = pat.match(name)
-        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+        m = _TEMP.match(name)
+        if m and m.group("base") == base and _dead_writer(m):
             _remove(os.path.join(parent, name))
             removed.append(os.path.join(parent, name))
+    return removed
+
+
+def remove_dead_temps(directory: str) -> list[str]:
+    """Remove the unfinished new versions (``.{name}.tmp-...``, :func:`temp_sibling`) that killed processes of
+    this host left in ``directory``, whatever path they were for.
+
+    Only ``tmp`` siblings of a path with no replacement journal: an ``old`` sibling holds a previous
+    version, and a journal may still need its ``tmp`` (``recover`` of that path decides). Nothing
+    whose name is not one :func:`temp_sibling` makes is touched.
+    """
+    names = os.listdir(directory)
+    journaled = {n[1:-len(".replace-journal")] for n in names if n.startswith(".") and n.endswith(".replace-journal")}
+    removed = []
+    for name in names:
+        m = _TEMP.match(name)
+        if m and m.group("what") == "tmp" and m.group("base") not in journaled and _dead_writer(m):
+            _remove(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
     return removed
 
 

@@ -4,9 +4,13 @@ Subcommands: demo, inspect, verify, convert, bench. ``demo`` and ``bench`` live 
 their own modules (bench/demo.py, bench/runner.py: ``add_arguments(parser)`` and ``run(args)``),
 imported only when that subcommand is chosen, so a broken one affects only itself.
 Errors print one line, ``mmapckpt: error: ...``, on stderr and return non-zero;
-``--debug`` shows the traceback instead.
+``--debug`` shows the traceback instead. Nothing here imports torch until a command runs
+(``--help`` and ``--version`` never do).
 
-Exit codes: 0 success; 1 an error, or ``verify`` found problems; 2 bad usage.
+Exit codes: 0 success; 1 an error, or ``verify`` found problems; 2 bad usage; 130 interrupted
+(Ctrl-C: one line, no traceback, the conversion's temporary files removed); 141 the reader of
+stdout went away (``mmapckpt inspect CKPT | head``: nothing more is printed, as a Unix tool
+killed by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -35,9 +42,25 @@ COMMANDS = {
 _LAZY = {"demo": "mmapckpt.bench.demo", "bench": "mmapckpt.bench.runner"}
 
 
+#: 128 + SIGINT and 128 + SIGPIPE, what a shell reports for a tool those signals ended.
+EXIT_INTERRUPTED, EXIT_PIPE_CLOSED = 130, 141
+
+
 class _UsageExit(Exception):
     def __init__(self, code: int) -> None:
         self.code = code
+
+
+class _StdoutClosed(Exception):
+    """The reader of stdout went away (EPIPE)."""
+
+
+def _emit(text: str) -> None:
+    """Print ``text`` on stdout; a closed pipe becomes _StdoutClosed (main exits quietly)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise _StdoutClosed() from None
 
 
 def _version() -> str:
@@ -87,6 +110,8 @@ def _args_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="checkpoint directory (mmapckpt or DCP), .safetensors file or index "
                    "directory, or torch.save file; or a URL of one (scheme://...)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.add_argument("--keys", metavar="PATTERN", action="append",
+                   help="show only entries whose stored name matches this glob (repeatable; as convert --keys)")
     p.set_defaults(_run=_run_inspect)
 
 
@@ -102,13 +127,19 @@ def _args_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="source checkpoint (format detected); a path or a URL (scheme://...)")
     p.add_argument("dst", help="destination (directory for mmapckpt, dcp and sharded safetensors; else a file); "
                    "a path or a URL, written through its storage")
-    p.add_argument("--to", required=True, choices=FORMATS, help="target format")
-    p.add_argument("--max-shard-size", metavar="SIZE",
+    p.add_argument("--to", choices=FORMATS, help="target format (default: from DST's extension: .safetensors; "
+                   ".pt, .pth, .bin for torch; anything else, a directory, is mmapckpt)")
+    p.add_argument("--max-shard-size", metavar="SIZE", type=_size,
                    help="safetensors only: write Hugging Face-style shards of at most SIZE (e.g. 5GB, 500MiB) "
                    "with model.safetensors.index.json")
     p.add_argument("--keys", metavar="PATTERN", action="append",
                    help="convert only entries whose stored name matches this glob (repeatable; case-sensitive, "
                    "'*' also matches dots), e.g. 'model.*'")
+    p.add_argument("--exclude", metavar="PATTERN", action="append",
+                   help="then leave out entries whose stored name matches this glob (repeatable), e.g. 'optim.*'")
+    p.add_argument("--dtype", metavar="DTYPE", type=_dtype_name,
+                   help="cast float16/bfloat16/float32/float64 tensors to DTYPE (bfloat16, float16, float32, "
+                   "float64; or bf16, fp16, fp32, fp64); other dtypes are kept")
     p.add_argument("--strip-prefix", metavar="PREFIX",
                    help="then remove PREFIX from the selected names that start with it, e.g. 'model.'")
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
@@ -116,12 +147,32 @@ def _args_convert(p: argparse.ArgumentParser) -> None:
     p.set_defaults(_run=_run_convert)
 
 
+_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float", "float64", "fp64", "double")
+
+
+def _size(text: str) -> str:
+    """``--max-shard-size``: checked while parsing (a bad size is a usage error, exit 2), passed on as given."""
+    from ..io.sizes import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _dtype_name(text: str) -> str:
+    if text.lower().removeprefix("torch.") not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; use one of {', '.join(_DTYPES)}")
+    return text.lower().removeprefix("torch.")
+
+
 # --------------------------------------------------------------------------- commands
 def _run_inspect(args: argparse.Namespace) -> int:
     from .describe import format_table, inspect_checkpoint
 
-    info = inspect_checkpoint(args.path)
-    print(json.dumps(info.to_json(), indent=2) if args.json else format_table(info))
+    info = inspect_checkpoint(args.path, keys=args.keys)
+    _emit(json.dumps(info.to_json(), indent=2) if args.json else format_table(info))
     return 0
 
 
@@ -131,34 +182,40 @@ def _run_verify(args: argparse.Namespace) -> int:
 
     report = verify_checkpoint(args.path, progress=not (args.quiet or args.json))
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        _emit(json.dumps(report.to_json(), indent=2))
         return 0 if report.ok else 1
     if not args.quiet:
         for line in report.checked:
-            print(f"ok       {line}")
+            _emit(f"ok       {line}")
         for line in report.notes:
-            print(f"note     {line}")
+            _emit(f"note     {line}")
         for w in report.warnings:
-            print(f"warning  {w}")
+            _emit(f"warning  {w}")
     for prob in report.problems:
-        print(f"PROBLEM  {prob}")
+        _emit(f"PROBLEM  {prob}")
     if not report.ok:
-        print(f"{args.path}: NOT sound: {count(len(report.problems), 'problem')}")
+        _emit(f"{args.path}: NOT sound: {count(len(report.problems), 'problem')}")
     elif not args.quiet:  # --quiet: only problems, so nothing at all on a sound checkpoint
         extra = f"; {count(len(report.warnings), 'unreferenced file')}" if report.warnings else ""
-        print(f"{args.path}: sound ({report.bytes_checked} bytes checked{extra})")
+        _emit(f"{args.path}: sound ({report.bytes_checked} bytes checked{extra})")
     return 0 if report.ok else 1
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from ..conversion.driver import convert
+    from ..conversion.driver import convert, target_format
     from ..io.progress import human_bytes
 
+    to = args.to or target_format(args.dst)
+    if args.max_shard_size is not None and to != "safetensors":
+        print(f"{PROG} convert: error: --max-shard-size applies only to safetensors output, not {to}",
+              file=sys.stderr)
+        return 2
     t0 = time.monotonic()
-    r = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-                progress=not args.quiet, keys=args.keys, strip_prefix=args.strip_prefix)
+    r = convert(args.src, args.dst, to=to, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
+                progress=not args.quiet, keys=args.keys, exclude=args.exclude, strip_prefix=args.strip_prefix,
+                dtype=args.dtype)
     if not args.quiet:
-        print(f"converted {args.src} ({r.source_format}) -> {r.path} ({r.target_format}): {r.tensors} tensors, "
+        _emit(f"converted {args.src} ({r.source_format}) -> {r.path} ({r.target_format}): {r.tensors} tensors, "
               f"{human_bytes(r.tensor_bytes)} in {time.monotonic() - t0:.2f} s")
     return 0
 
@@ -197,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, broken = _parse(argv)
     except _UsageExit as e:
         return e.code
+    except KeyboardInterrupt:  # Ctrl-C before a command runs: still one line
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     debug = bool(getattr(args, "debug", False))
     if args.command in broken:
         print(f"{PROG}: error: {broken[args.command]}", file=sys.stderr)
@@ -204,21 +264,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     run: Callable[[argparse.Namespace], int] = args._run
     old_show = warnings.showwarning
     warnings.showwarning = _show_warning
+    interrupt = _Interrupt()
     try:
-        code = run(args)
-        return int(code or 0)
+        with interrupt:
+            return int(run(args) or 0)
+    except _StdoutClosed:
+        _silence_stdout()
+        return EXIT_PIPE_CLOSED
     except KeyboardInterrupt:
         if debug:
             raise
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as e:
         if debug:
             raise
+        if interrupt.hit:  # Ctrl-C that a library turned into its own error (torch.save's RuntimeError)
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
         print(f"{PROG}: error: {_describe(e)}", file=sys.stderr)
         return 1
     finally:
         warnings.showwarning = old_show
+
+
+class _Interrupt:
+    """While a command runs: the first Ctrl-C raises KeyboardInterrupt (and is remembered, for when a library
+    turns it into an error of its own); later ones are ignored, so the cleanup it starts (temporary files
+    removed) is not cut short. Outside the main thread, or where SIGINT is not Python's default, nothing
+    changes."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._old: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.hit = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> "_Interrupt":
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def _silence_stdout() -> None:
+    """After EPIPE on stdout: point it at /dev/null, so the interpreter's last flush does not complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (a test's capture)
+        pass
 
 
 def _describe(e: Exception) -> str:

@@ -6,17 +6,18 @@ Pure functions returning data; the command line only prints it.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from ..conversion.common import label
+from ..conversion.common import label, select_names
 from ..conversion.detect import open_source
-from ..errors import IncompleteCheckpointError, TruncatedFileError
+from ..errors import CheckpointError, IncompleteCheckpointError, TruncatedFileError
 from ..format import layout as fmt
 from ..io.progress import human_bytes
+from ..reading.shard import Shard
 from .wording import count
 
 __all__ = ["EntrySummary", "CheckpointInfo", "inspect_checkpoint", "format_table"]
@@ -52,7 +53,9 @@ class CheckpointInfo:
         format: ``"mmapckpt"``, ``"dcp"``, ``"safetensors"`` or ``"torch"``.
         version: the format's version, as a human-readable string.
         files: how many data files the checkpoint has.
-        entries: one summary (name, kind, dtype, shape, chunks, bytes) per entry.
+        entries: one summary (name, kind, dtype, shape, chunks, bytes) per entry (those ``keys`` selected).
+        metadata: the user metadata ({str: str}: a safetensors header's ``__metadata__``,
+            ``mmapckpt.save(metadata=...)``), or None where the checkpoint has none.
     """
 
     path: str
@@ -60,6 +63,7 @@ class CheckpointInfo:
     version: str
     files: int
     entries: tuple[EntrySummary, ...]
+    metadata: dict[str, str] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -72,7 +76,7 @@ class CheckpointInfo:
     def to_json(self) -> dict[str, Any]:
         return {
             "path": self.path, "format": self.format, "version": self.version, "files": self.files,
-            "entries": [{**asdict(e), "shape": None if e.shape is None else list(e.shape)} for e in self.entries],
+            "metadata": self.metadata, "entries": [{**asdict(e), "shape": None if e.shape is None else list(e.shape)} for e in self.entries],
             "totals": {"entries": len(self.entries), "tensors": self.tensors,
                        "non_tensors": len(self.entries) - self.tensors, "bytes": self.total_bytes},
         }
@@ -85,7 +89,7 @@ def _dtype(dtype: Any) -> str:
         return str(dtype).removeprefix("torch.")
 
 
-def inspect_checkpoint(path: str | os.PathLike[str], *,
+def inspect_checkpoint(path: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
                        storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
     """Describe the checkpoint at ``path`` (mmapckpt, stock DCP, safetensors or torch.save).
 
@@ -94,18 +98,29 @@ def inspect_checkpoint(path: str | os.PathLike[str], *,
 
     Args:
         path: a checkpoint directory or file in any supported format, or a URL of a registered medium.
+        keys: describe only the entries whose stored name matches one of these globs (as
+            ``convert(keys=...)``: ``fnmatch``, case-sensitive, ``*`` also matches dots).
         storage_options: for the medium of a URL (``storage/location.py`` ``storage_for``).
 
+    Returns:
+        A CheckpointInfo: the format, its version, the files, the user metadata and one summary per entry.
+
     Raises:
-        CheckpointError: nothing recognisable at ``path``, or its metadata is damaged.
+        CheckpointError: nothing recognisable at ``path`` (a single ``.distcp`` shard file is named
+            as what it is: one file of a checkpoint directory), its metadata is damaged, or no entry
+            matches ``keys``.
 
     Example:
         >>> info = inspect_checkpoint("ckpt")  # doctest: +SKIP
         >>> [(e.name, e.dtype, e.shape) for e in info.entries]  # doctest: +SKIP
     """
+    _refuse_shard_file(os.fspath(path))
     with open_source(path, storage_options=storage_options) as src:
         entries = []
+        chosen = None if keys is None else set(select_names([n for n, _ in src.items()], keys, None, src.path))
         for name, item in src.items():
+            if chosen is not None and name not in chosen:
+                continue
             if isinstance(item, TensorStorageMetadata):
                 n = item.properties.dtype.itemsize
                 for s in item.size:
@@ -115,7 +130,32 @@ def inspect_checkpoint(path: str | os.PathLike[str], *,
             else:
                 entries.append(EntrySummary(name, "bytes", None, None, 1, src.bytes_length(MetadataIndex(name))))
         _check_files(src)
-        return CheckpointInfo(os.fspath(path), src.kind, src.version, src.files, tuple(entries))
+        return CheckpointInfo(os.fspath(path), src.kind, src.version, src.files, tuple(entries), src.user_metadata())
+
+
+def _refuse_shard_file(path: str) -> None:
+    """A ``.distcp`` file is one data file of a DCP checkpoint: say so, and what to inspect instead (torch.load
+    of a stock one reads one item and says nothing useful; an mmapckpt one is no torch.save file at all)."""
+    if not (path.endswith(".distcp") and os.path.isfile(path)):
+        return
+    directory = os.path.dirname(path) or "."
+    try:
+        shard = Shard(path, check_entries=False)
+    except CheckpointError:  # not an mmapckpt shard: the data file of a stock DCP checkpoint
+        raise CheckpointError("this is a data file of a stock DCP checkpoint (torch.save items that only the "
+                              f"directory's .metadata names and places): inspect the checkpoint directory, "
+                              f"`mmapckpt inspect {directory}`", path=path) from None
+    try:
+        n = len(shard.header.entries)
+        what = f"format {fmt.FORMAT_MAJOR}.{shard.header.minor}, {count(n, 'entry')}"
+    except CheckpointError as e:
+        what = f"its header is damaged: {e}"
+    finally:
+        shard.close()
+    raise CheckpointError(f"this is one shard file of an mmapckpt checkpoint ({what}); its names, shapes and "
+                          f"the other shards are in the directory's .metadata: inspect the checkpoint directory, "
+                          f"`mmapckpt inspect {directory}` (or check it with `mmapckpt verify {directory}`)",
+                          path=path)
 
 
 def _check_files(src: Any) -> None:
@@ -148,6 +188,8 @@ def format_table(info: CheckpointInfo) -> str:
         rows.append((e.name, e.dtype or "(object)", shape, str(e.chunks), human_bytes(e.nbytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [f"{info.path}: {info.format} ({info.version}), {count(info.files, 'file')}", ""]
+    if info.metadata:
+        lines += ["metadata:"] + [f"  {k}: {v}" for k, v in info.metadata.items()] + [""]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     others = len(info.entries) - info.tensors

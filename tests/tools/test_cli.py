@@ -49,10 +49,17 @@ def test_help_lists_every_command(capsys) -> None:
 
 def test_usage_errors_exit_2(capsys) -> None:
     assert run(capsys, )[0] == 2
-    code, _, err = run(capsys, "convert", "a", "b")  # --to missing
-    assert code == 2 and "--to" in err
+    code, _, err = run(capsys, "convert", "a")  # DST missing
+    assert code == 2 and "dst" in err
     code, _, err = run(capsys, "convert", "a", "b", "--to", "onnx")
     assert code == 2 and "invalid choice" in err
+    # checked while parsing, before the source is even looked at (exit 1 with "invalid size" before)
+    code, _, err = run(capsys, "convert", "a", "b", "--to", "safetensors", "--max-shard-size", "5XB")
+    assert code == 2 and "--max-shard-size: invalid size '5XB'" in err
+    code, _, err = run(capsys, "convert", "a", "b.safetensors", "--dtype", "int8")
+    assert code == 2 and "--dtype: unknown dtype 'int8'" in err
+    code, _, err = run(capsys, "convert", "a", "b.pt", "--max-shard-size", "5GB")
+    assert code == 2 and "only to safetensors output, not torch" in err
 
 
 def test_inspect_table_and_json(capsys, ck) -> None:
@@ -146,8 +153,8 @@ def test_convert_then_refuse_then_overwrite(capsys, ck, tmp_path) -> None:
 def test_errors_are_one_line_unless_debug(capsys, tmp_path, ck) -> None:
     code, _, err = run(capsys, "inspect", str(tmp_path / "missing"))
     assert code == 1 and err == f"mmapckpt: error: {tmp_path / 'missing'}: no such file or directory\n"
-    code, _, err = run(capsys, "convert", ck, str(tmp_path / "x"), "--to", "dcp", "--max-shard-size", "1GB")
-    assert code == 1 and err.startswith("mmapckpt: error: max_shard_size applies only") and err.count("\n") == 1
+    code, _, err = run(capsys, "convert", ck, str(tmp_path / "x"), "--to", "dcp", "--keys", "nothing.*")
+    assert code == 1 and err.startswith(f"mmapckpt: error: {ck}: no entry matches --keys") and err.count("\n") == 1
     run(capsys, "convert", ck, str(tmp_path / "y"), "--to", "dcp", "-q")
     with pytest.raises(CheckpointExistsError):
         main(["--debug", "convert", ck, str(tmp_path / "y"), "--to", "dcp"])
@@ -163,23 +170,57 @@ def test_a_broken_subcommand_module_affects_only_itself(capsys, monkeypatch, ck)
     assert run(capsys, "--help")[0] == 0
 
 
-def test_progress_bar_on_a_terminal_only() -> None:
-    class Tty(io.StringIO):
-        def isatty(self) -> bool:
-            return True
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
 
-    tty = Tty()
+
+def test_plain_progress_bar_on_a_terminal_only(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the fallback, drawn where tqdm is not installed
+    tty = _Tty()
     with Progress(4 << 20, "copy", stream=tty, min_interval=0) as bar:
+        bar.phase("read", 2 << 20)
         bar.advance(1 << 20)
-        bar.advance(3 << 20)
+        bar.phase("write", 2 << 20)  # the read's missing MiB counts as done when the next phase starts
+        bar.advance(2 << 20)
     text = tty.getvalue()
-    assert text.startswith("\rcopy [") and text.endswith("\n")
-    assert "100.0% 4.0 MiB / 4.0 MiB" in text and "/s" in text and " 25.0% 1.0 MiB" in text
-    for stream, enabled in ((io.StringIO(), True), (Tty(), False)):
+    assert text.startswith("\rcopy: read [") and text.endswith("\n")
+    assert " 25.0% 1.0 MiB / 4.0 MiB" in text and "copy: write [" in text and "100.0% 4.0 MiB / 4.0 MiB" in text
+    assert " elapsed, ETA " in text and "/s" in text
+    for stream, enabled in ((io.StringIO(), True), (_Tty(), False)):
         with Progress(10, "x", stream=stream, enabled=enabled, min_interval=0) as bar:
             bar.advance(10)
         assert stream.getvalue() == ""
     assert human_bytes(1023) == "1023 B" and human_bytes(1536) == "1.5 KiB" and human_bytes(3 << 30) == "3.0 GiB"
+
+
+def test_tqdm_progress_bar_where_installed() -> None:
+    pytest.importorskip("tqdm")
+    tty = _Tty()
+    with Progress(4 << 20, "copy", stream=tty, min_interval=0) as bar:
+        bar.phase("write", 4 << 20)
+        bar.advance(1 << 20)
+        bar.advance(3 << 20)
+    text = tty.getvalue()
+    assert "copy: write: 100%|" in text and "4.00M/4.00M" in text  # tqdm's bar, with elapsed<remaining
+    assert "[00:00<00:00" in text and "B/s]" in text
+    quiet = io.StringIO()  # not a terminal: tqdm is not even started
+    with Progress(10, "x", stream=quiet, min_interval=0) as bar:
+        bar.advance(10)
+    assert quiet.getvalue() == ""
+
+
+def test_progress_callback_hears_every_phase_to_the_end() -> None:
+    calls: list[tuple[str, int, int]] = []
+    with Progress(100, "x", enabled=False, min_interval=0, callback=lambda *a: calls.append(a)) as bar:
+        bar.phase("a", 60)
+        bar.advance(50)
+        bar.advance(50)  # more than the phase's bytes: capped, the total is never passed
+        bar.phase("b", 40)
+        bar.advance(10)
+    assert calls[0] == ("a", 0, 100) and ("a", 60, 100) in calls and ("b", 60, 100) in calls
+    assert calls[-1] == ("b", 100, 100)
+    assert [d for _, d, _ in calls] == sorted(d for _, d, _ in calls)
 
 
 def _script() -> list[str]:
