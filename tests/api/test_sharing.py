@@ -24,6 +24,7 @@ N_TENSORS, TENSOR_BYTES = 16, 4 << 20  # 64 MiB
 
 _CHILD = textwrap.dedent("""
     import sys, torch, mmapckpt
+    mmapckpt.load  # the package imports its names on first use: do it before measuring
     torch.zeros(1).sum()
     print("ready", flush=True)
     sys.stdin.readline()
