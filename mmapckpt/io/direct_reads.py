@@ -1,8 +1,8 @@
 """Reading regions of a mapped file with ``preadv`` straight into CPU tensors.
 
-Copying out of a mapping faults it in page by page; a read moves each byte once, and
-on a cold file lets the kernel read ahead in one stream. Used by MmapReader (for
-``dcp.load``) and by ``mmapckpt.load_into``.
+Copying out of a mapping faults it in page by page; a read moves each byte once, and a
+cold file is read the way measured best for its device (io/read_choice.py). Used by
+MmapReader (for ``dcp.load``) and by ``mmapckpt.load_into``.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ class DirectReads:
     Copying out of a mapping faults it in page by page: on a cold file that is many small
     synchronous reads, and even on a cached one the page-table work costs more than a read.
     A read moves each byte once. On opening, a few RWF_NOWAIT probes tell whether the
-    ranges to be read are cached; if not, the kernel is asked at once to read them ahead,
-    so the disk works while the plan is walked, and the jobs gathered during the walk run
-    at its end, in file order on this thread; or, where this device reads faster with several
+    ranges to be read are cached; if not, the jobs gathered during the walk run at its end,
+    in file order on this thread (the kernel advised to read ahead, which it does up to its
+    readahead window: 8-16 MB of a 1 GB file here, not the whole range); or, where this device reads faster with several
     streams at once, by the way io/read_choice.py chose for it (io/cold_reads.py), which the first
     large cold reads on a device measure. If they are cached, every ``_BATCH`` bytes of jobs start
     on the reader threads while the walk goes on.
