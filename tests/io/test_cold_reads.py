@@ -164,6 +164,28 @@ def test_every_way_reads_the_file_bytes(tmp_path, size, data):
         os.close(fd)
 
 
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("way", WAYS, ids=lambda w: w.name)
+def test_pieces_across_block_boundaries_misaligned_and_at_the_tail(tmp_path, way):
+    """Hypothesis mostly draws small files; these cross the 4 MiB O_DIRECT blocks on purpose."""
+    size = 9 * MiB + 123  # a tail that is not a whole block
+    content = np.random.default_rng(9).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path, fd, ident = _file(tmp_path, content)
+    regions = [[(0, size)], [(4 * MiB - 5, 10), (4 * MiB + 7, 3 * MiB), (8 * MiB + 1, size - 8 * MiB - 1)],
+               [(100, 4 * MiB), (5, 1), (4 * MiB + 200, 0), (size - 1, 1)], [(3 * MiB, 2 * MiB + 1)],
+               [(i * 3 * MiB + 11, 2 * MiB) for i in range(3)]]  # gaps longer than GAP
+    try:
+        for rs in regions:
+            jobs = [(ReadJob(np.full(n, 0xAB, np.uint8), o, "e"), o, n) for o, n in rs if n]
+            assert cold_reads.read_pieces(fd, path, ident, pieces([j for j, _, _ in jobs]), way)
+            for j, o, n in jobs:
+                assert np.asarray(j.buf).tobytes() == content[o:o + n], (way, o, n)
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("way", WAYS, ids=lambda w: w.name)
 def test_a_file_shorter_than_a_piece_raises(tmp_path, way):
     path, fd, ident = _file(tmp_path, b"x" * 10000)
