@@ -1,21 +1,25 @@
 """Reading regions of a mapped file with ``preadv`` straight into CPU tensors.
 
-Copying out of a mapping faults it in page by page; a read moves each byte once, and
-on a cold file lets the kernel read ahead in one stream. Used by MmapReader (for
-``dcp.load``) and by ``mmapckpt.load_into``.
+Copying out of a mapping faults it in page by page; a read moves each byte once, and a
+cold file is read the way measured best for its device (io/read_choice.py). Used by
+MmapReader (for ``dcp.load``) and by ``mmapckpt.load_into``.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
 
+from . import read_choice
+from .cold_reads import read_pieces
 from .files import is_cached, pread_into
 from .mapped import MappedFile
-from .reads import ReadJob, pread_jobs, submit_reads
+from .read_choice import STREAM, Segment
+from .reads import ReadJob, nbytes, pieces, submit_reads
 
 __all__ = ["DirectReads"]
 
@@ -34,10 +38,12 @@ class DirectReads:
     Copying out of a mapping faults it in page by page: on a cold file that is many small
     synchronous reads, and even on a cached one the page-table work costs more than a read.
     A read moves each byte once. On opening, a few RWF_NOWAIT probes tell whether the
-    ranges to be read are cached; if not, the kernel is asked at once to read them ahead,
-    so the disk works while the plan is walked, and the jobs gathered during the walk run
-    at its end, in file order on this thread. If they are cached, every ``_BATCH`` bytes of
-    jobs start on the reader threads while the walk goes on.
+    ranges to be read are cached; if not, the jobs gathered during the walk run at its end,
+    in file order on this thread (the kernel advised to read ahead, which it does up to its
+    readahead window: 8-16 MB of a 1 GB file here, not the whole range); or, where this device reads faster with several
+    streams at once, by the way io/read_choice.py chose for it (io/cold_reads.py), which the first
+    large cold reads on a device measure. If they are cached, every ``_BATCH`` bytes of jobs start
+    on the reader threads while the walk goes on.
     """
 
     def __init__(self, file: MappedFile, *, enabled: bool = True, ranges: list[tuple[int, int]] = ()) -> None:
@@ -47,6 +53,7 @@ class DirectReads:
         self._pending: list[ReadJob] = []  # cached: jobs not yet started
         self._pending_bytes = 0
         self._started: list[Future[None]] = []
+        self.segments: list[Segment] = []  # cold: how each part of the file is read
         if enabled:
             self._open([(o, n) for o, n in ranges if o >= 0 and n > 0])
 
@@ -64,10 +71,16 @@ class DirectReads:
         self.fd = fd
         step = max(1, len(ranges) // 16)
         self.cached = is_cached(fd, [off for o, n in ranges[::step] for off in (o, o + n - 1)])
-        if ranges and not self.cached:  # one stream; let the kernel read the whole range ahead now
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            lo = min(o for o, _ in ranges)
-            os.posix_fadvise(fd, lo, max(o + n for o, n in ranges) - lo, os.POSIX_FADV_WILLNEED)
+        if self.cached:
+            return
+        ranges = sorted(ranges)
+        self.segments = read_choice.plan(st.st_dev, ranges)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for seg in self.segments:  # one stream: let the kernel read its whole range ahead now
+            inside = [(o, n) for o, n in ranges if seg.lo <= o < seg.hi]
+            if seg.strategy == STREAM and not seg.trial and inside:
+                lo = inside[0][0]
+                os.posix_fadvise(fd, lo, max(o + n for o, n in inside) - lo, os.POSIX_FADV_WILLNEED)
 
     def worth_reading(self, src: torch.Tensor) -> bool:
         """Whether a read may stand in for a copy of ``src`` out of the mapping: not for a few pages of a
@@ -121,10 +134,24 @@ class DirectReads:
             started, self._started = self._started, []
             _wait_all(started)
         else:
-            pread_jobs(self.fd, [j for j, _, _ in self.jobs], path=self.file.path)
+            self._run_cold(pieces([j for j, _, _ in self.jobs]))
         done = [(token, target) for _, token, target in self.jobs]
         self.jobs.clear()
         return done
+
+    def _run_cold(self, todo: list[ReadJob]) -> None:
+        """Read the pieces of each segment by its way; time the trials and record them for the device."""
+        dev = self.file.ident[0]
+        for seg in self.segments or [Segment(STREAM, 0, 1 << 63, False)]:
+            part = [p for p in todo if seg.lo <= p.offset < seg.hi]
+            if not part:
+                continue
+            t0 = time.perf_counter()
+            if not read_pieces(self.fd, self.file.path, self.file.ident, part, seg.strategy, advise=seg.trial):
+                read_choice.unsupported(dev, seg.strategy)  # O_DIRECT refused: read as one stream
+                read_pieces(self.fd, self.file.path, self.file.ident, part, STREAM)
+            elif seg.trial:
+                read_choice.record(dev, seg.strategy, sum(nbytes(p.buf) for p in part), time.perf_counter() - t0)
 
     def close(self) -> None:
         """Wait for reads still running (after an error), then close the descriptor they use."""

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from .files import pread_into
 
-__all__ = ["ReadJob", "pread_jobs", "submit_reads", "reader_pool", "READ_PIECE"]
+__all__ = ["ReadJob", "pread_jobs", "submit_reads", "byte_runs", "pieces", "nbytes", "reader_pool", "READ_PIECE"]
 
 
 class ReadJob(NamedTuple):
@@ -32,7 +32,7 @@ def pread_jobs(fd: int, jobs: list[ReadJob], *, path: str) -> None:
     """Run every read job in file order on this thread: one sequential stream, which suits a
     cold file (the kernel's readahead sees one pattern). Cached files: :func:`submit_reads`.
     """
-    _pread_all(fd, _pieces(jobs), path)
+    _pread_all(fd, pieces(jobs), path)
 
 
 def submit_reads(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> list[Future[None]]:
@@ -41,28 +41,32 @@ def submit_reads(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> li
     One task per run: a task per piece would cost more in hand-offs than thousands of small
     reads take. The caller must wait for every future before it closes ``fd``.
     """
-    pieces = _pieces(jobs)
-    groups: list[list[ReadJob]] = [[] for _ in range(threads)]
-    total, done = sum(_nbytes(p.buf) for p in pieces), 0
-    for p in pieces:
-        groups[min(threads - 1, done * threads // max(total, 1))].append(p)
-        done += _nbytes(p.buf)
     pool = reader_pool(threads)
-    return [pool.submit(_pread_all, fd, g, path) for g in groups if g]
+    return [pool.submit(_pread_all, fd, g, path) for g in byte_runs(pieces(jobs), threads)]
 
 
-def _pieces(jobs: list[ReadJob]) -> list[ReadJob]:
+def byte_runs(jobs: list[ReadJob], runs: int) -> list[list[ReadJob]]:
+    """``jobs`` (in file order) cut into at most ``runs`` consecutive runs of about equal bytes."""
+    groups: list[list[ReadJob]] = [[] for _ in range(runs)]
+    total, done = sum(nbytes(p.buf) for p in jobs), 0
+    for p in jobs:
+        groups[min(runs - 1, done * runs // max(total, 1))].append(p)
+        done += nbytes(p.buf)
+    return [g for g in groups if g]
+
+
+def pieces(jobs: list[ReadJob]) -> list[ReadJob]:
     """The jobs in file order, long ones split into READ_PIECE pieces so that threads can share them."""
-    pieces = []
+    out = []
     for j in sorted(jobs, key=lambda j: j.offset):
-        n = _nbytes(j.buf)
+        n = nbytes(j.buf)
         if n <= READ_PIECE:
-            pieces.append(j)
+            out.append(j)
             continue
         mv = memoryview(j.buf).cast("B")
         for start in range(0, n, READ_PIECE):
-            pieces.append(ReadJob(mv[start:start + READ_PIECE], j.offset + start, j.entry))
-    return pieces
+            out.append(ReadJob(mv[start:start + READ_PIECE], j.offset + start, j.entry))
+    return out
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -86,7 +90,7 @@ def _forget_pool_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def _nbytes(buf: Any) -> int:
+def nbytes(buf: Any) -> int:
     return buf.nbytes if hasattr(buf, "nbytes") else len(memoryview(buf).cast("B"))
 
 

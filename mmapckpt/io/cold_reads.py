@@ -1,0 +1,177 @@
+"""Reading a cold file's regions into memory one of the ways of io/read_choice.py.
+
+- ``stream``: every piece in file order on this thread through the caller's descriptor, the
+  kernel reading ahead (the caller may have asked it to read the whole range ahead already);
+- ``buffered-N``: N contiguous runs of about equal bytes at once, each on a reader thread
+  through its own descriptor: the kernel keeps readahead state per open file, and threads
+  sharing one descriptor break each other's sequential pattern;
+- ``direct-N``: N runs of O_DIRECT reads of aligned 4 MiB blocks into page-aligned buffers,
+  each block's bytes then copied into the pieces it holds; gaps of up to :data:`GAP` bytes
+  between pieces are read through rather than split into more requests.
+
+Every way fills the same bytes; a file shorter than a piece raises TruncatedFileError.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from concurrent.futures import Future
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import TruncatedFileError
+from .files import pread_into
+from .odirect import BLOCK, BUFFER_SIZE, _give_back, _take_buffer
+from .read_choice import Strategy
+from .reads import ReadJob, byte_runs, nbytes, reader_pool
+
+__all__ = ["read_pieces", "GAP"]
+
+#: Pieces closer than this are read by one span of O_DIRECT blocks (the gap's bytes are read and dropped).
+GAP = 1 << 20
+_REFUSALS = (errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP))
+
+
+def read_pieces(fd: int, path: str, ident: tuple[int, int], pieces: Sequence[ReadJob], strategy: Strategy, *,
+                advise: bool = False) -> bool:
+    """Fill every piece (in file order) from the file ``fd`` has open (``ident``: its st_dev, st_ino).
+
+    ``advise``: for ``stream``, ask the kernel to read the pieces' whole range ahead first. Returns False,
+    having read nothing, where the file refuses the way (O_DIRECT on a tmpfs); the caller reads another way.
+    """
+    if not pieces:
+        return True
+    if strategy.kind == "stream":
+        if advise:
+            lo = pieces[0].offset
+            os.posix_fadvise(fd, lo, max(p.offset + nbytes(p.buf) for p in pieces) - lo, os.POSIX_FADV_WILLNEED)
+        for p in pieces:
+            pread_into(fd, p.buf, p.offset, path=path, entry=p.entry)
+        return True
+    if strategy.kind == "direct":
+        dfd = _reopen(path, ident, fd, direct=True)
+        if dfd is None:
+            return False
+        try:
+            _wait([reader_pool(strategy.streams).submit(_direct_run, dfd, run, path)
+                   for run in _spans_runs(pieces, strategy.streams)])
+        finally:
+            os.close(dfd)
+        return True
+    _wait([reader_pool(strategy.streams).submit(_buffered_run, fd, path, ident, run)
+           for run in byte_runs(pieces, strategy.streams)])
+    return True
+
+
+def _reopen(path: str, ident: tuple[int, int], fallback: int, *, direct: bool = False) -> int | None:
+    """A new descriptor of the same file (its own readahead state), ``fallback`` where the path now names
+    another file; with ``direct``, opened O_DIRECT, or None where that is refused."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    if direct and not flags & ~os.O_RDONLY:
+        return None
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if direct and e.errno in _REFUSALS:
+            return None
+        return os.dup(fallback) if not direct else None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != ident:
+        os.close(fd)
+        return os.dup(fallback) if not direct else None
+    return fd
+
+
+def _buffered_run(fd: int, path: str, ident: tuple[int, int], run: list[ReadJob]) -> None:
+    own = _reopen(path, ident, fd)
+    if own is None:  # only an O_DIRECT open is refused
+        raise AssertionError("unreachable")
+    try:
+        os.posix_fadvise(own, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for p in run:
+            pread_into(own, p.buf, p.offset, path=path, entry=p.entry)
+    finally:
+        os.close(own)
+
+
+class _Span:
+    """Pieces whose bytes are read as one run of aligned blocks from ``lo`` (aligned) to ``hi``."""
+
+    __slots__ = ("lo", "hi", "pieces")
+
+    def __init__(self, p: ReadJob) -> None:
+        self.lo, self.hi, self.pieces = p.offset - p.offset % BLOCK, p.offset + nbytes(p.buf), [p]
+
+
+def _spans_runs(pieces: Sequence[ReadJob], streams: int) -> list[list[tuple[int, int, list[ReadJob]]]]:
+    """The blocks to read, ``(offset, length, pieces overlapping it)``, in ``streams`` runs of about equal bytes."""
+    spans: list[_Span] = []
+    for p in pieces:
+        if spans and p.offset - spans[-1].hi <= GAP:
+            s = spans[-1]
+            s.hi = max(s.hi, p.offset + nbytes(p.buf))
+            s.pieces.append(p)
+        else:
+            spans.append(_Span(p))
+    blocks: list[tuple[int, int, list[ReadJob]]] = []
+    for s in spans:
+        i = 0
+        for off in range(s.lo, s.hi, BUFFER_SIZE):
+            end = min(off + BUFFER_SIZE, s.hi)
+            while i < len(s.pieces) and s.pieces[i].offset + nbytes(s.pieces[i].buf) <= off:
+                i += 1
+            j, inside = i, []
+            while j < len(s.pieces) and s.pieces[j].offset < end:
+                inside.append(s.pieces[j])
+                j += 1
+            length = -(-(end - off) // BLOCK) * BLOCK
+            blocks.append((off, length, inside))
+    total = sum(b[1] for b in blocks)
+    runs: list[list[tuple[int, int, list[ReadJob]]]] = [[] for _ in range(streams)]
+    done = 0
+    for b in blocks:
+        runs[min(streams - 1, done * streams // max(total, 1))].append(b)
+        done += b[1]
+    return [r for r in runs if r]
+
+
+def _direct_run(dfd: int, run: list[tuple[int, int, list[ReadJob]]], path: str) -> None:
+    buf = _take_buffer(BUFFER_SIZE)
+    view = memoryview(buf)
+    arr: np.ndarray | None = np.frombuffer(buf, dtype=np.uint8)
+    try:
+        for off, length, inside in run:
+            got = _read_block(dfd, view[:length], off)
+            for p in inside:
+                dst = np.frombuffer(p.buf, dtype=np.uint8)
+                lo, hi = max(off, p.offset), min(off + length, p.offset + dst.size)
+                if off + got < hi:
+                    raise TruncatedFileError(f"file ended at offset {off + got} while reading", path=path,
+                                             entry=p.entry)
+                dst[lo - p.offset:hi - p.offset] = arr[lo - off:hi - off]  # type: ignore[index]
+    finally:
+        arr = None  # the buffer's exports end before it is kept or closed
+        view.release()
+        _give_back(buf)
+
+
+def _read_block(dfd: int, view: memoryview, off: int) -> int:
+    """Read aligned ``view`` at ``off``; the bytes read (fewer only at the end of the file)."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(dfd, [view[got:]], off + got)
+        if n <= 0:
+            break
+        got += n
+        if got % BLOCK:  # a short read ends at the end of the file
+            break
+    return got
+
+
+def _wait(futures: list[Future[None]]) -> None:
+    """Wait for every run; then raise the first one's error, if any."""
+    errors = [e for e in (f.exception() for f in futures) if e is not None]
+    if errors:
+        raise errors[0]
