@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointError, FormatError
+from ..errors import CheckpointError, CheckpointNotFoundError, FormatError
 from ..format.entries import paused_gc
 from ..format.metadata import METADATA_NAME
 from ..storage.base import CheckpointStorage
@@ -33,6 +33,7 @@ from .compat import reader_compat
 from .deliver import load_plan
 from .read_once import DEFAULT_MIN_SHARE, DEFAULT_PIECE_BYTES, ReadOnceOptions, local_info, plan_read_once
 from .read_paths import FileReads
+from .safetensors_metadata import KIND_SAFETENSORS, has_safetensors, safetensors_metadata
 
 __all__ = ["MmapReader"]
 
@@ -119,7 +120,13 @@ class MmapReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
             storage = self.storage
-            kind, md = read_metadata(storage, storage.find_metadata(kwargs.get("rank")), lazy=True)
+            try:
+                kind, md = read_metadata(storage, storage.find_metadata(kwargs.get("rank")), lazy=True)
+            except CheckpointNotFoundError:
+                if not has_safetensors(storage):
+                    raise
+                # A Hugging Face directory: metadata made from its headers (dcp/safetensors_metadata.py)
+                kind, md = KIND_SAFETENSORS, safetensors_metadata(storage, self.path)
         except CheckpointError as e:
             # dcp.load turns this into an AssertionError holding only the message (then tries the
             # rank-local metadata): keep the typed error of the first attempt for checkpoint_error().
