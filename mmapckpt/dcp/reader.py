@@ -205,9 +205,8 @@ class MmapReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         s = os.fspath(checkpoint_id)
-        if is_url(s):
-            try:
-                return storage_for(s).exists(METADATA_NAME)
-            except CheckpointError:
-                return False
-        return os.path.isfile(os.path.join(s, METADATA_NAME))
+        try:
+            storage = storage_for(s)
+            return storage.exists(METADATA_NAME) or has_safetensors(storage)  # or a Hugging Face directory
+        except CheckpointError:
+            return False
