@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..errors import FormatError, IncompleteCheckpointError
@@ -23,7 +25,7 @@ from ..reading.moves import Moves
 from ..reading.safetensors_files import is_safetensors_file
 from ..storage.base import StoredFile
 
-__all__ = ["read_safetensors", "safetensors_in"]
+__all__ = ["chunk_bytes", "label", "locate", "read_safetensors", "safetensors_in"]
 
 Job = tuple[ReadItem, _StorageInfo]
 
@@ -37,6 +39,38 @@ def safetensors_in(f: StoredFile, tensor_jobs: list[Job], whole_file: bool) -> S
         return None
     base = tensor_jobs[0][1].offset
     return SafetensorsChunks(f, base) if is_safetensors_file(f, base) else None
+
+
+def label(idx: MetadataIndex) -> str:
+    return idx.fqn if idx.offset is None else f"{idx.fqn}@{list(idx.offset)}"
+
+
+def locate(reads: Any, st: SafetensorsChunks, idx: MetadataIndex, info: _StorageInfo,
+           whole_file: bool) -> tuple[torch.dtype, Any, int, int]:
+    """(dtype, shape, file offset, length) of the stored chunk ``idx`` (with its record ``info``) in ``st``,
+    checked against the metadata (see :func:`read_safetensors`)."""
+    name, path = label(idx), st.path
+    if idx.offset is None:
+        raise FormatError("a non-tensor record points at safetensors data", path=path, entry=name)
+    dtype, sizes = reads.chunk_layout(idx, path)
+    offset, length = st.locate(idx.fqn, tuple(idx.offset), dtype, tuple(sizes), name)
+    if whole_file and (offset, length) != (info.offset, info.length):
+        raise IncompleteCheckpointError(f"the file holds the tensor at bytes [{offset}, +{length}), not "
+                                        f"[{info.offset}, +{info.length}) as when the metadata was read: it was "
+                                        "rewritten meanwhile; load again", path=path, entry=name)
+    if not whole_file and info.offset != st.st.base:
+        raise FormatError(f"tensor records of this shard start at {st.st.base} and {info.offset}", path=path,
+                          entry=name)
+    return dtype, sizes, offset, length
+
+
+def chunk_bytes(reads: Any, st: SafetensorsChunks, idx: MetadataIndex, info: _StorageInfo,
+                whole_file: bool) -> torch.Tensor:
+    """The stored chunk ``idx``'s bytes as one flat uint8 tensor (over the mapping where it can): what a
+    read-once load sends (dcp/deliver.py)."""
+    dtype, sizes, offset, length = locate(reads, st, idx, info, whole_file)
+    reads.counter.take(st.path, offset, length)
+    return st.view(offset, length, dtype, sizes).reshape(-1).view(torch.uint8)
 
 
 def read_safetensors(reads: Any, st: SafetensorsChunks, jobs: list[Job], planner: LoadPlanner, memory: Moves, *,
@@ -53,20 +87,8 @@ def read_safetensors(reads: Any, st: SafetensorsChunks, jobs: list[Job], planner
     path = st.path
     located = []
     for req, info in jobs:
-        idx = req.storage_index
-        name = idx.fqn if idx.offset is None else f"{idx.fqn}@{list(idx.offset)}"
-        if idx.offset is None:
-            raise FormatError("a non-tensor record points at safetensors data", path=path, entry=name)
-        dtype, sizes = reads.chunk_layout(idx, path)
-        offset, length = st.locate(idx.fqn, tuple(idx.offset), dtype, tuple(sizes), name)
-        if whole_file and (offset, length) != (info.offset, info.length):
-            raise IncompleteCheckpointError(f"the file holds the tensor at bytes [{offset}, +{length}), not "
-                                            f"[{info.offset}, +{info.length}) as when the metadata was read: it was "
-                                            "rewritten meanwhile; load again", path=path, entry=name)
-        if not whole_file and info.offset != st.st.base:
-            raise FormatError(f"tensor records of this shard start at {st.st.base} and {info.offset}",
-                              path=path, entry=name)
-        located.append((req, name, dtype, sizes, offset, length))
+        dtype, sizes, offset, length = locate(reads, st, req.storage_index, info, whole_file)
+        located.append((req, label(req.storage_index), dtype, sizes, offset, length))
     moves = Moves(st.source, read=reads.direct_reads and defer,
                   ranges=[(o, n) for _, _, dt, _, o, n in located if st.aligned(o, dt)],
                   pool_for=reads.pool_for, stage_all=reads.stage_cpu)

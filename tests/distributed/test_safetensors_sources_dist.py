@@ -13,7 +13,8 @@ expected region of the full tensor. The directories:
 - ``stock-st``: ``FileSystemWriter(serialization_format=SAFETENSORS)`` output of the same save, which
   no stock reader loads: compared with the expected values only.
 
-Each rank records the files it mapped during each MmapReader load: exactly those holding a
+Each is also loaded with ``read_once=True`` (each stored chunk read on one rank and sent to
+the others). Each rank records the files it mapped during each MmapReader load: exactly those holding a
 stored chunk that overlaps one of its local shards (from the reader's metadata), so with
 Shard(0) on 4 ranks every rank maps one of the two files.
 """
@@ -126,6 +127,13 @@ def _load_and_compare(rec: dr.Recorder, mesh: Any, name: str, path: str, layout:
             assert len(mapped) == 1, mapped  # each rank's rows lie in one of the two files
     rec.run(f"{name}|{layout}", check)
 
+    def read_once() -> None:  # each stored chunk read by one rank and sent to the others that need it
+        want, ours = state_dict(mesh, layout, complement=False), state_dict(mesh, layout, complement=True)
+        dcp.load(ours, storage_reader=MmapReader(path, read_once=True, read_once_min_share=0.0))
+        for fqn in SHAPES:
+            helpers.assert_bitwise_equal(want[fqn].to_local(), ours[fqn].to_local(), fqn)
+    rec.run(f"{name}|{layout}|read-once", read_once)
+
 
 def _rank_main(rank: int, world: int, root: str, out: str, phase: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
@@ -150,7 +158,8 @@ def _rank_main(rank: int, world: int, root: str, out: str, phase: str) -> None:
 
 def check_names(phase: str) -> list[str]:
     saves = ["save|hf-dist", "save|stock-st"] if phase == "two" else []
-    return saves + [f"{n}|{lay}" for lay in PLACEMENTS for n in ("hub", "hf-dist", "stock-st")]
+    return saves + [f"{n}|{lay}{how}" for lay in PLACEMENTS for n in ("hub", "hf-dist", "stock-st")
+                    for how in ("", "|read-once")]
 
 
 # ---------------------------------------------------------------------------- the parent's side
