@@ -9,7 +9,9 @@ through the storage; no file is mapped), so ``dcp.load`` plans over it as over a
 - one stored chunk per tensor of each file, at the offsets its ``__metadata__``'s
   ``DCP_SHARDING_INFO`` gives (whole tensors without it); a tensor's size spans its chunks;
 - ``TensorProperties`` with the dtype only, as torch's reader sets them;
-- per chunk a ``_StorageInfo`` (file, byte offset, length) of its bytes in the file.
+- per chunk a ``_StorageInfo`` (file, byte offset, length) of its bytes in the file;
+- ``planner_data`` naming each tensor a flat key (torch's reader leaves it None, so that
+  ``_load_state_dict_from_keys(keys=...)`` fails there).
 
 Unlike torch's reader, which keeps the last file's chunk where two files hold the same one, a
 chunk held twice, chunks of one tensor with different dtypes or ranks, and chunks that leave
@@ -99,7 +101,10 @@ def safetensors_metadata(storage: CheckpointStorage, path: str) -> Metadata:
         if sum(numel(tuple(c.sizes)) for c in md.chunks) != numel(tuple(md.size)):
             raise FormatError(f"the stored chunks of this tensor do not make up its size {list(md.size)}",
                               path=where[name], entry=name)
-    return Metadata(state_dict_metadata=sdm, storage_data=storage_data)  # type: ignore[arg-type]
+    # Each name is a flat key of its own (as DCP records a flat state dict's keys), so that loads that select
+    # keys through the metadata (_load_state_dict_from_keys(keys=...)) work; torch's reader leaves it None.
+    return Metadata(state_dict_metadata=sdm, storage_data=storage_data,  # type: ignore[arg-type]
+                    planner_data={name: (name,) for name in sdm})
 
 
 def _add_chunk(sdm: dict[str, Any], name: str, dtype: torch.dtype, off: tuple[int, ...], shape: tuple[int, ...],

@@ -302,3 +302,16 @@ def test_stock_safetensors_shard_missing_a_tensor_is_refused(tmp_path: Path) -> 
         dcp_load({"lm_head.weight": torch.zeros(6, 10, dtype=torch.float64)}, MmapReader(str(d)))
     err = dcp_failure(ei.value)
     assert isinstance(err, CheckpointError) and "lm_head.weight" in str(err) and "__0_0.distcp" in str(err)
+
+
+def test_load_state_dict_from_keys_as_with_the_stock_hf_reader(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    d = hf_writer_dir(tmp_path / "ckpt", "index")
+    stock = _load_state_dict_from_keys(storage_reader=HuggingFaceStorageReader(d))
+    ours = _load_state_dict_from_keys(storage_reader=MmapReader(d))
+    assert_tree_equal(stock, ours)
+    assert_tree_equal(values(), ours)
+    # Some keys only: torch's reader fails there (its metadata has no planner_data); ours loads them.
+    some = _load_state_dict_from_keys({"model.ids", "lm_head.weight"}, storage_reader=MmapReader(d))
+    assert_tree_equal({k: values()[k] for k in ("model.ids", "lm_head.weight")}, some)
