@@ -157,8 +157,9 @@ def render(doc: dict[str, Any]) -> str:
             m = _med(xs)
             ratio = _med(times["hf-stock"][phase]) / m
             span = f"{m:.4f} ({min(xs):.4f}-{max(xs):.4f})"
-            frac = f"{lim[phase] / m:.2f}" if key != "plan" else "-"
-            lines.append(f"{label:52} {phase:5} {span:>24} {gb / m:6.2f} {frac:>8} {ratio:10.2f}x")
+            copies = READERS[key][2] if key in READERS else True
+            frac, vs = (f"{lim[phase] / m:.2f}", f"{ratio:.2f}x") if copies else ("-", "-")
+            lines.append(f"{label:52} {phase:5} {span:>24} {gb / m:6.2f} {frac:>8} {vs:>11}")
     plan = _med(times["plan"]["warm"])
     lines.append(f"DCP planning and headers (the no-copy reader, warm): {plan:.4f} s, "
                  f"{plan / run['tensors'] * 1e6:.0f} us an entry; the readers' own warm cost (load less planning): "

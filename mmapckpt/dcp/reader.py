@@ -2,8 +2,9 @@
 
 For each read item it builds the stored chunk as a view over the mapping,
 narrows it to the requested hypercube (touching only those pages) and copies it
-into the planner's target. Stock torch.save-format checkpoints are read too,
-detected per shard file, so one reader serves both.
+into the planner's target. Stock checkpoints are read too, detected per shard file
+(torch.save items, or safetensors data: dcp/safetensors_reads.py), and so are Hugging Face
+safetensors directories, whose metadata is made from their headers (dcp/safetensors_metadata.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ __all__ = ["MmapReader"]
 
 
 class MmapReader(StorageReader):
-    """Reads mmapckpt (and stock DCP) checkpoints for ``dcp.load``.
+    """Reads mmapckpt checkpoints, stock DCP ones (torch.save or safetensors format) and Hugging Face
+    safetensors directories (as ``HuggingFaceStorageReader`` does: dcp/safetensors_metadata.py) for ``dcp.load``.
 
     Args:
         path: the checkpoint directory, or an object-store prefix ``s3://BUCKET/PREFIX``
