@@ -315,3 +315,11 @@ def test_load_state_dict_from_keys_as_with_the_stock_hf_reader(tmp_path: Path) -
     # Some keys only: torch's reader fails there (its metadata has no planner_data); ours loads them.
     some = _load_state_dict_from_keys({"model.ids", "lm_head.weight"}, storage_reader=MmapReader(d))
     assert_tree_equal({k: values()[k] for k in ("model.ids", "lm_head.weight")}, some)
+
+
+@pytest.mark.parametrize("to, name", [("mmapckpt", "out"), ("safetensors", "out.safetensors"), ("torch", "out.pt")])
+def test_stock_safetensors_format_converts(tmp_path: Path, to: str, name: str) -> None:
+    d = stock_safetensors_dir(tmp_path / "ckpt", with_objects=False)
+    out = str(tmp_path / name)
+    mmapckpt.convert(d, out, to=to)
+    assert_tree_equal(values(), mmapckpt.load(out))
