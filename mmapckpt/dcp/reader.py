@@ -27,7 +27,7 @@ from ..format.entries import paused_gc
 from ..format.metadata import METADATA_NAME
 from ..storage.base import CheckpointStorage
 from ..storage.commits import read_metadata
-from ..storage.location import is_url, storage_for
+from ..storage.location import storage_for
 from ..io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool
 from .bytes_read import BytesRead
 from .compat import reader_compat
