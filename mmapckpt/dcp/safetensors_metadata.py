@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CheckpointNotFoundError, FormatError
-from ..format.entries import numel
+from ..format.entries import numel, paused_gc
 from ..reading.dcp_safetensors import saved_offsets
 from ..reading.located import Place
 from ..reading.locate import safetensors_files
@@ -74,6 +74,11 @@ def safetensors_metadata(storage: CheckpointStorage, path: str) -> Metadata:
         CheckpointNotFoundError: no safetensors files there.
         FormatError: a damaged header, index or ``DCP_SHARDING_INFO``, or chunks that do not make a tensor.
     """
+    with paused_gc():  # thousands of small objects: see format/entries.paused_gc
+        return _build(storage, path)
+
+
+def _build(storage: CheckpointStorage, path: str) -> Metadata:
     sdm: dict[str, TensorStorageMetadata] = {}
     storage_data: dict[MetadataIndex, _StorageInfo] = {}
     where: dict[str, str] = {}  # tensor -> a file holding it, for messages
