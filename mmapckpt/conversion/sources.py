@@ -14,7 +14,7 @@ from ..format import layout as fmt
 from ..format.metadata import KIND_MMAPCKPT
 from ..format.stock import load_tensor
 from ..format.transforms import StreamTransforms
-from ..reading.dcp_safetensors import SafetensorsChunks
+from ..reading.dcp_safetensors import SafetensorsChunks, raw_record
 from ..reading.safetensors_files import is_safetensors_file
 from ..reading.shard import Shard, decode_entry
 from ..reading.torchfile import StoredReader
@@ -149,16 +149,16 @@ class StockSource(_DcpSource):
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         sl = self._slice(idx)
-        st = self._safetensors(sl)
+        item = self.metadata.state_dict_metadata.get(idx.fqn)
+        want = self._sizes.get((idx.fqn, tuple(idx.offset or ())))
+        st = None
+        if isinstance(item, TensorStorageMetadata) and want is not None and raw_record(
+                sl.length, item.properties.dtype, tuple(want)):
+            st = self._safetensors(sl)
         if st is not None:  # a SAFETENSORS-format shard: the chunk is found by name (reading/dcp_safetensors.py)
-            item = self.metadata.state_dict_metadata.get(idx.fqn)
-            want = self._sizes.get((idx.fqn, tuple(idx.offset or ())))
-            if not isinstance(item, TensorStorageMetadata) or want is None:
-                raise FormatError("storage record names a tensor chunk the metadata does not list", path=sl.file.path,
-                                  entry=label(idx))
-            dtype = item.properties.dtype
-            offset, length = st.locate(idx.fqn, tuple(idx.offset or ()), dtype, tuple(want), label(idx))
-            return st.view(offset, length, dtype, tuple(want))
+            dtype = item.properties.dtype  # type: ignore[union-attr]
+            offset, length = st.locate(idx.fqn, tuple(idx.offset or ()), dtype, tuple(want), label(idx))  # type: ignore[arg-type]
+            return st.view(offset, length, dtype, tuple(want))  # type: ignore[arg-type]
         data = self._decoded(idx, sl)
         src: Any = sl if data is None else io.BytesIO(data)
         return self._check(load_tensor(src, path=sl.file.path, entry=label(idx)), idx, sl.file.path)

@@ -96,7 +96,7 @@ class StoredRegions:
         reads, info = self.reads, self.reads.info(idx)
         f, shard = self._open(info.relative_path, idx)
         path = f.path
-        st = None if shard is not None or is_bytes else self._safetensors(info.relative_path, f, info)
+        st = None if shard is not None or is_bytes else self._safetensors(info.relative_path, f, idx, info)
         if st is not None:  # a Hugging Face file, or a SAFETENSORS-format stock shard (dcp/safetensors_reads.py)
             return chunk_bytes(reads, st, idx, info, reads.metadata_kind == KIND_SAFETENSORS)
         reads.counter.take(path, info.offset, info.length)  # sent whole (mapped pages read as they go)
@@ -134,9 +134,9 @@ class StoredRegions:
                 raise
         return self._files[rel]
 
-    def _safetensors(self, rel: str, f: StoredFile, info: Any) -> SafetensorsChunks | None:
+    def _safetensors(self, rel: str, f: StoredFile, idx: MetadataIndex, info: Any) -> SafetensorsChunks | None:
         if rel not in self._st:
-            self._st[rel] = safetensors_in(f, [(None, info)], self.reads.metadata_kind == KIND_SAFETENSORS)
+            self._st[rel] = safetensors_in(self.reads, f, (idx, info), self.reads.metadata_kind == KIND_SAFETENSORS)
         return self._st[rel]
 
     def close(self) -> None:

@@ -206,7 +206,7 @@ class FileReads:
         path = f.path
         whole = self.metadata_kind == KIND_SAFETENSORS
         tensors = [j for j in reqs if j[0].type != LoadItemType.BYTE_IO]
-        st = safetensors_in(f, tensors, whole)
+        st = safetensors_in(self, f, (tensors[0][0].storage_index, tensors[0][1]) if tensors else None, whole)
         if st is not None:
             read_safetensors(self, st, tensors, planner, memory, defer=_defers_safely(planner), whole_file=whole)
             reqs = [j for j in reqs if j[0].type == LoadItemType.BYTE_IO]

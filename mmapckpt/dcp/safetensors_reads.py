@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..errors import FormatError, IncompleteCheckpointError
-from ..reading.dcp_safetensors import SafetensorsChunks
+from ..reading.dcp_safetensors import SafetensorsChunks, raw_record
 from ..reading.moves import Moves
 from ..reading.safetensors_files import is_safetensors_file
 from ..storage.base import StoredFile
@@ -30,15 +30,20 @@ __all__ = ["chunk_bytes", "label", "locate", "read_safetensors", "safetensors_in
 Job = tuple[ReadItem, _StorageInfo]
 
 
-def safetensors_in(f: StoredFile, tensor_jobs: list[Job], whole_file: bool) -> SafetensorsChunks | None:
+def safetensors_in(reads: Any, f: StoredFile, first: tuple[MetadataIndex, _StorageInfo] | None,
+                   whole_file: bool) -> SafetensorsChunks | None:
     """The safetensors data of ``f`` its tensor items are read from: the whole file (``whole_file``: a Hugging
-    Face directory's), or what starts at their records' offset in a stock shard (None: torch.save items)."""
+    Face directory's), or what starts where the first tensor item ``first`` (its index and record) of a stock
+    shard is recorded, where that record can be one (None: torch.save items; ``reads``: the load's FileReads)."""
     if whole_file:
         return SafetensorsChunks(f, 0)
-    if not tensor_jobs:
+    if first is None or first[0].offset is None:
         return None
-    base = tensor_jobs[0][1].offset
-    return SafetensorsChunks(f, base) if is_safetensors_file(f, base) else None
+    dtype, sizes = reads.chunk_layout(first[0], f.path)
+    base = first[1].offset
+    if raw_record(first[1].length, dtype, tuple(sizes)) and is_safetensors_file(f, base):
+        return SafetensorsChunks(f, base)
+    return None
 
 
 def label(idx: MetadataIndex) -> str:

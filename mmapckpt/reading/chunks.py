@@ -20,7 +20,7 @@ from ..format.stock import load_tensor
 from ..io.mapped import MappedFile
 from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.commits import missing_shard_error
-from .dcp_safetensors import SafetensorsChunks
+from .dcp_safetensors import SafetensorsChunks, raw_record
 from .safetensors_files import is_safetensors_file
 from .shard import Shard, check_size_unchanged, is_mmapckpt_shard
 
@@ -112,7 +112,7 @@ class ChunkFiles:
                 self._verify(shard, info.name, c.offsets)
             return view
         label = f"{info.name}@{list(c.offsets)}"
-        st = self._stock_safetensors(c)
+        st = self._stock_safetensors(info, c)
         if st is not None:
             offset, length = st.locate(info.name, c.offsets, info.dtype, c.sizes, label)  # type: ignore[arg-type]
             return st.view(offset, length, info.dtype, c.sizes, lazy=lazy)  # type: ignore[arg-type]
@@ -137,15 +137,17 @@ class ChunkFiles:
         shard = self.shards.get(c.file)
         if shard is not None:
             return shard.source
-        st = self._stock_safetensors(c)
+        st = self._stock_safetensors(info, c)
         if st is None:
             return None
         offset, _ = st.locate(info.name, c.offsets, info.dtype, c.sizes, info.name)  # type: ignore[arg-type]
         return st.source if st.aligned(offset, info.dtype) else None  # type: ignore[arg-type]
 
-    def _stock_safetensors(self, c: ChunkInfo) -> SafetensorsChunks | None:
+    def _stock_safetensors(self, info: EntryInfo, c: ChunkInfo) -> SafetensorsChunks | None:
         """The safetensors data a stock shard holds its tensors in, where chunk ``c`` is recorded (else None:
-        a torch.save item)."""
+        a torch.save item, whose bytes are not probed: reading/dcp_safetensors.py ``raw_record``)."""
+        if not raw_record(c.length, info.dtype, c.sizes):  # type: ignore[arg-type]
+            return None
         key = (c.file, c.file_offset)
         if key not in self._safetensors:
             f = self.stock[c.file]
