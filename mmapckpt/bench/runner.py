@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "0: never skip)")
     parser.add_argument("--replicas", type=int, default=None, metavar="N",
                         help="instead: a replicated load on N gloo ranks, with and without read-once")
+    parser.add_argument("--hf-dirs", action="store_true",
+                        help="instead: dcp.load from a Hugging Face safetensors directory, MmapReader against "
+                             "HuggingFaceStorageReader (bench/hf_dirs.py)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-load memory measurement")
     parser.add_argument("--scan-entries", type=int, default=None, metavar="N",
                         help="the many-entry scan whose targets the comparison reports: N tensors (16 MB) and the "
@@ -364,6 +367,9 @@ def _run_configured(args: argparse.Namespace, cfg: dict) -> int:
     if args.replicas:
         from . import replicas
         return replicas.run(args, cfg, bench_dir)
+    if args.hf_dirs:
+        from . import hf_dirs
+        return hf_dirs.run(args, cfg, bench_dir)
     if args.storage:
         from . import objstore
         return objstore.run(args, cfg)

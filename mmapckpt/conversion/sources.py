@@ -14,6 +14,8 @@ from ..format import layout as fmt
 from ..format.metadata import KIND_MMAPCKPT
 from ..format.stock import load_tensor
 from ..format.transforms import StreamTransforms
+from ..reading.dcp_safetensors import SafetensorsChunks, raw_record
+from ..reading.safetensors_files import is_safetensors_file
 from ..reading.shard import Shard, decode_entry
 from ..reading.torchfile import StoredReader
 from ..storage.base import CheckpointStorage, StoredFile
@@ -121,6 +123,7 @@ class StockSource(_DcpSource):
         self.version += ", torch.save items"
         self._transforms = StreamTransforms()  # DCP's registry: undoes ZStandard
         self._files: dict[str, StoredFile] = {}
+        self._st: dict[tuple[str, int], SafetensorsChunks | None] = {}
 
     def _slice(self, idx: MetadataIndex) -> StoredReader:
         info = self._info(idx)
@@ -146,9 +149,26 @@ class StockSource(_DcpSource):
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         sl = self._slice(idx)
+        item = self.metadata.state_dict_metadata.get(idx.fqn)
+        want = self._sizes.get((idx.fqn, tuple(idx.offset or ())))
+        st = None
+        if isinstance(item, TensorStorageMetadata) and want is not None and raw_record(
+                sl.length, item.properties.dtype, tuple(want)):
+            st = self._safetensors(sl)
+        if st is not None:  # a SAFETENSORS-format shard: the chunk is found by name (reading/dcp_safetensors.py)
+            dtype = item.properties.dtype  # type: ignore[union-attr]
+            offset, length = st.locate(idx.fqn, tuple(idx.offset or ()), dtype, tuple(want), label(idx))  # type: ignore[arg-type]
+            return st.view(offset, length, dtype, tuple(want))  # type: ignore[arg-type]
         data = self._decoded(idx, sl)
         src: Any = sl if data is None else io.BytesIO(data)
         return self._check(load_tensor(src, path=sl.file.path, entry=label(idx)), idx, sl.file.path)
+
+    def _safetensors(self, sl: StoredReader) -> SafetensorsChunks | None:
+        """The safetensors data at the record's offset (a SAFETENSORS-format shard), or None (torch.save items)."""
+        key = (sl.file.path, sl.base)
+        if key not in self._st:
+            self._st[key] = SafetensorsChunks(sl.file, sl.base) if is_safetensors_file(sl.file, sl.base) else None
+        return self._st[key]
 
     def read_bytes(self, idx: MetadataIndex) -> bytes:
         sl = self._slice(idx)

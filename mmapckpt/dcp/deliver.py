@@ -41,11 +41,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..errors import CheckpointError, FormatError, SizeMismatchError
 from ..format.stock import load_tensor
+from ..reading.dcp_safetensors import SafetensorsChunks
 from ..reading.shard import Shard, check_size_unchanged
 from ..storage.base import StoredFile
 from .read_once import ReadOnceOptions, ReadOnceSchedule, SharedRecord
 from .record_fetch import RecordFetcher, RemoteRecord
 from .read_paths import FileReads, load_bytes, label, read_plan
+from .safetensors_metadata import KIND_SAFETENSORS
+from .safetensors_reads import chunk_bytes, safetensors_in
 
 __all__ = ["StoredRegions", "load_plan", "pieces", "read_once_load"]
 
@@ -81,6 +84,8 @@ class StoredRegions:
         self.reads = reads
         #: file name -> (the file, its mmapckpt shard or None for a stock file)
         self._files: dict[str, tuple[StoredFile, Shard | None]] = {}
+        #: file name -> the safetensors data its tensors are in (None: torch.save items)
+        self._st: dict[str, SafetensorsChunks | None] = {}
 
     def path_of(self, idx: MetadataIndex) -> str:
         return self.reads.storage.full(self.reads.info(idx).relative_path)
@@ -91,6 +96,9 @@ class StoredRegions:
         reads, info = self.reads, self.reads.info(idx)
         f, shard = self._open(info.relative_path, idx)
         path = f.path
+        st = None if shard is not None or is_bytes else self._safetensors(info.relative_path, f, idx, info)
+        if st is not None:  # a Hugging Face file, or a SAFETENSORS-format stock shard (dcp/safetensors_reads.py)
+            return chunk_bytes(reads, st, idx, info, reads.metadata_kind == KIND_SAFETENSORS)
         reads.counter.take(path, info.offset, info.length)  # sent whole (mapped pages read as they go)
         if shard is not None:
             if reads.verify:
@@ -126,13 +134,20 @@ class StoredRegions:
                 raise
         return self._files[rel]
 
+    def _safetensors(self, rel: str, f: StoredFile, idx: MetadataIndex, info: Any) -> SafetensorsChunks | None:
+        if rel not in self._st:
+            self._st[rel] = safetensors_in(self.reads, f, (idx, info), self.reads.metadata_kind == KIND_SAFETENSORS)
+        return self._st[rel]
+
     def close(self) -> None:
         """Check that no mapped shard shrank while its bytes were sent, then release the files."""
         files, self._files = self._files, {}
         try:
-            for _, shard in files.values():
+            for f, shard in files.values():
                 if shard is not None:
                     check_size_unchanged(shard)
+                else:
+                    f.check_unchanged()
         finally:
             for f, _ in files.values():
                 f.close()

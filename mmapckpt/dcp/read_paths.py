@@ -43,6 +43,8 @@ from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.commits import missing_shard_error
 from .bytes_read import BytesRead
 from .fast_planner import FastLoadPlanner
+from .safetensors_metadata import KIND_SAFETENSORS
+from .safetensors_reads import read_safetensors, safetensors_in
 
 __all__ = ["FileReads", "Job", "label", "load_bytes", "read_plan"]
 
@@ -199,8 +201,15 @@ class FileReads:
         moves.move(src, target, lambda: label(req.storage_index), lambda: planner.commit_tensor(req, target))
 
     def _read_stock(self, f: StoredFile, reqs: list[Job], planner: LoadPlanner, memory: Moves) -> None:
-        """A stock (torch.save per item) shard: each item is loaded with weights_only=True."""
+        """A stock (torch.save per item) shard: each item is loaded with weights_only=True; tensors stored as
+        safetensors data (a Hugging Face file, a SAFETENSORS-format shard) are mapped (dcp/safetensors_reads.py)."""
         path = f.path
+        whole = self.metadata_kind == KIND_SAFETENSORS
+        tensors = [j for j in reqs if j[0].type != LoadItemType.BYTE_IO]
+        st = safetensors_in(self, f, (tensors[0][0].storage_index, tensors[0][1]) if tensors else None, whole)
+        if st is not None:
+            read_safetensors(self, st, tensors, planner, memory, defer=_defers_safely(planner), whole_file=whole)
+            reqs = [j for j in reqs if j[0].type == LoadItemType.BYTE_IO]
         for req, info in reqs:
             name = label(req.storage_index)
             buf = f.read(info.offset, info.length, entry=name)

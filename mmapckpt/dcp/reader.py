@@ -2,8 +2,9 @@
 
 For each read item it builds the stored chunk as a view over the mapping,
 narrows it to the requested hypercube (touching only those pages) and copies it
-into the planner's target. Stock torch.save-format checkpoints are read too,
-detected per shard file, so one reader serves both.
+into the planner's target. Stock checkpoints are read too, detected per shard file
+(torch.save items, or safetensors data: dcp/safetensors_reads.py), and so are Hugging Face
+safetensors directories, whose metadata is made from their headers (dcp/safetensors_metadata.py).
 """
 
 from __future__ import annotations
@@ -21,24 +22,26 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointError, FormatError
+from ..errors import CheckpointError, CheckpointNotFoundError, FormatError
 from ..format.entries import paused_gc
 from ..format.metadata import METADATA_NAME
 from ..storage.base import CheckpointStorage
 from ..storage.commits import read_metadata
-from ..storage.location import is_url, storage_for
+from ..storage.location import storage_for
 from ..io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool
 from .bytes_read import BytesRead
 from .compat import reader_compat
 from .deliver import load_plan
 from .read_once import DEFAULT_MIN_SHARE, DEFAULT_PIECE_BYTES, ReadOnceOptions, local_info, plan_read_once
 from .read_paths import FileReads
+from .safetensors_metadata import KIND_SAFETENSORS, has_safetensors, safetensors_metadata
 
 __all__ = ["MmapReader"]
 
 
 class MmapReader(StorageReader):
-    """Reads mmapckpt (and stock DCP) checkpoints for ``dcp.load``.
+    """Reads mmapckpt checkpoints, stock DCP ones (torch.save or safetensors format) and Hugging Face
+    safetensors directories (as ``HuggingFaceStorageReader`` does: dcp/safetensors_metadata.py) for ``dcp.load``.
 
     Args:
         path: the checkpoint directory, or an object-store prefix ``s3://BUCKET/PREFIX``
@@ -119,7 +122,13 @@ class MmapReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
             storage = self.storage
-            kind, md = read_metadata(storage, storage.find_metadata(kwargs.get("rank")), lazy=True)
+            try:
+                kind, md = read_metadata(storage, storage.find_metadata(kwargs.get("rank")), lazy=True)
+            except CheckpointNotFoundError:
+                if not has_safetensors(storage):
+                    raise
+                # A Hugging Face directory: metadata made from its headers (dcp/safetensors_metadata.py)
+                kind, md = KIND_SAFETENSORS, safetensors_metadata(storage, self.path)
         except CheckpointError as e:
             # dcp.load turns this into an AssertionError holding only the message (then tries the
             # rank-local metadata): keep the typed error of the first attempt for checkpoint_error().
@@ -198,9 +207,8 @@ class MmapReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         s = os.fspath(checkpoint_id)
-        if is_url(s):
-            try:
-                return storage_for(s).exists(METADATA_NAME)
-            except CheckpointError:
-                return False
-        return os.path.isfile(os.path.join(s, METADATA_NAME))
+        try:
+            storage = storage_for(s)
+            return storage.exists(METADATA_NAME) or has_safetensors(storage)  # or a Hugging Face directory
+        except CheckpointError:
+            return False

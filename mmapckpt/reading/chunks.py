@@ -1,7 +1,8 @@
 """How to get a checkpoint's chunks.
 
 ``ChunkFiles`` opens the shard files through the checkpoint's storage (mmapckpt shards
-validated and mapped, stock files read per item with ``torch.load(weights_only=True)``) and
+validated and mapped, stock files read per item with ``torch.load(weights_only=True)``, or where a
+stock shard holds its tensors as safetensors data, mapped: reading/dcp_safetensors.py) and
 returns each chunk as a CPU tensor, a view over the mapping where it can. The index of entries
 and chunks it works from is the metadata's (``storage/commits.py`` ``read_index``).
 """
@@ -19,6 +20,8 @@ from ..format.stock import load_tensor
 from ..io.mapped import MappedFile
 from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.commits import missing_shard_error
+from .dcp_safetensors import SafetensorsChunks, raw_record
+from .safetensors_files import is_safetensors_file
 from .shard import Shard, check_size_unchanged, is_mmapckpt_shard
 
 __all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles"]
@@ -66,6 +69,8 @@ class ChunkFiles:
         self._verified: set[tuple[str, tuple[int, ...] | None]] = set()
         self.shards: dict[str, Shard] = {}
         self.stock: dict[str, StoredFile] = {}
+        #: (stock file, offset) -> its safetensors data there, or None for torch.save items
+        self._safetensors: dict[tuple[str, int], SafetensorsChunks | None] = {}
         files = _records_by_file(entries)
         try:
             for rel in sorted(files):
@@ -107,6 +112,10 @@ class ChunkFiles:
                 self._verify(shard, info.name, c.offsets)
             return view
         label = f"{info.name}@{list(c.offsets)}"
+        st = self._stock_safetensors(info, c)
+        if st is not None:
+            offset, length = st.locate(info.name, c.offsets, info.dtype, c.sizes, label)  # type: ignore[arg-type]
+            return st.view(offset, length, info.dtype, c.sizes, lazy=lazy)  # type: ignore[arg-type]
         t = load_tensor(self._read_stock(c, label), path=self.stock[c.file].path, entry=label).contiguous()
         if t.dtype != info.dtype or tuple(t.shape) != c.sizes:
             raise SizeMismatchError(f"stored chunk is {t.dtype} {list(t.shape)}, the metadata says {info.dtype} "
@@ -126,7 +135,25 @@ class ChunkFiles:
         """The mapping ``chunk`` returns a view of (for direct reads), the file where it has no mapping, or
         None (a stock item, loaded whole)."""
         shard = self.shards.get(c.file)
-        return shard.source if shard is not None else None
+        if shard is not None:
+            return shard.source
+        st = self._stock_safetensors(info, c)
+        if st is None:
+            return None
+        offset, _ = st.locate(info.name, c.offsets, info.dtype, c.sizes, info.name)  # type: ignore[arg-type]
+        return st.source if st.aligned(offset, info.dtype) else None  # type: ignore[arg-type]
+
+    def _stock_safetensors(self, info: EntryInfo, c: ChunkInfo) -> SafetensorsChunks | None:
+        """The safetensors data a stock shard holds its tensors in, where chunk ``c`` is recorded (else None:
+        a torch.save item, whose bytes are not probed: reading/dcp_safetensors.py ``raw_record``)."""
+        if not raw_record(c.length, info.dtype, c.sizes):  # type: ignore[arg-type]
+            return None
+        key = (c.file, c.file_offset)
+        if key not in self._safetensors:
+            f = self.stock[c.file]
+            self._safetensors[key] = SafetensorsChunks(f, c.file_offset) if is_safetensors_file(
+                f, c.file_offset) else None
+        return self._safetensors[key]
 
     def object_bytes(self, info: EntryInfo) -> bytes:
         c = info.chunks[0]
@@ -159,6 +186,8 @@ class ChunkFiles:
             shard = self.shards.get(rel)
             if shard is not None:
                 check_size_unchanged(shard)
+            elif rel in self.stock:
+                self.stock[rel].check_unchanged()
 
     def object_value(self, info: EntryInfo) -> Any:
         raise CheckpointError("entry is a pickled non-tensor value: its bytes are object_bytes()", path=self.root,

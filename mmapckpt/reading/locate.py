@@ -141,10 +141,14 @@ def indexed_files(place: Place, kind: str) -> tuple[dict[str, list[str] | None],
         return {place.inside(single): None}, None
     idx = place.inside(idx)
     files: dict[str, list[str] | None] = {}
-    for name, rel in _read_index(place, idx).items():
-        rel = place.inside(rel)
-        if not place.exists(rel):
-            raise CheckpointError("shard file named in the index is missing", path=place.full(rel), entry=name)
+    checked: dict[str, str] = {}  # each file checked once, not once per tensor (a realpath costs ~70 us)
+    for name, given in _read_index(place, idx).items():
+        rel = checked.get(given)
+        if rel is None:
+            rel = place.inside(given)
+            if not place.exists(rel):
+                raise CheckpointError("shard file named in the index is missing", path=place.full(rel), entry=name)
+            checked[given] = rel
         files.setdefault(rel, []).append(name)  # type: ignore[union-attr]
     _no_unnamed_shards(place, files)
     return files, idx

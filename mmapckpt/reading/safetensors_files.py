@@ -23,32 +23,37 @@ from ..storage.local import LocalFile
 from .fetches import placeholder
 from .regions import read_region
 
-__all__ = ["SafetensorsFile", "SafetensorsFiles", "read_header", "is_safetensors_file"]
+__all__ = ["SafetensorsFile", "SafetensorsFiles", "header_of", "read_header", "is_safetensors_file"]
 
 
-def _read_from(f: StoredFile) -> SafetensorsHeader:
-    size, path = f.size, f.path
+def header_of(f: StoredFile, base: int = 0) -> SafetensorsHeader:
+    """Read and check the safetensors header at byte ``base`` of ``f`` (0: a safetensors file; more: the
+    safetensors data a stock DCP shard ends with). The data runs to the end of the file; the
+    header's ``data_start`` and ``file_size`` are relative to ``base``."""
+    size, path = f.size - base, f.path
     if size < 8:
         raise TruncatedFileError(f"a {size}-byte file cannot hold a safetensors header (8-byte length first)",
                                  path=path)
-    n = int.from_bytes(f.read(0, 8), "little")
+    n = int.from_bytes(f.read(base, 8), "little")
     if n > MAX_HEADER_SIZE:
         raise FormatError(f"header length {n} exceeds the limit of {MAX_HEADER_SIZE} bytes (not a safetensors "
                           "file, or a damaged one)", path=path)
     if 8 + n > size:
         raise TruncatedFileError(f"header length {n} runs past the end of the {size}-byte file", path=path)
-    return parse_header(bytes(f.read(8, n)), size, path)
+    return parse_header(bytes(f.read(base + 8, n)), size, path)
+
 
 
 def read_header(path: str) -> SafetensorsHeader:
     """Read and check the header of the local safetensors file at ``path`` (no data read)."""
     with LocalFile(path) as f:
-        return _read_from(f)
+        return header_of(f)
 
 
-def is_safetensors_file(f: StoredFile) -> bool:
-    """Whether the file starts like a safetensors file (a plausible length, then ``{``); reads 9 bytes."""
-    return f.size >= 9 and looks_like_safetensors(bytes(f.read(0, 9)), f.size)
+def is_safetensors_file(f: StoredFile, base: int = 0) -> bool:
+    """Whether the file starts (at byte ``base``) like a safetensors file (a plausible length, then ``{``);
+    reads 9 bytes."""
+    return f.size - base >= 9 and looks_like_safetensors(bytes(f.read(base, 9)), f.size - base)
 
 
 class SafetensorsFile:
@@ -59,16 +64,29 @@ class SafetensorsFile:
     between cannot pair this header with other bytes.
     """
 
-    def __init__(self, file: StoredFile | str) -> None:
+    def __init__(self, file: StoredFile | str, base: int = 0) -> None:
         self.stored = file if isinstance(file, StoredFile) else LocalFile(file)
+        #: where the safetensors data starts in the file (0 but in a stock DCP shard: see header_of)
+        self.base = base
         try:
-            self.header = _read_from(self.stored)
+            self.header = header_of(self.stored, base)
         except BaseException:
             self.stored.close()
             raise
         self.path = self.stored.path
         #: the mapping (None where the medium has none: tensors are then read)
         self.file: MappedFile | None = self.stored.mapping
+
+    def place(self, name: str) -> tuple[int, int]:
+        """(file offset, length) of tensor ``name``'s bytes.
+
+        Raises:
+            FormatError: the header has no such tensor.
+        """
+        e = self.header.entries.get(name)
+        if e is None:
+            raise FormatError("the safetensors header has no such tensor", path=self.path, entry=name)
+        return self.base + self.header.data_start + e.begin, e.end - e.begin
 
     def view(self, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor whose ``length`` bytes start at file ``offset`` (checked when the header was parsed):

@@ -116,8 +116,28 @@ def decode_stock_index(data: bytes, path: str) -> tuple[Metadata, dict[str, Entr
     except (AttributeError, TypeError) as e:  # objects built by the pickle with odd fields
         raise FormatError(f"stock DCP metadata has malformed objects: {type(e).__name__}: {e}", path=path) from None
     entries = stock_index(md, path)
-    check_entries(entries.values(), path)  # as every mmapckpt index is checked (format/tiling.py)
+    check_entries(_unshared(entries), path)  # as every mmapckpt index is checked (format/tiling.py)
     return md, entries
+
+
+def _unshared(entries: dict[str, EntryInfo]) -> list[EntryInfo]:
+    """The entries, with the byte ranges of safetensors-format tensor records dropped for the overlap check.
+
+    ``FileSystemWriter(serialization_format=SAFETENSORS)`` records every tensor chunk of a shard
+    at the one offset where the shard's safetensors data starts (each chunk is found there by
+    name: reading/dcp_safetensors.py), so those records overlap by design. A tensor record that
+    starts where another tensor record of its file starts with another length is such a record.
+    """
+    starts: dict[tuple[str, int], set[int]] = {}
+    for e in entries.values():
+        if e.kind == "tensor":
+            for c in e.chunks:
+                starts.setdefault((c.file, c.file_offset), set()).add(c.length)
+    shared = {k for k, lengths in starts.items() if len(lengths) > 1}
+    if not shared:
+        return list(entries.values())
+    return [e._replace(chunks=tuple(c._replace(length=0) if (c.file, c.file_offset) in shared else c
+                                    for c in e.chunks)) if e.kind == "tensor" else e for e in entries.values()]
 
 
 _MISSING = object()
