@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CheckpointError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 from ..format import layout as fmt
 from ..reading.located import Place, locate
-from ..reading.locate import SAFETENSORS_SINGLE, index_name, place_format, safetensors_files
+from ..reading.locate import directory_kind, indexed_files, place_format, safetensors_files
 from ..format.metadata import KIND_MMAPCKPT
 from ..format.safetensors import entry_infos
 from ..format.transforms import StreamTransforms
@@ -153,9 +153,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False,
             _verify_safetensors(place, report, bar)  # type: ignore[arg-type]
         return report
     if flat == "torch":
-        src = torch_source(place)  # type: ignore[arg-type]  # a file at a URL: read once, for both checks
-        with Progress(_flat_bytes(src), "verify", enabled=progress) as bar:
-            _verify_torch(src, p, report, bar)
+        _verify_torch_files(place, report, progress)  # type: ignore[arg-type]
         return report
     dir_place = place is not None and place.is_dir
     storage = place.storage if dir_place else storage_for(p, options=storage_options)  # type: ignore[union-attr]
@@ -181,7 +179,7 @@ def _flat_kind(place: Place) -> str | None:
         storage = place.storage
         if os.path.exists(os.path.join(place.path, ".metadata")) if place.local else storage.exists(".metadata"):
             return None
-        return "safetensors" if index_name(storage) or storage.exists(SAFETENSORS_SINGLE) else None
+        return directory_kind(storage)
     try:
         kind = place_format(place)
     except CheckpointError:
@@ -233,7 +231,30 @@ def _verify_safetensors(place: Place, report: VerifyReport, bar: Progress) -> No
     report.notes.append(_NO_CHECKSUMS)
 
 
-def _verify_torch(src: TorchSource, p: str, report: VerifyReport, bar: Progress) -> None:
+def _verify_torch_files(place: Place, report: VerifyReport, progress: bool) -> None:
+    """A torch.save file, or a Hugging Face directory of them (``pytorch_model.bin`` or an index and its
+    shards): each file as :func:`_verify_torch` checks one, and every name the index puts in a shard there."""
+    try:
+        files, idx = indexed_files(place, "torch")
+    except CheckpointError as e:
+        report.problems.append(Problem.of(e, place.path))
+        return
+    if idx is not None:
+        report.checked.append(f"index {place.full(idx)}: {count(sum(len(n or ()) for n in files.values()), 'tensor')} "
+                              f"in {count(len(files), 'file')}, every file present")
+    for rel, names in files.items():
+        src = torch_source(place, None if place.name is not None else rel)  # at a URL: read once, for both checks
+        full = place.path if place.name is not None else place.full(rel)
+        with Progress(_flat_bytes(src), "verify", enabled=progress) as bar:
+            flat = _verify_torch(src, full, report, bar)
+        for name in sorted(set(names or ()) - set(flat or ())) if flat is not None else ():
+            report.problems.append(Problem(full, name, "the index puts this tensor in this file, but the file does "
+                                                       "not hold it (re-download or re-save the checkpoint)"))
+
+
+def _verify_torch(src: TorchSource, p: str, report: VerifyReport, bar: Progress) -> dict[str, Any] | None:
+    """Check one torch.save file; returns its flattened entries (None where it does not load)."""
+    flat: dict[str, Any] | None = None
     try:
         flat, _ = flat_torch_file(src)
         tensors = sum(1 for v in flat.values() if hasattr(v, "dtype"))
@@ -244,7 +265,7 @@ def _verify_torch(src: TorchSource, p: str, report: VerifyReport, bar: Progress)
     if not is_zip(src):
         report.notes.append(f"{p}: legacy (pre-1.6) torch.save format: it has no checksums, its bytes could not "
                             "be checked")
-        return
+        return flat
     before, members = len(report.problems), 0
     with zipfile.ZipFile(_rewound(src)) as z:
         for info in z.infolist():
@@ -259,6 +280,7 @@ def _verify_torch(src: TorchSource, p: str, report: VerifyReport, bar: Progress)
     if len(report.problems) == before:
         report.checked.append(f"{p}: zip archive: {count(members, 'member CRC-32')} match{'es' * (members == 1)} (torch.load itself does not "
                               "check them)")
+    return flat
 
 
 def _check_metadata(storage: CheckpointStorage, report: VerifyReport) -> Metadata | None:
