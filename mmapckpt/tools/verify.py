@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CheckpointError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 from ..format import layout as fmt
 from ..reading.located import Place, locate
-from ..reading.locate import directory_kind, indexed_files, place_format, safetensors_files
+from ..reading.locate import directory_kind, indexed_files, place_format
 from ..format.metadata import KIND_MMAPCKPT
 from ..format.safetensors import entry_infos
 from ..format.transforms import StreamTransforms
@@ -204,15 +204,24 @@ _NO_CHECKSUMS = ("safetensors files carry no checksums: the tensors' bytes could
                  "checkpoints have a CRC-32 per entry: `mmapckpt convert SRC DST --to mmapckpt` makes one)")
 
 
-def _verify_safetensors(place: Place, report: VerifyReport, bar: Progress) -> None:
+def _index_files(place: Place, kind: str, report: VerifyReport) -> dict[str, list[str] | None] | None:
+    """The files of the ``kind`` checkpoint at ``place`` (:func:`indexed_files`), its index reported as
+    checked; None, with the problem reported, where the index or a file it names is damaged or missing."""
     try:
-        files, idx = safetensors_files(place)
+        files, idx = indexed_files(place, kind)
     except CheckpointError as e:
         report.problems.append(Problem.of(e, place.path))
-        return
+        return None
     if idx is not None:
         report.checked.append(f"index {place.full(idx)}: {count(sum(len(n or ()) for n in files.values()), 'tensor')} "
                               f"in {count(len(files), 'file')}, every file present")
+    return files
+
+
+def _verify_safetensors(place: Place, report: VerifyReport, bar: Progress) -> None:
+    files = _index_files(place, "safetensors", report)
+    if files is None:
+        return
     for rel, names in files.items():
         full = place.full(rel)
         try:
@@ -234,15 +243,8 @@ def _verify_safetensors(place: Place, report: VerifyReport, bar: Progress) -> No
 def _verify_torch_files(place: Place, report: VerifyReport, progress: bool) -> None:
     """A torch.save file, or a Hugging Face directory of them (``pytorch_model.bin`` or an index and its
     shards): each file as :func:`_verify_torch` checks one, and every name the index puts in a shard there."""
-    try:
-        files, idx = indexed_files(place, "torch")
-    except CheckpointError as e:
-        report.problems.append(Problem.of(e, place.path))
-        return
-    if idx is not None:
-        report.checked.append(f"index {place.full(idx)}: {count(sum(len(n or ()) for n in files.values()), 'tensor')} "
-                              f"in {count(len(files), 'file')}, every file present")
-    for rel, names in files.items():
+    files = _index_files(place, "torch", report)
+    for rel, names in (files or {}).items():
         src = torch_source(place, None if place.name is not None else rel)  # at a URL: read once, for both checks
         full = place.path if place.name is not None else place.full(rel)
         with Progress(_flat_bytes(src), "verify", enabled=progress) as bar:
