@@ -14,24 +14,20 @@ Every way fills the same bytes; a file shorter than a piece raises TruncatedFile
 
 from __future__ import annotations
 
-import errno
 import os
-from concurrent.futures import Future
 from typing import Sequence
 
 import numpy as np
 
 from ..errors import TruncatedFileError
-from .files import pread_into
-from .odirect import BLOCK, BUFFER_SIZE, _give_back, _take_buffer
+from .odirect import BLOCK, BUFFER_SIZE, give_back, take_buffer
 from .read_choice import Strategy
-from .reads import ReadJob, byte_runs, nbytes, reader_pool
+from .reads import ReadJob, byte_runs, nbytes, pread_all, reader_pool, wait_all
 
 __all__ = ["read_pieces", "GAP"]
 
 #: Pieces closer than this are read by one span of O_DIRECT blocks (the gap's bytes are read and dropped).
 GAP = 1 << 20
-_REFUSALS = (errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP))
 
 
 def read_pieces(fd: int, path: str, ident: tuple[int, int], pieces: Sequence[ReadJob], strategy: Strategy, *,
@@ -47,51 +43,58 @@ def read_pieces(fd: int, path: str, ident: tuple[int, int], pieces: Sequence[Rea
         if advise:
             lo = pieces[0].offset
             os.posix_fadvise(fd, lo, max(p.offset + nbytes(p.buf) for p in pieces) - lo, os.POSIX_FADV_WILLNEED)
-        for p in pieces:
-            pread_into(fd, p.buf, p.offset, path=path, entry=p.entry)
+        pread_all(fd, list(pieces), path)
         return True
     if strategy.kind == "direct":
-        dfd = _reopen(path, ident, fd, direct=True)
+        dfd = _open_direct(path, ident)
         if dfd is None:
             return False
         try:
-            _wait([reader_pool(strategy.streams).submit(_direct_run, dfd, run, path)
+            wait_all([reader_pool(strategy.streams).submit(_direct_run, dfd, run, path)
                    for run in _spans_runs(pieces, strategy.streams)])
         finally:
             os.close(dfd)
         return True
-    _wait([reader_pool(strategy.streams).submit(_buffered_run, fd, path, ident, run)
+    wait_all([reader_pool(strategy.streams).submit(_buffered_run, fd, path, ident, run)
            for run in byte_runs(pieces, strategy.streams)])
     return True
 
 
-def _reopen(path: str, ident: tuple[int, int], fallback: int, *, direct: bool = False) -> int | None:
-    """A new descriptor of the same file (its own readahead state), ``fallback`` where the path now names
-    another file; with ``direct``, opened O_DIRECT, or None where that is refused."""
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-    if direct and not flags & ~os.O_RDONLY:
-        return None
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if direct and e.errno in _REFUSALS:
-            return None
-        return os.dup(fallback) if not direct else None
+def _open_same(path: str, ident: tuple[int, int], flags: int) -> int | None:
+    """``path`` opened with ``flags`` if it still names the file ``ident`` (st_dev, st_ino); else None.
+
+    Raises:
+        OSError: the open failed.
+    """
+    fd = os.open(path, flags)
     st = os.fstat(fd)
     if (st.st_dev, st.st_ino) != ident:
         os.close(fd)
-        return os.dup(fallback) if not direct else None
+        return None
     return fd
 
 
+def _open_direct(path: str, ident: tuple[int, int]) -> int | None:
+    """The file opened O_DIRECT; None where that is refused or the path now names another file."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        return _open_same(path, ident, os.O_RDONLY | os.O_DIRECT)
+    except OSError:  # EINVAL where the file system refuses O_DIRECT: the caller reads another way
+        return None
+
+
 def _buffered_run(fd: int, path: str, ident: tuple[int, int], run: list[ReadJob]) -> None:
-    own = _reopen(path, ident, fd)
-    if own is None:  # only an O_DIRECT open is refused
-        raise AssertionError("unreachable")
+    """One run on a descriptor of its own (its own readahead state); a copy of ``fd`` where the path no
+    longer opens to the same file."""
+    try:
+        own = _open_same(path, ident, os.O_RDONLY)
+    except OSError:
+        own = None
+    own = os.dup(fd) if own is None else own
     try:
         os.posix_fadvise(own, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        for p in run:
-            pread_into(own, p.buf, p.offset, path=path, entry=p.entry)
+        pread_all(own, run, path)
     finally:
         os.close(own)
 
@@ -138,7 +141,7 @@ def _spans_runs(pieces: Sequence[ReadJob], streams: int) -> list[list[tuple[int,
 
 
 def _direct_run(dfd: int, run: list[tuple[int, int, list[ReadJob]]], path: str) -> None:
-    buf = _take_buffer(BUFFER_SIZE)
+    buf = take_buffer(BUFFER_SIZE)
     view = memoryview(buf)
     arr: np.ndarray | None = np.frombuffer(buf, dtype=np.uint8)
     try:
@@ -154,7 +157,7 @@ def _direct_run(dfd: int, run: list[tuple[int, int, list[ReadJob]]], path: str) 
     finally:
         arr = None  # the buffer's exports end before it is kept or closed
         view.release()
-        _give_back(buf)
+        give_back(buf)
 
 
 def _read_block(dfd: int, view: memoryview, off: int) -> int:
@@ -168,10 +171,3 @@ def _read_block(dfd: int, view: memoryview, off: int) -> int:
         if got % BLOCK:  # a short read ends at the end of the file
             break
     return got
-
-
-def _wait(futures: list[Future[None]]) -> None:
-    """Wait for every run; then raise the first one's error, if any."""
-    errors = [e for e in (f.exception() for f in futures) if e is not None]
-    if errors:
-        raise errors[0]

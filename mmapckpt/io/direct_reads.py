@@ -19,7 +19,7 @@ from .cold_reads import read_pieces
 from .files import is_cached, pread_into
 from .mapped import MappedFile
 from .read_choice import STREAM, Segment
-from .reads import ReadJob, nbytes, pieces, submit_reads
+from .reads import ReadJob, nbytes, pieces, submit_reads, wait_all
 
 __all__ = ["DirectReads"]
 
@@ -132,7 +132,7 @@ class DirectReads:
         if self.cached:
             self._start()
             started, self._started = self._started, []
-            _wait_all(started)
+            wait_all(started)
         else:
             self._run_cold(pieces([j for j, _, _ in self.jobs]))
         done = [(token, target) for _, token, target in self.jobs]
@@ -174,10 +174,3 @@ class _FileRead:
 
     def __call__(self, staged: torch.Tensor, start: int, nbytes: int) -> None:
         pread_into(self.fd, staged.numpy(), self.offset + start, path=self.path, entry=self.label)
-
-
-def _wait_all(futures: list[Future[None]]) -> None:
-    """Wait for every read; then raise the first one's error, if any."""
-    errors = [e for e in (f.exception() for f in futures) if e is not None]
-    if errors:
-        raise errors[0]

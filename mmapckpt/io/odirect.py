@@ -11,7 +11,7 @@ from typing import Any
 
 from .files import pwrite_all
 
-__all__ = ["BLOCK", "open_direct", "DirectWriter", "release_buffers"]
+__all__ = ["BLOCK", "BUFFER_SIZE", "open_direct", "DirectWriter", "take_buffer", "give_back", "release_buffers"]
 
 
 #: O_DIRECT alignment of file offsets, lengths and memory addresses (covers 512- and 4096-byte devices).
@@ -67,7 +67,7 @@ BUFFER_SIZE = 4 << 20
 BUFFERS = 12
 
 
-def _take_buffer(size: int) -> mmap.mmap:
+def take_buffer(size: int) -> mmap.mmap:
     with _spare_lock:
         for i, b in enumerate(_spare):
             if len(b) == size:
@@ -75,7 +75,7 @@ def _take_buffer(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size)
 
 
-def _give_back(buf: mmap.mmap) -> None:
+def give_back(buf: mmap.mmap) -> None:
     with _spare_lock:
         if len(_spare) < _KEEP:
             _spare.append(buf)
@@ -110,7 +110,7 @@ class DirectWriter:
         self.fd = fd
         self.head_len = max(BLOCK, _align_up(head_size, BLOCK))
         self.head = mmap.mmap(-1, self.head_len)
-        self._pool = [_take_buffer(_align_up(buffer_size, BLOCK)) for _ in range(buffers)]
+        self._pool = [take_buffer(_align_up(buffer_size, BLOCK)) for _ in range(buffers)]
         self._finished = False  # then no view of the buffers is left, and they can serve the next save
         self._free: queue.Queue[mmap.mmap] = queue.Queue()
         for b in self._pool:
@@ -196,7 +196,7 @@ class DirectWriter:
         pool, self._pool = self._pool, []
         if self._finished:
             for b in pool:
-                _give_back(b)
+                give_back(b)
             pool = []
         for b in (*pool, self.head):
             try:

@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 
 from .files import pread_into
 
-__all__ = ["ReadJob", "pread_jobs", "submit_reads", "byte_runs", "pieces", "nbytes", "reader_pool", "READ_PIECE"]
+__all__ = ["ReadJob", "submit_reads", "pread_all", "wait_all", "byte_runs", "pieces", "nbytes", "reader_pool",
+           "READ_PIECE"]
 
 
 class ReadJob(NamedTuple):
@@ -28,13 +29,6 @@ class ReadJob(NamedTuple):
 READ_PIECE = 32 << 20
 
 
-def pread_jobs(fd: int, jobs: list[ReadJob], *, path: str) -> None:
-    """Run every read job in file order on this thread: one sequential stream, which suits a
-    cold file (the kernel's readahead sees one pattern). Cached files: :func:`submit_reads`.
-    """
-    _pread_all(fd, pieces(jobs), path)
-
-
 def submit_reads(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> list[Future[None]]:
     """Start ``jobs`` on the process's reader threads, as ``threads`` runs of about equal bytes.
 
@@ -42,7 +36,7 @@ def submit_reads(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> li
     reads take. The caller must wait for every future before it closes ``fd``.
     """
     pool = reader_pool(threads)
-    return [pool.submit(_pread_all, fd, g, path) for g in byte_runs(pieces(jobs), threads)]
+    return [pool.submit(pread_all, fd, g, path) for g in byte_runs(pieces(jobs), threads)]
 
 
 def byte_runs(jobs: list[ReadJob], runs: int) -> list[list[ReadJob]]:
@@ -94,6 +88,14 @@ def nbytes(buf: Any) -> int:
     return buf.nbytes if hasattr(buf, "nbytes") else len(memoryview(buf).cast("B"))
 
 
-def _pread_all(fd: int, pieces: list[ReadJob], path: str) -> None:
+def pread_all(fd: int, pieces: list[ReadJob], path: str) -> None:
+    """Read every piece, in the order given, on this thread."""
     for p in pieces:
         pread_into(fd, p.buf, p.offset, path=path, entry=p.entry)
+
+
+def wait_all(futures: list[Future[None]]) -> None:
+    """Wait for every read; then raise the first one's error, if any."""
+    errors = [e for e in (f.exception() for f in futures) if e is not None]
+    if errors:
+        raise errors[0]

@@ -54,7 +54,7 @@ def test_direct_writer_leaves_the_bytes_a_buffered_write_leaves(tmp_path, seed, 
         for _ in range(2):
             b = mmap.mmap(-1, size)
             b.write(b"\xa5" * size)
-            _io._give_back(b)
+            _io.give_back(b)
     sink = _io.DirectWriter(fd, head, buffer_size=size, buffers=2)
     try:
         for off, data in puts:
