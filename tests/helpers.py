@@ -29,6 +29,23 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def seeded_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of random bytes seeded by ``name`` (the same each run), bool as 0/1; a floating tensor of two
+    or more elements starts with -0.0 and a NaN with every payload bit set, which a copy must keep."""
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    raw = bytearray(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes())
+    size = dtype.itemsize
+    if dtype == torch.bool:
+        raw = bytearray(b % 2 for b in raw)
+    elif dtype.is_floating_point and n >= 2 * size:
+        raw[0:size] = bytes(size - 1) + b"\x80"  # -0.0
+        raw[size:2 * size] = b"\xff" * size  # a NaN with every payload bit set
+    return torch.frombuffer(raw, dtype=dtype).reshape(shape).clone()
+
+
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{what}: {type(a)} vs {type(b)}"
     assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"

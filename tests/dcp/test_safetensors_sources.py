@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import assert_tree_equal, dcp_failure, dcp_load, dcp_save, tensor_bytes
+from helpers import assert_tree_equal, dcp_failure, dcp_load, dcp_save, seeded_tensor, tensor_bytes
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -46,19 +45,7 @@ SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
 
 
 def value(name: str) -> torch.Tensor:
-    shape, dtype = SHAPES[name]
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    raw = bytearray(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes())
-    if dtype == torch.bool:
-        raw = bytearray(b % 2 for b in raw)
-    elif dtype.is_floating_point and dtype.itemsize >= 2:
-        size = dtype.itemsize
-        raw[0:size] = bytes(size - 1) + b"\x80"  # -0.0
-        raw[size:2 * size] = b"\xff" * size  # a NaN with every payload bit set
-    return torch.frombuffer(raw, dtype=dtype).reshape(shape).clone()
+    return seeded_tensor(name, *SHAPES[name])
 
 
 def values() -> dict[str, torch.Tensor]:

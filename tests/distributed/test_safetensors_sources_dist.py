@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from typing import Any
 
 import dist_ranks as dr
@@ -50,16 +49,7 @@ PLACEMENTS = {"S0": [Shard(0)], "S1": [Shard(1)], "R": [Replicate()]}
 
 
 def full(fqn: str) -> torch.Tensor:
-    shape, dtype = SHAPES[fqn]
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
-    g = torch.Generator().manual_seed(zlib.crc32(fqn.encode()))
-    raw = bytearray(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes())
-    size = dtype.itemsize
-    raw[0:size] = bytes(size - 1) + b"\x80"  # -0.0
-    raw[size:2 * size] = b"\xff" * size  # a NaN with every payload bit set
-    return torch.frombuffer(raw, dtype=dtype).reshape(shape).clone()
+    return helpers.seeded_tensor(fqn, *SHAPES[fqn])
 
 
 def _placements(fqn: str, layout: str) -> list[Any]:

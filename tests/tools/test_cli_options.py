@@ -202,3 +202,11 @@ def test_no_progress_when_stderr_is_not_a_terminal(ck, tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "mmapckpt", "convert", ck, str(tmp_path / "c.pt")], capture_output=True,
                        text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120)
     assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("converted ")
+
+
+def test_the_dtype_names_the_parser_accepts_are_the_ones_convert_casts_to() -> None:
+    """The parser checks --dtype without importing torch, from its own list: it must be convert's."""
+    from mmapckpt.conversion.cast import CAST_DTYPES
+    from mmapckpt.tools import cli
+
+    assert set(cli._DTYPES) == set(CAST_DTYPES)
