@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CheckpointNotFoundError, FormatError
-from ..format.entries import numel, paused_gc
+from ..format.entries import paused_gc
+from ..format.tiling import tiling_problem
 from ..reading.dcp_safetensors import saved_offsets
 from ..reading.located import Place
 from ..reading.locate import safetensors_files
@@ -102,9 +103,10 @@ def _build(storage: CheckpointStorage, path: str) -> Metadata:
             storage_data[idx] = _StorageInfo(rel, header.data_start + e.begin, e.end - e.begin)
             where[name] = full
             _add_chunk(sdm, name, e.dtype, off, e.shape, full)
-    for name, md in sdm.items():
-        if sum(numel(tuple(c.sizes)) for c in md.chunks) != numel(tuple(md.size)):
-            raise FormatError(f"the stored chunks of this tensor do not make up its size {list(md.size)}",
+    for name, md in sdm.items():  # every element stored exactly once: no gap, no overlap (format/tiling.py)
+        problem = tiling_problem(md.size, [(c.offsets, c.sizes) for c in md.chunks])
+        if problem is not None:
+            raise FormatError(f"the stored chunks of this tensor do not make up its size {list(md.size)}: {problem}",
                               path=where[name], entry=name)
     # Each name is a flat key of its own (as DCP records a flat state dict's keys), so that loads that select
     # keys through the metadata (_load_state_dict_from_keys(keys=...)) work; torch's reader leaves it None.

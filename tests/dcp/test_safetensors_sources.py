@@ -196,7 +196,8 @@ def test_mmapckpt_load_of_hf_writer_output_matches(tmp_path: Path) -> None:
 
 
 DAMAGE = {"two-files": "x.safetensors holds this chunk too", "bad-sharding-info": "entry 'DCP_SHARDING_INFO'",
-          "index-names-missing-tensor": "entry 'b': the index names this tensor", "hole": "do not make up its size"}
+          "index-names-missing-tensor": "entry 'b': the index names this tensor", "hole": "do not make up its size",
+          "overlap": "do not make up its size"}
 
 
 @pytest.mark.parametrize("bad", list(DAMAGE))
@@ -213,6 +214,10 @@ def test_damaged_hf_directories_raise_checkpoint_errors(tmp_path: Path, bad: str
         save_file({"a": a}, str(d / "m1.safetensors"))
         (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "m1.safetensors",
                                                                                    "b": "m1.safetensors"}}))
+    elif bad == "overlap":  # [0, 6), [3, 9), [12, 18) of 18: as many elements as the tensor, 3 twice, 3 never
+        for i, at in enumerate((0, 3, 12)):
+            save_file({"a": a}, str(d / f"s{i}.safetensors"), metadata={"DCP_SHARDING_INFO": json.dumps(
+                {"a": {"saved_offsets": [at]}})})
     else:  # chunks that leave rows of their tensor unstored
         info = json.dumps({"a": {"saved_offsets": [6]}})
         save_file({"a": a}, str(d / "s1.safetensors"), metadata={"DCP_SHARDING_INFO": info})
