@@ -1,4 +1,5 @@
-"""Items of stock DCP shards: ``torch.save`` bytes at (file, offset, length).
+"""Items of stock DCP shards: ``torch.save`` bytes at (file, offset, length), or raw tensor bytes inside the
+safetensors data of a SAFETENSORS-format shard (:func:`raw_record`).
 
 The one place that turns such an item's bytes (read through the storage, within its file's bounds) into a
 tensor with ``torch.load(weights_only=True)``; the reader, the lazy loader and the
@@ -13,8 +14,17 @@ from typing import IO
 import torch
 
 from ..errors import FormatError
+from .entries import numel
 
-__all__ = ["load_tensor"]
+__all__ = ["load_tensor", "raw_record"]
+
+
+def raw_record(length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
+    """Whether a stock tensor record of ``length`` bytes may point at safetensors data: a SAFETENSORS-format
+    record (``FileSystemWriter(serialization_format=SAFETENSORS)``) is exactly its chunk's bytes, found by
+    name in the safetensors data its record starts at (reading/dcp_safetensors.py), while a torch.save
+    item is always longer (its zip framing). So a torch.save item's bytes are never probed for a header."""
+    return length == dtype.itemsize * numel(sizes)
 
 
 def load_tensor(src: bytes | bytearray | IO[bytes], *, path: str, entry: str) -> torch.Tensor:

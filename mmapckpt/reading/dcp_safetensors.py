@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import FormatError, SizeMismatchError
-from ..format.entries import numel
+from ..format.stock import raw_record
 from ..storage.base import StoredFile
 from .fetches import placeholder
 from .safetensors_files import SafetensorsFile
@@ -34,13 +34,6 @@ __all__ = ["SHARDING_KEY", "SafetensorsChunks", "raw_record", "saved_offsets"]
 
 #: The ``__metadata__`` key of the chunks' offsets (torch's ``_hf_utils.CUSTOM_METADATA_KEY``).
 SHARDING_KEY = "DCP_SHARDING_INFO"
-
-
-def raw_record(length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
-    """Whether a stock tensor record of ``length`` bytes may point at safetensors data: a SAFETENSORS-format
-    record's length is exactly its chunk's bytes, while a torch.save item is always longer (its zip
-    framing). So a torch.save shard's bytes are never probed for a safetensors header."""
-    return length == dtype.itemsize * numel(sizes)
 
 
 def saved_offsets(metadata: dict[str, str] | None, path: str) -> dict[str, tuple[int, ...]]:

@@ -315,3 +315,16 @@ def test_stock_safetensors_format_converts(tmp_path: Path, to: str, name: str) -
     out = str(tmp_path / name)
     mmapckpt.convert(d, out, to=to)
     assert_tree_equal(values(), mmapckpt.load(out))
+
+
+def test_stock_safetensors_format_with_tensors_of_equal_byte_size(tmp_path: Path) -> None:
+    """Every tensor record of a SAFETENSORS-format shard starts at its safetensors data; records of equal
+    length (64 bytes each here, of three shapes and two dtypes) are not tied weights and load apart."""
+    shapes = {"a": ((4, 4), torch.float32), "b": ((8, 2), torch.float32), "c": ((32,), torch.bfloat16)}
+    sd = {k: seeded_tensor(k, *v) for k, v in shapes.items()}
+    d = str(tmp_path / "ckpt")
+    dcp_save(sd, FileSystemWriter(d, serialization_format=SerializationFormat.SAFETENSORS))
+    targets = complements(sd)
+    dcp_load(targets, MmapReader(d))
+    assert_tree_equal(targets, sd)
+    assert_tree_equal(mmapckpt.load(d), sd)

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import FormatError, UnsafePickleError
 from .. import layout as fmt
 from ..entries import ChunkInfo, EntryInfo, safe_relative_path
+from ..stock import raw_record
 from ..tiling import check_entries
 
 __all__ = ["decode_stock", "decode_stock_index", "stock_index"]
@@ -124,20 +125,26 @@ def _unshared(entries: dict[str, EntryInfo]) -> list[EntryInfo]:
     """The entries, with the byte ranges of safetensors-format tensor records dropped for the overlap check.
 
     ``FileSystemWriter(serialization_format=SAFETENSORS)`` records every tensor chunk of a shard
-    at the one offset where the shard's safetensors data starts (each chunk is found there by
-    name: reading/dcp_safetensors.py), so those records overlap by design. A tensor record that
-    starts where another tensor record of its file starts with another length is such a record.
+    at the one offset where the shard's safetensors data starts, each record exactly its chunk's
+    bytes (:func:`~mmapckpt.format.stock.raw_record`), so those records overlap by design. Every
+    reader finds such a chunk by name in that safetensors data, whose own header is checked for
+    overlaps, never in the record's range: a raw record whose start another tensor record of its
+    file shares is such a record, whatever the lengths (two tensors of equal size have equal ones).
+    torch.save items never share a start (each writes its own bytes).
     """
-    starts: dict[tuple[str, int], set[int]] = {}
+    starts: dict[tuple[str, int], int] = {}
     for e in entries.values():
         if e.kind == "tensor":
             for c in e.chunks:
-                starts.setdefault((c.file, c.file_offset), set()).add(c.length)
-    shared = {k for k, lengths in starts.items() if len(lengths) > 1}
-    if not shared:
+                starts[(c.file, c.file_offset)] = starts.get((c.file, c.file_offset), 0) + 1
+
+    def in_safetensors(e: EntryInfo, c: ChunkInfo) -> bool:
+        return starts[(c.file, c.file_offset)] > 1 and raw_record(c.length, e.dtype, c.sizes)  # type: ignore[arg-type]
+
+    if all(n == 1 for n in starts.values()):
         return list(entries.values())
-    return [e._replace(chunks=tuple(c._replace(length=0) if (c.file, c.file_offset) in shared else c
-                                    for c in e.chunks)) if e.kind == "tensor" else e for e in entries.values()]
+    return [e._replace(chunks=tuple(c._replace(length=0) if in_safetensors(e, c) else c for c in e.chunks))
+            if e.kind == "tensor" else e for e in entries.values()]
 
 
 _MISSING = object()
