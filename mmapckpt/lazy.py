@@ -33,7 +33,7 @@ from .format.entries import ChunkInfo, EntryInfo, paused_gc
 from .format.safetensors import SAFETENSORS_DTYPES
 from .reading.backend import ChunkBackend
 from .reading.fill import fill_targets
-from .reading.keys import check_patterns, matches, strip_names
+from .reading.keys import check_patterns, pick, strip_names
 from .reading.locate import open_backend
 from .reading.regions import normalize_index, read_selection, read_tensor
 from .reading.stager import chunk_stager
@@ -327,11 +327,11 @@ def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], 
     if callable(keys):
         return [n for n in names if keys(n)], set()
     pats = check_patterns(keys)
-    unmatched = [p for p in pats if not any(matches(n, (p,)) for n in names)]
+    chosen, unmatched = pick(names, pats)
     if unmatched:
         raise KeyError(f"not in the checkpoint at {path} (keys are glob patterns on its names, case-sensitive): "
                        f"{unmatched}")
-    return [n for n in names if matches(n, pats)], set(pats).intersection(names)
+    return chosen, set(pats).intersection(names)
 
 
 def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

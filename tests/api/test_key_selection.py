@@ -10,11 +10,14 @@ from __future__ import annotations
 import fnmatch
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 
 import helpers
 import mmapckpt
+from mmapckpt.reading.keys import matches, pick
 
 
 class Net(nn.Module):
@@ -111,3 +114,16 @@ def test_two_names_made_one_refused(tmp_path) -> None:
     mmapckpt.save({"model.w": torch.zeros(1), "w": torch.ones(1)}, tmp_path / "c")
     with pytest.raises(mmapckpt.CheckpointError, match="the same name 'w'"):
         mmapckpt.open(tmp_path / "c", strip_prefix="model.")
+
+
+_NAME = st.text(alphabet="ab.0[]", min_size=1, max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@example(names=["a[0]", "a0"], patterns=["a[0]"])  # a name that is also a wildcard pattern matching another
+@given(names=st.lists(_NAME, max_size=8, unique=True),
+       patterns=st.lists(st.text(alphabet="ab.0[]*?!", min_size=1, max_size=5), min_size=1, max_size=5))
+def test_pick_selects_what_matching_each_name_against_each_pattern_does(names, patterns) -> None:
+    """keys.pick (a set lookup for names, one regex for the wildcards) is keys.matches applied pairwise."""
+    assert pick(names, patterns) == ([n for n in names if matches(n, patterns)],
+                                     [p for p in patterns if not any(matches(n, (p,)) for n in names)])
