@@ -113,7 +113,7 @@ def _h2d_limit(nbytes: int, dev: torch.device) -> float:
 def _fill_limit(files: list[str], threads: int, dev: torch.device) -> float:
     """Seconds to read every byte of the (cached) ``files`` into one staging-sized host buffer (pinned on a
     GPU) with ``threads`` reader threads: the host side of a warm load, with no copy to the device."""
-    from mmapckpt.io.reads import ReadJob, pread_jobs, submit_reads
+    from mmapckpt.io.reads import ReadJob, pieces, pread_all, submit_reads
     from mmapckpt.io.staging import DEFAULT_STAGING_BYTES
 
     buf = torch.empty(DEFAULT_STAGING_BYTES, dtype=torch.uint8, pin_memory=dev.type == "cuda").numpy()
@@ -129,7 +129,7 @@ def _fill_limit(files: list[str], threads: int, dev: torch.device) -> float:
                     step += -step % 4096
                     jobs = [ReadJob(buf[s:min(s + step, n)], base + s, None) for s in range(0, n, step)]
                     if threads == 1:
-                        pread_jobs(fd, jobs, path=path)
+                        pread_all(fd, pieces(jobs), path)
                     else:
                         for f in submit_reads(fd, jobs, threads=len(jobs), path=path):
                             f.result()
