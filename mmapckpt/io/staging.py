@@ -14,24 +14,30 @@ of its own, faulting pages in the middle of the transfer. So every host-to-devic
 - a block is filled by a read from the file straight into the buffer where the caller
   gives one (``read=``: ``preadv``, no page faults), or gathered from the source tensor,
   which may be a strided, narrowed region of a stored chunk (resharding);
-- the reads of a buffer run together when the host leaves it: from a cached file, whose
-  reader says ``parallel``, they are cut into about equal shares for ``FILL_THREADS``
-  threads (one thread copies out of the page cache at a fraction of a PCIe 5 link: 5-10 GB/s
-  against 55 on an H200 host, where 8 threads reached 22-49); from a cold one, in order on
-  this thread (one stream suits the disk's readahead);
-- then the buffer's copies are issued ``non_blocking`` on a side stream and an event is
-  recorded; before refilling a buffer the host waits for that buffer's event, so reading
-  the next buffer overlaps copying the last, and at most ``staging_buffers`` are in use;
+- when the host leaves a buffer (the next block does not fit), the buffer goes to the pool's
+  filler thread and the caller goes on packing the next one: the filler runs the buffer's
+  fills (from a cached file, whose reader says ``parallel``, cut into about equal shares
+  for ``FILL_THREADS`` threads: one thread copies out of the page cache at a fraction of a
+  PCIe 5 link, 5-10 GB/s against 55 on an H200 host, where 8 threads reached 22-49; from a
+  cold one, in order, one stream suiting the disk's readahead), then issues its copies
+  ``non_blocking`` on a side stream and records an event. So the caller's planning, the
+  fills of one buffer and the device's copies out of the one before all overlap;
+- before packing a buffer again the caller waits for its fills and that event, so at most
+  ``staging_buffers`` are in use; a fill's error comes out of that wait, or of ``flush``;
 - ``done`` callbacks (the reader's ``commit_tensor``) run only once the copy of the
   item's last block, and so of the whole item, has completed.
+
+Sources are read late, on the filler thread: :meth:`StagingPool.seal` returns once none is
+left to read, and a loader calls it before it closes the files (reading/moves.py).
 
 Stream discipline: :meth:`StagingPool.begin` makes the side stream wait for the
 caller's current stream (the destinations may have been allocated or written on it),
 and :meth:`StagingPool.flush` synchronises the side stream before anyone uses the
 destinations, also when an error interrupts a load.
 
-On the CPU (``device="cpu"``) the same loop runs synchronously with ordinary buffers;
-tests use that to check the blocks, the packing, the ring and the callbacks without a GPU.
+On the CPU (``device="cpu"``) the same loop runs with ordinary buffers, the filler's copies
+synchronous; tests use that to check the blocks, the packing, the ring, the filler thread and
+the callbacks without a GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -164,6 +172,9 @@ class StagingPool:
     frees it. One load at a time: :meth:`copy` may be called from several threads, which
     take turns. Use a load as ``with pool:`` (``begin`` on entry, ``flush`` on exit).
 
+    A buffer's fills and copies run on the pool's filler thread while the caller packs the
+    next one (see the module's docstring); :attr:`stats` says where the time went.
+
     Example:
         >>> with StagingPool("cuda") as pool:
         ...     pool.copy(cpu_tensor, cuda_tensor, done=lambda: print("copied"))
@@ -178,20 +189,27 @@ class StagingPool:
         accelerated = self.device.type != "cpu"
         pin = accelerated if pin is None else pin
         self.staging_bytes = staging_bytes
-        self._bufs = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(staging_buffers)]
-        self._events: list[Any] = [None] * staging_buffers
-        self._done: list[list[Callable[[], None]]] = [[] for _ in range(staging_buffers)]
+        n = staging_buffers
+        self._bufs = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(n)]
+        self._events: list[Any] = [None] * n  # set by the filler once a buffer's copies are issued
+        self._sealed: list[Future[None] | None] = [None] * n  # a buffer's fills and copies, on the filler
+        self._done: list[list[Callable[[], None]]] = [[] for _ in range(n)]
         self._order: list[int] = []  # buffers holding copies not yet waited for, oldest first
-        self._fills: list[_Fill] = []  # the current buffer's reads, run when the host leaves it
+        self._fills: list[_Fill] = []  # the current buffer's fills, run when the host leaves it
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # then its (target, staged) copies
-        self._cur: int | None = None  # the buffer being filled, how far, and the next one to take
+        self._cur: int | None = None  # the buffer being packed, how far, and the next one to take
         self._fill, self._next = 0, 0
         self._lock = threading.RLock()
+        self._filler = _Filler()
+        self._abandon = False  # set while a failed load's queued fills drain: they skip their work
         self._mod: Any = torch.get_device_module(self.device) if accelerated else None
         # Devices whose module has no streams get synchronous copies (still through the pool).
         has_streams = accelerated and hasattr(self._mod, "Stream") and hasattr(self._mod, "stream")
         self._stream: Any = self._mod.Stream(device=self.device) if has_streams else None
-        self.blocks_per_buffer, self.max_in_use = [0] * staging_buffers, 0  # blocks per buffer; most in use at once
+        self.blocks_per_buffer, self.max_in_use = [0] * n, 0  # blocks per buffer; most in use at once
+        #: seconds the caller waited for a buffer to come free (its fills and copies), the filler spent
+        #: filling and issuing copies, and buffers sealed; kept across loads
+        self.stats = {"wait_s": 0.0, "fill_s": 0.0, "issue_s": 0.0, "buffers": 0}
 
     # ------------------------------------------------------------------ a load
     def __enter__(self) -> StagingPool:
@@ -207,40 +225,44 @@ class StagingPool:
             self._stream.wait_stream(self._mod.current_stream(self.device))
 
     def flush(self, *, commit: bool = True) -> None:
-        """Wait until every copy issued has finished, then run their ``done`` callbacks (unless ``commit`` is False)."""
+        """Wait until every copy issued has finished, then run their ``done`` callbacks (unless ``commit`` is
+        False). A fill that failed is raised here (when committing), after everything in flight has settled."""
         with self._lock:
             self.seal(run=commit)  # a load that failed: its targets are not used, nothing more is read
+            order, self._order = self._order, []
+            errors = [e for e in (self._settle(i) for i in order) if e is not None]
             if self._stream is not None:
                 self._stream.synchronize()
-            order, self._order = self._order, []
             for i in order:
                 self._events[i] = None
                 callbacks, self._done[i] = self._done[i], []
-                if commit:
+                if commit and not errors:
                     for cb in callbacks:
                         cb()
+            if commit and errors:
+                raise errors[0]
 
     def seal(self, *, run: bool = True) -> None:
-        """The host leaves the current buffer: its reads run, its copies are issued, and they are the ones its
-        next reuse waits for. The reads given to :meth:`copy` run this late, so a loader seals before their
-        files close; ``run=False`` (after an error) drops them instead."""
+        """The host leaves the current buffer (its fills and copies go to the filler), and returns once no
+        fill handed to :meth:`copy` is left to run: its sources and files may then be closed. ``run=False``
+        (after an error) drops the current buffer's fills and has the queued ones skip theirs."""
         with self._lock:
-            i, self._cur = self._cur, None
-            fills, copies, self._fills, self._copies = self._fills, self._copies, [], []
-            if i is None or not run:
-                return
-            run_fills(fills, FILL_THREADS)
-            with self._mod.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-                for target, typed in copies:
-                    target.copy_(typed, non_blocking=self._stream is not None)
-            if self._stream is not None:
-                self._events[i] = self._stream.record_event()
+            self._leave(run=run)
+            self._abandon = not run
+            try:
+                for i in self._order:
+                    fut = self._sealed[i]
+                    if fut is not None:
+                        fut.exception()  # waits; an error is raised by the wait for the buffer, or by flush
+            finally:
+                self._abandon = False
 
     def close(self) -> None:
         """Wait for the copies in flight and free the buffers (the pool cannot be used afterwards)."""
         if self._bufs:
             self.flush(commit=False)
             self._bufs, self._events = [], []
+            self._filler.close()
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: torch.Tensor, dst: torch.Tensor, *, done: Callable[[], None] | None = None,
@@ -249,8 +271,9 @@ class StagingPool:
 
         ``read``, for a C-contiguous ``src`` that lies contiguously in a file, fills a
         buffer from the file instead of from ``src`` (which may then be a meta tensor standing
-        for the file's bytes). ``done`` runs once the copy has completed (at the latest in
-        :meth:`flush`).
+        for the file's bytes). ``src`` (or the file) is read later, on the filler thread: it must
+        not change before :meth:`seal` or :meth:`flush` returns. ``done`` runs once the copy has
+        completed (at the latest in :meth:`flush`).
         """
         sources = ("cpu", "meta") if read is not None else ("cpu",)
         if src.device.type not in sources or src.shape != dst.shape or src.dtype != dst.dtype:
@@ -271,10 +294,7 @@ class StagingPool:
         i, off = self._space(b.nbytes)
         staged, piece = self._bufs[i][off:off + b.nbytes], src[b.index]
         typed = staged.view(src.dtype).view(piece.shape)
-        if read is not None:
-            self._fills.append((read, staged, b.start, b.nbytes))
-        else:
-            typed.copy_(piece)  # a gather where the source is a strided region
+        self._fills.append((read or _Gather(piece), staged, b.start, b.nbytes))
         self._copies.append((dst[b.index], typed))
         self.blocks_per_buffer[i] += 1
         return i
@@ -286,7 +306,7 @@ class StagingPool:
             if off + nbytes <= self.staging_bytes:
                 self._fill = off + nbytes
                 return self._cur, off
-            self.seal()
+            self._leave(run=True)
         i = self._next
         self._next = (i + 1) % len(self._bufs)
         if i in self._order:
@@ -296,18 +316,87 @@ class StagingPool:
         self._cur, self._fill = i, nbytes
         return i, 0
 
+    def _leave(self, *, run: bool) -> None:
+        """Hand the current buffer's fills and copies to the filler (or drop them: ``run=False``)."""
+        i, self._cur = self._cur, None
+        fills, copies, self._fills, self._copies = self._fills, self._copies, [], []
+        if i is not None and run:
+            self.stats["buffers"] += 1
+            self._sealed[i] = self._filler.submit(self._fill_and_issue, i, fills, copies)
+
+    def _fill_and_issue(self, i: int, fills: list[_Fill], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """On the filler thread: fill buffer ``i``, then issue its copies and record the event its reuse waits for."""
+        if self._abandon:
+            return
+        t0 = time.perf_counter()
+        run_fills(fills, FILL_THREADS)
+        t1 = time.perf_counter()
+        with self._mod.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            for target, typed in copies:
+                target.copy_(typed, non_blocking=self._stream is not None)
+        if self._stream is not None:
+            self._events[i] = self._stream.record_event()
+        self.stats["fill_s"] += t1 - t0
+        self.stats["issue_s"] += time.perf_counter() - t1
+
+    def _settle(self, i: int) -> BaseException | None:
+        """Wait for buffer ``i``'s fills and issued copies; its fill's error, if any."""
+        fut, self._sealed[i] = self._sealed[i], None
+        err = fut.exception() if fut is not None else None
+        ev, self._events[i] = self._events[i], None
+        if ev is not None:
+            ev.synchronize()
+        return err
+
     def _wait(self, i: int) -> None:
-        """Wait for buffer ``i``'s copies (the oldest in use), then run their callbacks."""
-        while self._order:
-            j = self._order.pop(0)
-            ev, self._events[j] = self._events[j], None
-            if ev is not None:
-                ev.synchronize()
-            callbacks, self._done[j] = self._done[j], []
-            for cb in callbacks:
-                cb()
-            if j == i:
-                return
+        """Wait for buffer ``i``'s copies and those of every buffer before it, running their callbacks."""
+        t0 = time.perf_counter()
+        try:
+            while self._order:
+                j = self._order.pop(0)
+                err = self._settle(j)
+                callbacks, self._done[j] = self._done[j], []
+                if err is not None:
+                    raise err
+                for cb in callbacks:
+                    cb()
+                if j == i:
+                    return
+        finally:
+            self.stats["wait_s"] += time.perf_counter() - t0
+
+
+class _Gather:
+    """A fill from a CPU source (which may be a strided, narrowed region of a stored chunk, or memory)."""
+
+    __slots__ = ("piece",)
+
+    def __init__(self, piece: torch.Tensor) -> None:
+        self.piece = piece
+
+    def __call__(self, staged: torch.Tensor, start: int, nbytes: int) -> None:
+        staged.view(self.piece.dtype).view(self.piece.shape).copy_(self.piece)
+
+
+class _Filler:
+    """The pool's one filler thread: buffers are filled, and their copies issued, in the order they are left.
+
+    Its own thread, not one of the reader threads that the fills share out to (a task of that pool
+    waiting for others of it could wait for ever); made again in a forked child, which has no threads."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = 0
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
+        if self._pool is None or self._pid != os.getpid():
+            self._pool, self._pid = ThreadPoolExecutor(1, thread_name_prefix="mmapckpt-stage"), os.getpid()
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        if self._pool is not None and self._pid == os.getpid():
+            self._pool.shutdown(wait=True)
+        self._pool = None
 
 
 def run_fills(fills: list[_Fill], threads: int) -> None:

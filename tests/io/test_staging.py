@@ -1,8 +1,9 @@
 """The staging pool's logic on the CPU: block planning and buffer rotation.
 
 The CUDA specifics (pinned buffers, side stream, events) run only in
-tests/gpu/test_cuda_load.py; here the same copy loop runs synchronously into
-CPU destinations, with buffers small enough to force many blocks and reuse.
+tests/gpu/test_cuda_load.py; here the same loop (the caller packing buffers, the pool's
+filler thread filling them and copying out of them) runs into CPU destinations, with
+buffers small enough to force many blocks and reuse.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ class _Recorder:
        piece=st.sampled_from([1000, 4096, 50_000]), parallel=st.lists(st.booleans(), min_size=6, max_size=6))
 def test_a_buffers_reads_are_shared_by_threads_and_land_bitwise(sizes, threads, piece, parallel):
     """The reads of a buffer run when the host leaves it: those of ``parallel`` readers are cut into about
-    equal shares for several threads, the others run whole on the caller's thread; every byte lands at its
+    equal shares for several threads, the others run whole on the pool's filler thread; every byte lands at its
     place, each range is read exactly once, and the copies see the filled buffer."""
     import unittest.mock
 
@@ -235,8 +236,8 @@ def test_a_buffers_reads_are_shared_by_threads_and_land_bitwise(sizes, threads, 
         for a, b in covered:
             assert a == at
             at = b
-        if not r.parallel:
-            assert all(name == threading.current_thread().name for name, _, _ in r.calls)
+        if not r.parallel:  # whole, on the pool's filler thread
+            assert all(name.startswith("mmapckpt-stage") for name, _, _ in r.calls), r.calls
 
 
 def test_reads_are_shared_out_only_for_a_parallel_reader_and_large_fills(monkeypatch):
@@ -284,3 +285,118 @@ def test_deprecated_names_still_work_and_warn():
     with pytest.warns(DeprecationWarning, match="buffer_bytes is deprecated; use staging_bytes"):
         assert staging_options(None, None, 4096, None, "x") == (4096, 3)
     assert staging_options(1024, 2, None, None, "x") == (1024, 2)
+
+
+class _Gate:
+    """A staging reader that blocks, on its first call, until released (or 10 s pass: then it notes a timeout)."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data, self.entered, self.release, self.timed_out = data, threading.Event(), threading.Event(), False
+        self.parallel = False
+
+    def __call__(self, staged: torch.Tensor, start: int, nbytes: int) -> None:
+        self.entered.set()
+        if not self.release.wait(10):
+            self.timed_out = True
+        staged.copy_(self.data[start:start + nbytes])
+
+
+def test_the_caller_packs_the_next_buffer_while_the_last_one_fills():
+    """The fills of a buffer run on the pool's filler thread: the caller goes on to the next buffer meanwhile.
+    Here the first buffer's read cannot finish until the caller has packed the second one (with fills on the
+    caller's thread, it would wait out its 10 s and note the timeout)."""
+    a, b = torch.arange(200, dtype=torch.float32), torch.arange(200, 400, dtype=torch.float32)
+    gate = _Gate(a.view(torch.uint8))
+    out_a, out_b = torch.zeros_like(a), torch.zeros_like(b)
+    with StagingPool("cpu", staging_bytes=1024, staging_buffers=2) as pool:
+        pool.copy(torch.empty_like(a), out_a, read=gate)  # 800 bytes: buffer 0
+        pool.copy(b, out_b)  # does not fit: buffer 0 goes to the filler, b is packed into buffer 1
+        gate.release.set()
+    assert not gate.timed_out
+    assert torch.equal(out_a, a) and torch.equal(out_b, b)
+    assert pool.stats["buffers"] == 2
+
+
+def test_a_buffer_is_not_packed_again_before_its_fill_and_copies_are_done():
+    """Two buffers: the third item needs buffer 0 again, so the caller waits for buffer 0's (blocked) fill; it
+    gets it back only once that fill has run and its copies are out, and every byte lands."""
+    srcs = [torch.full((200,), float(i)) for i in range(3)]
+    outs = [torch.zeros(200) for _ in srcs]
+    gate = _Gate(srcs[0].view(torch.uint8))
+    pool = StagingPool("cpu", staging_bytes=1024, staging_buffers=2)
+    returned: list[int] = []
+
+    def caller() -> None:
+        with pool:
+            pool.copy(torch.empty_like(srcs[0]), outs[0], read=gate)
+            for i in (1, 2):
+                pool.copy(srcs[i], outs[i])
+                returned.append(i)
+
+    t = threading.Thread(target=caller)
+    t.start()
+    try:
+        assert gate.entered.wait(10)
+        deadline = 100
+        while returned != [1] and deadline:  # the second item is packed without waiting for buffer 0
+            threading.Event().wait(0.01)
+            deadline -= 1
+        threading.Event().wait(0.2)
+        assert returned == [1], "the third item was packed into buffer 0 while its fill was still running"
+    finally:
+        gate.release.set()
+        t.join(20)
+    assert returned == [1, 2] and not gate.timed_out
+    for s, o in zip(srcs, outs):
+        assert torch.equal(o, s)
+    assert pool.stats["wait_s"] > 0 and pool.max_in_use == 2
+    pool.close()
+
+
+def test_a_failed_fill_is_raised_to_the_caller_and_commits_nothing():
+    """A read that fails on the filler thread comes out of the load (at the wait for its buffer or at the
+    flush), with no callback run; the pool then serves the next load."""
+    def broken(staged: torch.Tensor, start: int, nbytes: int) -> None:
+        raise OSError(5, "Input/output error", "shard.mmap")
+
+    pool = StagingPool("cpu", staging_bytes=1024, staging_buffers=2)
+    seen: list[int] = []
+    for n in (1, 5):  # the error found by the flush (one buffer), or by the caller reusing the buffer
+        with pytest.raises(OSError, match="Input/output error"):
+            with pool:
+                pool.copy(torch.empty(200), torch.empty(200), done=lambda: seen.append(0), read=broken)
+                for i in range(n):
+                    pool.copy(torch.zeros(200), torch.empty(200), done=lambda: seen.append(1))
+        assert seen == [] and pool._order == [] and all(f is None for f in pool._sealed)
+    src, out = torch.arange(1000.0), torch.zeros(1000)
+    with pool:
+        pool.copy(src, out, done=lambda: seen.append(2))
+    assert torch.equal(out, src) and seen == [2]
+    pool.close()
+
+
+def test_seal_returns_once_no_fill_is_left_and_run_false_drops_them():
+    """After seal() no read handed to copy() runs any more (the caller closes its files next); seal(run=False)
+    drops the current buffer's reads."""
+    data = torch.arange(4096, dtype=torch.uint8)
+    calls: list[int] = []
+
+    def read(staged: torch.Tensor, start: int, nbytes: int) -> None:
+        threading.Event().wait(0.05)  # a slow disk: the filler is still busy when seal() is called
+        calls.append(start)
+        staged.copy_(data[start:start + nbytes])
+
+    out = torch.zeros_like(data)
+    with StagingPool("cpu", staging_bytes=1024, staging_buffers=4) as pool:
+        pool.copy(torch.empty_like(data), out, read=read)
+        pool.seal()
+        assert sorted(calls) == [0, 1024, 2048, 3072]
+    assert torch.equal(out, data)
+    calls.clear()
+    with pytest.raises(RuntimeError, match="walk failed"):
+        with pool:
+            pool.copy(torch.empty(512, dtype=torch.uint8), torch.zeros(512, dtype=torch.uint8), read=read)
+            pool.seal(run=False)
+            raise RuntimeError("walk failed")
+    assert calls == []
+    pool.close()
