@@ -77,6 +77,9 @@ _ALIGN = 64
 #: same code that serves accelerators is checked on a machine without one.
 STAGE_CPU_TARGETS = False
 
+#: Benchmarks only: called with a pool's :attr:`StagingPool.stats` (and its size) when it closes.
+STATS_HOOK: Callable[[dict[str, Any]], None] | None = None
+
 #: ``read(staged, start, nbytes)``: fill ``staged`` with the source's bytes ``[start, start + nbytes)``.
 #: Any part of a range may be read on its own; a reader with a true ``parallel`` attribute (a
 #: cached file) may be called from several threads at once.
@@ -206,6 +209,7 @@ class StagingPool:
         # Devices whose module has no streams get synchronous copies (still through the pool).
         has_streams = accelerated and hasattr(self._mod, "Stream") and hasattr(self._mod, "stream")
         self._stream: Any = self._mod.Stream(device=self.device) if has_streams else None
+        self._caller: Any = None  # the caller's stream at begin()
         self.blocks_per_buffer, self.max_in_use = [0] * n, 0  # blocks per buffer; most in use at once
         #: seconds the caller waited for a buffer to come free (its fills and copies), the filler spent
         #: filling and issuing copies, and buffers sealed; kept across loads
@@ -222,7 +226,8 @@ class StagingPool:
     def begin(self) -> None:
         """Order the caller's current stream (where the destinations were made) before the copies."""
         if self._stream is not None:
-            self._stream.wait_stream(self._mod.current_stream(self.device))
+            self._caller = self._mod.current_stream(self.device)
+            self._stream.wait_stream(self._caller)
 
     def flush(self, *, commit: bool = True) -> None:
         """Wait until every copy issued has finished, then run their ``done`` callbacks (unless ``commit`` is
@@ -263,6 +268,9 @@ class StagingPool:
             self.flush(commit=False)
             self._bufs, self._events = [], []
             self._filler.close()
+            if STATS_HOOK is not None:
+                STATS_HOOK(dict(self.stats, device=str(self.device), staging_bytes=self.staging_bytes,
+                                staging_buffers=len(self.blocks_per_buffer), max_in_use=self.max_in_use))
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: torch.Tensor, dst: torch.Tensor, *, done: Callable[[], None] | None = None,
@@ -331,6 +339,10 @@ class StagingPool:
         t0 = time.perf_counter()
         run_fills(fills, FILL_THREADS)
         t1 = time.perf_counter()
+        if self._stream is not None and self._caller is not None:
+            # What the caller queued before it left this buffer (targets made from memory freed under its
+            # kernels, casts of earlier items) comes first: recorded now, after the buffer was packed.
+            self._stream.wait_stream(self._caller)
         with self._mod.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             for target, typed in copies:
                 target.copy_(typed, non_blocking=self._stream is not None)

@@ -400,3 +400,21 @@ def test_seal_returns_once_no_fill_is_left_and_run_false_drops_them():
             raise RuntimeError("walk failed")
     assert calls == []
     pool.close()
+
+
+def test_a_closing_pool_reports_where_its_time_went(tmp_path, monkeypatch):
+    """The benchmark's view of a load: each pool, as it closes, hands its counters to STATS_HOOK."""
+    from mmapckpt.io import staging
+
+    reports: list[dict] = []
+    monkeypatch.setattr(staging, "STAGE_CPU_TARGETS", True)
+    monkeypatch.setattr(staging, "STATS_HOOK", reports.append)
+    sd = {f"t{i}": torch.randn(3000) for i in range(4)}
+    mmapckpt.save(sd, tmp_path / "c")
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    mmapckpt.load_into(out, tmp_path / "c", staging_bytes=16384, staging_buffers=2)
+    helpers.assert_tree_equal(out, sd)
+    assert len(reports) == 1
+    r = reports[0]
+    assert r["buffers"] == 4 and r["staging_bytes"] == 16384 and r["staging_buffers"] == 2 and r["max_in_use"] == 2
+    assert r["fill_s"] > 0 and r["device"] == "cpu"
