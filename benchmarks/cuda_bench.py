@@ -4,8 +4,9 @@
 Measures, in one run and on the same bytes (a transformer-shaped state dict):
 
 - the limits: pinned host-to-device copy bandwidth (``copy_`` from pinned CPU memory,
-  non_blocking, then synchronize), and a sequential cold read (64 MB reads after
-  posix_fadvise DONTNEED) of each checkpoint's own files;
+  non_blocking, then synchronize), a sequential cold read (64 MB reads after
+  posix_fadvise DONTNEED) of each checkpoint's own files, and the disk's best cold read of
+  the mmapckpt files: one O_DIRECT stream, eight, or four buffered streams (mmapckpt/bench/disk.py);
 - loads to the device, warm (page cache hot) and cold (evicted): ``dcp.load`` with
   mmapckpt's MmapReader into preallocated device targets, ``mmapckpt.load_into`` into the
   same targets, ``mmapckpt.load(path, device=...)``, ``dcp.load`` with the stock
@@ -14,16 +15,22 @@ Measures, in one run and on the same bytes (a transformer-shaped state dict):
   (``nogds``) where it imports;
 - saves from device tensors with MmapWriter and the stock FileSystemWriter (durable: fsync).
 
-Each load is a ratio to its limit: warm to the pinned copy, cold to min(cold read of its
-files, pinned copy) in bandwidth. mmapckpt's rows are held to targets: warm >= 0.8, cold
+Each load is a ratio to its limit: warm to the pinned copy, cold to min(the best cold read:
+its files' sequential read or the disk's best way, pinned copy) in bandwidth. mmapckpt's rows are held to targets: warm >= 0.8, cold
 >= 0.9. Every load is checked bitwise on the first repetition (the run fails otherwise);
 every figure is the median of ``--repeats`` runs, with min and max. A new MmapReader is
 made (and closed) per load, as a caller would. An 8 GB run (``--size 8GB --repeats 2``)
 takes a few minutes on an H200 host with a fast NVMe disk.
 
+Where the time of mmapckpt's loads goes: each staging pool's counters (the caller's waits for
+buffers, the filler's fills and copy launches: io/staging.py) summed per load. After the run,
+sweeps of the staging ring's shape (``--staging``: buffers x bytes) and of the fill threads
+(``--fill-threads``), warm.
+
 Without a CUDA device it says why and exits with status 2, having measured nothing.
-``--device cpu`` is a smoke mode for CI: the same code with CPU targets at a tiny size
-(default 8MB); its ratios mean nothing and are labelled so.
+``--device cpu`` is a smoke mode for CI: the same code with CPU targets (staged through the
+pipeline, as accelerator targets are) at a tiny size (default 8MB); its ratios mean nothing
+and are labelled so.
 
     python benchmarks/cuda_bench.py --size 4GB --repeats 3 --out cuda_bench.json
     python benchmarks/cuda_bench.py --device cpu --size 8MB --repeats 1 --out smoke.json
@@ -57,7 +64,9 @@ LOADS = (
 TARGET_LOADS = ("mmapckpt-dcp", "mmapckpt-load_into", "mmapckpt-load")
 TARGETS = {"warm": 0.8, "cold": 0.9}
 SAVES = ("mmapckpt", "dcp")
-LIMIT_OF = {"warm": "pinned H2D", "cold": "min(cold read, pinned H2D)"}
+LIMIT_OF = {"warm": "pinned H2D", "cold": "min(best cold read, pinned H2D)"}
+#: (name, streams, O_DIRECT) of the disk's ways read for the cold limit, besides one buffered stream
+DISK_WAYS = (("direct_x1", 1, True), ("direct_x8", 8, True), ("buffered_x4", 4, False))
 SMOKE_NOTE = ("--device cpu smoke run: CPU targets, an unpinned memcpy as the 'H2D' limit, a tiny size; "
               "the ratios and targets mean nothing, only that every path ran and loaded the right bytes")
 StateDict = dict[str, torch.Tensor]
@@ -169,6 +178,51 @@ def _fill_sweep(ctx: dict[str, Any], counts: list[int], repeats: int) -> dict[st
     return {"cached_probe": cached, "rows": rows}
 
 
+def _staging_sweep(ctx: dict[str, Any], shapes: list[tuple[int, int]], repeats: int) -> list[dict[str, Any]]:
+    """For each ring shape (buffers, bytes a buffer): a warm ``load_into`` (median of ``repeats``), as a ratio
+    to the pinned copy limit, with where its time went (the pool's counters, medians)."""
+    import mmapckpt
+    from mmapckpt.bench.system import files_under, warm_up
+    from mmapckpt.io import staging
+
+    files, rows = files_under(ctx["paths"]["mmapckpt"]), []
+    h2d = statistics.median(ctx["h2d"])
+    for count, nbytes in shapes:
+        warm_up(files)
+        times, stats = [], []
+        for i in range(repeats):
+            if i == 0:
+                _scramble(ctx["targets"])
+            pools: list[dict[str, Any]] = []
+            staging.STATS_HOOK = pools.append
+            try:
+                times.append(_timed(lambda: mmapckpt.load_into(ctx["targets"], ctx["paths"]["mmapckpt"],
+                                                               staging_bytes=nbytes, staging_buffers=count),
+                                    ctx["dev"])[0])
+            finally:
+                staging.STATS_HOOK = None
+            stats.append({k: sum(p[k] for p in pools) for k in ("wait_s", "fill_s", "issue_s", "buffers")})
+            if i == 0:
+                _check(ctx["targets"], ctx["sd"], ctx["dev"], f"load_into with {count}x{nbytes} staging")
+        med = statistics.median(times)
+        rows.append({"buffers": count, "bytes": nbytes, "median_s": med, "gbps": ctx["nbytes"] / med / 1e9,
+                     "ratio": h2d / med, "sealed": statistics.median(st["buffers"] for st in stats),
+                     **{k: statistics.median(st[k] for st in stats) for k in ("wait_s", "fill_s", "issue_s")},
+                     "default": (count, nbytes) == (staging.DEFAULT_STAGING_BUFFERS, staging.DEFAULT_STAGING_BYTES)})
+    return rows
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """'3x32MiB,4x64MiB' -> [(3, 32 MiB), (4, 64 MiB)]."""
+    from mmapckpt.bench.synthetic import parse_size
+
+    out = []
+    for part in text.split(","):
+        count, _, size = part.strip().partition("x")
+        out.append((int(count), parse_size(size)))
+    return out
+
+
 # ---------------------------------------------------------------- saves and loads
 def _paths(root: str) -> dict[str, str]:
     return {"mmapckpt": os.path.join(root, "mmapckpt"), "dcp": os.path.join(root, "dcp"),
@@ -232,6 +286,7 @@ def _loads(paths: dict[str, str], targets: StateDict, dev: torch.device,
 
     def mmap_dcp() -> StateDict:
         reader = mmapckpt.MmapReader(paths["mmapckpt"])
+        reader._stage_cpu_targets = dev.type == "cpu"  # the smoke run: CPU targets through the pipeline
         try:
             dcp.load(targets, storage_reader=reader, no_dist=True)
         finally:
@@ -285,8 +340,12 @@ def _scramble(targets: StateDict) -> None:
 # ---------------------------------------------------------------- the run
 def _load_once(ctx: dict[str, Any], key: str, phase: str, check: bool) -> float | None:
     """One timed load (checked bitwise when ``check``); None where an optional load failed."""
+    from mmapckpt.io import staging
+
     if check:
         _scramble(ctx["targets"])
+    pools: list[dict[str, Any]] = []
+    staging.STATS_HOOK = pools.append
     try:
         seconds, out = _timed(ctx["loads"][key], ctx["dev"])
     except Exception as e:
@@ -295,6 +354,11 @@ def _load_once(ctx: dict[str, Any], key: str, phase: str, check: bool) -> float 
         ctx["notes"][key] = f"skipped: it failed ({type(e).__name__}: {e})"[:300]
         del ctx["loads"][key]
         return None
+    finally:
+        staging.STATS_HOOK = None
+    if pools:
+        ctx["staging"].setdefault(f"{phase} {key}", []).append(
+            {k: sum(p[k] for p in pools) for k in ("wait_s", "fill_s", "issue_s", "buffers")} | {"load_s": seconds})
     if check:
         _check(out, ctx["sd"], ctx["dev"], f"{key} ({phase})")
         ctx["checked"][key] = True
@@ -314,6 +378,12 @@ def _repetition(r: int, ctx: dict[str, Any], add: Callable[[str, str, float], No
         add("save", m, _timed(lambda m=m: _save(m, ctx["sd"], paths[m]), dev)[0])
     for fmt, p in paths.items():
         add("cold_read", fmt, sum(cold_read_limit(f) for f in files_under(p)))
+    from mmapckpt.bench.disk import read_streams
+
+    for name, streams, direct in DISK_WAYS:
+        s = read_streams(files_under(paths["mmapckpt"]), streams, direct=direct)
+        if s is not None:  # None: the filesystem refuses O_DIRECT
+            add("disk", name, s)
     for phase, prep in (("warm", warm_up), ("cold", evict)):
         for key, _label, fmt in LOADS:
             if key in ctx["loads"]:
@@ -330,11 +400,12 @@ def _measure(sd: StateDict, root: str, repeats: int, dev: torch.device) -> tuple
     targets = {k: torch.empty_like(v) for k, v in sd.items()}
     loads, notes = _loads(paths, targets, dev, list(sd))
     ctx = {"dev": dev, "sd": sd, "targets": targets, "paths": paths, "loads": loads, "notes": notes,
-           "checked": {k: False for k in loads}, "nbytes": sum(t.nbytes for t in sd.values())}
+           "checked": {k: False for k in loads}, "nbytes": sum(t.nbytes for t in sd.values()), "staging": {}}
     times: dict[tuple[str, str], list[float]] = {}
     for r in range(repeats):
         print(f"repetition {r + 1}/{repeats}", file=sys.stderr)
         _repetition(r, ctx, lambda phase, key, s: times.setdefault((phase, key), []).append(s))
+    ctx["h2d"] = times[("limit", "h2d")]
     return times, ctx["checked"], notes, ctx
 
 
@@ -342,6 +413,7 @@ def _measure(sd: StateDict, root: str, repeats: int, dev: torch.device) -> tuple
 def _rows(times: dict[tuple[str, str], list[float]], nbytes: int) -> list[dict[str, Any]]:
     """A row per save and load, each load with its limit (seconds) and its ratio to it (throughput)."""
     h2d = statistics.median(times[("limit", "h2d")])
+    disk = [statistics.median(xs) for (p, _), xs in times.items() if p == "disk"]
     fmt_of = {key: fmt for key, _label, fmt in LOADS}
     labels = {key: label for key, label, _fmt in LOADS}
     rows = []
@@ -352,7 +424,7 @@ def _rows(times: dict[tuple[str, str], list[float]], nbytes: int) -> list[dict[s
         if phase == "warm":
             limit = h2d
         elif phase == "cold":
-            limit = max(h2d, statistics.median(times[("cold_read", fmt_of[key])]))
+            limit = max(h2d, min([statistics.median(times[("cold_read", fmt_of[key])]), *disk]))
         med = statistics.median(xs)
         label = f"save from device (fsync): {key}" if phase == "save" else labels[key]
         rows.append({"phase": phase, "method": key, "label": label, **_stats(xs, nbytes),
@@ -376,6 +448,14 @@ def _print(doc: dict[str, Any]) -> None:
     print(f"\nlimit: {h2d} {doc['limits']['h2d']['gbps']:.2f} GB/s")
     for fmt, s in doc["limits"]["cold_read"].items():
         print(f"limit: sequential cold read of the {fmt} files {s['gbps']:.2f} GB/s")
+    for way, s in doc["limits"]["disk"].items():
+        print(f"limit: cold read of the mmapckpt files, {way} {s['gbps']:.2f} GB/s")
+    if doc.get("staging"):
+        print("\nwhere mmapckpt's staged loads spent their time (medians, seconds): the load, the caller's waits for "
+              "a free buffer, the filler's fills and copy launches, buffers")
+        for key, st in doc["staging"].items():
+            print(f"  {key:<26} load {st['load_s']:.3f}  wait {st['wait_s']:.3f}  fill {st['fill_s']:.3f}  "
+                  f"issue {st['issue_s']:.3f}  buffers {st['buffers']:.0f}")
     print("\nmmapckpt against the targets" + ("" if doc["ratios_meaningful"] else " (smoke run: meaningless)"))
     for t in doc["targets"]:
         print(f"  {t['phase']:<5} {t['method']:<20} {t['ratio']:.2f} (>= {t['target']}): "
@@ -388,6 +468,13 @@ def _print(doc: dict[str, Any]) -> None:
         for r in doc["fill_sweep"]["rows"]:
             print(f"  {r['threads']:>3} threads{' (default)' if r['default'] else '':<10} fill {r['fill_gbps']:6.2f} GB/s"
                   f"   load_into {r['load_into_gbps']:6.2f} GB/s")
+    if doc.get("staging_sweep"):
+        print("\nwarm load_into by staging ring (buffers x bytes a buffer), with the pool's counters (medians): the "
+              "caller's waits for a free buffer, the filler's fills and its copy launches")
+        for r in doc["staging_sweep"]:
+            print(f"  {r['buffers']:>2} x {r['bytes'] >> 20:>4} MiB{' (default)' if r['default'] else '':<10} "
+                  f"{r['gbps']:6.2f} GB/s  ratio {r['ratio']:.2f}  wait {r['wait_s']:.3f} s  "
+                  f"fill {r['fill_s']:.3f} s  issue {r['issue_s']:.3f} s  buffers {r['sealed']:.0f}")
     for key, note in doc["skipped"].items():
         print(f"{key}: {note}")
     if doc.get("note"):
@@ -395,7 +482,7 @@ def _print(doc: dict[str, Any]) -> None:
 
 
 def _document(args: argparse.Namespace, dev: torch.device, sd: StateDict, times: dict, checked: dict,
-              notes: dict) -> dict[str, Any]:
+              notes: dict, staging: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     from mmapckpt.bench.system import machine_info
 
     nbytes, smoke = sum(t.nbytes for t in sd.values()), dev.type == "cpu"
@@ -404,8 +491,10 @@ def _document(args: argparse.Namespace, dev: torch.device, sd: StateDict, times:
             "smoke": smoke, "ratios_meaningful": not smoke, "note": SMOKE_NOTE if smoke else None,
             "machine": machine_info(os.getcwd()), "bytes": nbytes, "tensors": len(sd), "repeats": args.repeats,
             "limits": {"h2d": _stats(times[("limit", "h2d")], nbytes),
-                       "cold_read": {k: _stats(xs, nbytes) for (p, k), xs in times.items() if p == "cold_read"}},
-            "rows": rows, "targets": _targets(rows, not smoke), "checked_bitwise": checked, "skipped": notes}
+                       "cold_read": {k: _stats(xs, nbytes) for (p, k), xs in times.items() if p == "cold_read"},
+                       "disk": {k: _stats(xs, nbytes) for (p, k), xs in times.items() if p == "disk"}},
+            "rows": rows, "targets": _targets(rows, not smoke), "checked_bitwise": checked, "skipped": notes,
+            "staging": {k: {f: statistics.median(x[f] for x in xs) for f in xs[0]} for k, xs in staging.items()}}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -417,6 +506,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: under the cwd)")
     parser.add_argument("--out", default="cuda_bench.json", help="JSON result file")
+    parser.add_argument("--staging", default=None,
+                        help="comma-separated staging rings (BUFFERSxBYTES) to sweep after the run, warm (default "
+                             "3x32MiB,4x32MiB,6x16MiB,4x64MiB,8x8MiB on cuda, 2x1MiB,3x1MiB on cpu; 'none' to skip)")
     parser.add_argument("--fill-threads", default=None,
                         help="comma-separated counts of staging fill threads to sweep after the run, warm "
                              "(default 1,4,8,16 on cuda, 1,2 on cpu; 'none' to skip)")
@@ -433,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
     from mmapckpt.bench.synthetic import parse_size, transformer_state_dict
 
     warnings.simplefilter("ignore")
+    if dev.type == "cpu":  # the smoke run stages its CPU targets through the pipeline, as accelerator targets are
+        from mmapckpt.io import staging
+
+        staging.STAGE_CPU_TARGETS = True
     size = parse_size(args.size or ("8MB" if dev.type == "cpu" else "4GB"))
     sd = {k: v.to(dev) for k, v in transformer_state_dict(size, dtype=getattr(torch, args.dtype)).items()}
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "the CPU (smoke run)"
@@ -440,11 +536,14 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix=".mmapckpt-cuda-bench-", dir=args.dir or os.getcwd())
     try:
         times, checked, notes, ctx = _measure(sd, root, args.repeats, dev)
+        rings = args.staging or ("2x1MiB,3x1MiB" if dev.type == "cpu" else "3x32MiB,4x32MiB,6x16MiB,4x64MiB,8x8MiB")
+        rings_sweep = None if rings == "none" else _staging_sweep(ctx, _shapes(rings), args.repeats)
         counts = args.fill_threads or ("1,2" if dev.type == "cpu" else "1,4,8,16")
         sweep = None if counts == "none" else _fill_sweep(ctx, [int(c) for c in counts.split(",")], args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    doc = _document(args, dev, sd, times, checked, notes)
+    doc = _document(args, dev, sd, times, checked, notes, ctx["staging"])
+    doc["staging_sweep"] = rings_sweep
     doc["fill_sweep"] = sweep
     _print(doc)
     with open(args.out, "w") as f:

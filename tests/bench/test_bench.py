@@ -133,6 +133,14 @@ def test_cuda_benchmark_smoke_runs_every_row_on_the_cpu(tmp_path) -> None:
     assert _positive(doc["limits"]["h2d"]["gbps"])
     assert set(doc["limits"]["cold_read"]) == {"mmapckpt", "dcp", "safetensors", "torch"}
     assert doc["bytes"] > 1_000_000 and doc["repeats"] == 1
+    assert set(doc["limits"]["disk"]) <= {"direct_x1", "direct_x8", "buffered_x4"} and "buffered_x4" in doc["limits"]["disk"]
+    # the smoke run stages its CPU targets: each staged mmapckpt load reports its pools' counters
+    assert {"warm mmapckpt-dcp", "warm mmapckpt-load_into", "cold mmapckpt-dcp", "cold mmapckpt-load_into"} <= set(
+        doc["staging"])
+    assert all(st["buffers"] >= 1 and st["fill_s"] > 0 and st["load_s"] > 0 for st in doc["staging"].values())
+    rings = doc["staging_sweep"]
+    assert [(r["buffers"], r["bytes"]) for r in rings] == [(2, 1 << 20), (3, 1 << 20)]
+    assert all(r["sealed"] >= doc["bytes"] / (1 << 20) and _positive(r["gbps"]) for r in rings)
     sweep = doc["fill_sweep"]
     assert isinstance(sweep["cached_probe"], bool) and [r["threads"] for r in sweep["rows"]] == [1, 2]
     assert all(_positive(r["fill_gbps"]) and _positive(r["load_into_gbps"]) for r in sweep["rows"])
