@@ -42,18 +42,17 @@ the callbacks without a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
 from .reads import reader_pool
+from .ring import DeviceSide, Filler, Gather, Ring, Slot
 
 __all__ = ["Block", "plan_blocks", "StagingPool", "DEFAULT_STAGING_BYTES", "DEFAULT_STAGING_BUFFERS",
            "FILL_THREADS", "staging_options", "stage", "needs_staging", "STAGE_CPU_TARGETS", "check_device"]
@@ -174,9 +173,12 @@ class StagingPool:
     Allocated once and reused across loads (pinned allocation is slow); :meth:`close`
     frees it. One load at a time: :meth:`copy` may be called from several threads, which
     take turns. Use a load as ``with pool:`` (``begin`` on entry, ``flush`` on exit).
-
     A buffer's fills and copies run on the pool's filler thread while the caller packs the
     next one (see the module's docstring); :attr:`stats` says where the time went.
+
+    ``registry`` (a :class:`~mmapckpt.io.host_register.HostRegistry`): sources that are views of a
+    file mapping (``copy(mapping=...)``) are copied by the device straight from their registered
+    pages, no staging buffer between, at most the registry's budget registered at once.
 
     Example:
         >>> with StagingPool("cuda") as pool:
@@ -184,36 +186,42 @@ class StagingPool:
     """
 
     def __init__(self, device: str | torch.device, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 staging_buffers: int = DEFAULT_STAGING_BUFFERS, pin: bool | None = None) -> None:
+                 staging_buffers: int = DEFAULT_STAGING_BUFFERS, pin: bool | None = None,
+                 registry: Any = None) -> None:
         if staging_buffers < 1 or staging_bytes < 1:
             raise ValueError(f"need staging_buffers >= 1 and staging_bytes >= 1, got {staging_buffers}, "
                              f"{staging_bytes}")
         self.device = torch.device(device)
-        accelerated = self.device.type != "cpu"
-        pin = accelerated if pin is None else pin
-        self.staging_bytes = staging_bytes
-        n = staging_buffers
-        self._bufs = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(n)]
-        self._events: list[Any] = [None] * n  # set by the filler once a buffer's copies are issued
-        self._sealed: list[Future[None] | None] = [None] * n  # a buffer's fills and copies, on the filler
-        self._done: list[list[Callable[[], None]]] = [[] for _ in range(n)]
-        self._order: list[int] = []  # buffers holding copies not yet waited for, oldest first
-        self._fills: list[_Fill] = []  # the current buffer's fills, run when the host leaves it
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # then its (target, staged) copies
-        self._cur: int | None = None  # the buffer being packed, how far, and the next one to take
-        self._fill, self._next = 0, 0
-        self._lock = threading.RLock()
-        self._filler = _Filler()
-        self._abandon = False  # set while a failed load's queued fills drain: they skip their work
-        self._mod: Any = torch.get_device_module(self.device) if accelerated else None
-        # Devices whose module has no streams get synchronous copies (still through the pool).
-        has_streams = accelerated and hasattr(self._mod, "Stream") and hasattr(self._mod, "stream")
-        self._stream: Any = self._mod.Stream(device=self.device) if has_streams else None
-        self._caller: Any = None  # the caller's stream at begin()
-        self.blocks_per_buffer, self.max_in_use = [0] * n, 0  # blocks per buffer; most in use at once
+        pin = self.device.type != "cpu" if pin is None else pin
+        self.staging_bytes, self.registry = staging_bytes, registry
         #: seconds the caller waited for a buffer to come free (its fills and copies), the filler spent
-        #: filling and issuing copies, and buffers sealed; kept across loads
-        self.stats = {"wait_s": 0.0, "fill_s": 0.0, "issue_s": 0.0, "buffers": 0}
+        #: filling and issuing copies; buffers sealed; bytes copied from registered pages (kept across loads)
+        self.stats = {"wait_s": 0.0, "fill_s": 0.0, "issue_s": 0.0, "buffers": 0, "registered_bytes": 0}
+        self._ring = Ring(staging_buffers, staging_bytes, pin, self.stats,
+                          registry.release if registry is not None else lambda handle: None)
+        self._fills: list[_Fill] = []  # the current buffer's fills, run when the host leaves it
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # then its (target, source) copies
+        self._cur: int | None = None  # the buffer being packed, how far, and the next one to take
+        self._fill = 0
+        self._lock = threading.RLock()
+        self._filler, self._side = Filler(), DeviceSide(self.device)
+        self._abandon = False  # set while a failed load's queued fills drain: they skip their work
+        self._closed = False
+
+    @property
+    def blocks_per_buffer(self) -> list[int]:
+        """Blocks packed into each buffer over the pool's life."""
+        return [s.blocks for s in self._ring.slots]
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The ring's host buffers (none once closed)."""
+        return [s.buf for s in self._ring.slots]
+
+    @property
+    def max_in_use(self) -> int:
+        """The most buffers in use at once."""
+        return self._ring.max_in_use
 
     # ------------------------------------------------------------------ a load
     def __enter__(self) -> StagingPool:
@@ -225,27 +233,14 @@ class StagingPool:
 
     def begin(self) -> None:
         """Order the caller's current stream (where the destinations were made) before the copies."""
-        if self._stream is not None:
-            self._caller = self._mod.current_stream(self.device)
-            self._stream.wait_stream(self._caller)
+        self._side.begin()
 
     def flush(self, *, commit: bool = True) -> None:
         """Wait until every copy issued has finished, then run their ``done`` callbacks (unless ``commit`` is
         False). A fill that failed is raised here (when committing), after everything in flight has settled."""
         with self._lock:
             self.seal(run=commit)  # a load that failed: its targets are not used, nothing more is read
-            order, self._order = self._order, []
-            errors = [e for e in (self._settle(i) for i in order) if e is not None]
-            if self._stream is not None:
-                self._stream.synchronize()
-            for i in order:
-                self._events[i] = None
-                callbacks, self._done[i] = self._done[i], []
-                if commit and not errors:
-                    for cb in callbacks:
-                        cb()
-            if commit and errors:
-                raise errors[0]
+            self._ring.settle_all(self._side, commit=commit)
 
     def seal(self, *, run: bool = True) -> None:
         """The host leaves the current buffer (its fills and copies go to the filler), and returns once no
@@ -255,57 +250,81 @@ class StagingPool:
             self._leave(run=run)
             self._abandon = not run
             try:
-                for i in self._order:
-                    fut = self._sealed[i]
-                    if fut is not None:
-                        fut.exception()  # waits; an error is raised by the wait for the buffer, or by flush
+                self._ring.wait_fills()
             finally:
                 self._abandon = False
 
     def close(self) -> None:
         """Wait for the copies in flight and free the buffers (the pool cannot be used afterwards)."""
-        if self._bufs:
+        if not self._closed:
             self.flush(commit=False)
-            self._bufs, self._events = [], []
+            count, self._closed, self._ring.slots = len(self._ring.slots), True, []
             self._filler.close()
+            if self.registry is not None:
+                self.registry.close()
             if STATS_HOOK is not None:
                 STATS_HOOK(dict(self.stats, device=str(self.device), staging_bytes=self.staging_bytes,
-                                staging_buffers=len(self.blocks_per_buffer), max_in_use=self.max_in_use))
+                                staging_buffers=count, max_in_use=self.max_in_use))
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: torch.Tensor, dst: torch.Tensor, *, done: Callable[[], None] | None = None,
-             read: Reader | None = None) -> None:
+             read: Reader | None = None, mapping: tuple[int, int] | None = None) -> None:
         """Issue the copy of CPU tensor ``src`` into ``dst`` (same shape and dtype, any strides).
 
         ``read``, for a C-contiguous ``src`` that lies contiguously in a file, fills a
         buffer from the file instead of from ``src`` (which may then be a meta tensor standing
         for the file's bytes). ``src`` (or the file) is read later, on the filler thread: it must
-        not change before :meth:`seal` or :meth:`flush` returns. ``done`` runs once the copy has
+        not change before :meth:`seal` or :meth:`flush` returns. ``mapping``: the address range of
+        the file mapping ``src`` is a view of (for the registry). ``done`` runs once the copy has
         completed (at the latest in :meth:`flush`).
         """
         sources = ("cpu", "meta") if read is not None else ("cpu",)
         if src.device.type not in sources or src.shape != dst.shape or src.dtype != dst.dtype:
             raise ValueError(f"cannot stage {src.dtype} {list(src.shape)} on {src.device} into "
                              f"{dst.dtype} {list(dst.shape)}")
-        if not self._bufs:
+        if self._closed:
             raise ValueError("the staging pool is closed")
         with self._lock:
+            if mapping is not None and self.registry is not None and self._registered(src, dst, mapping, done):
+                return
             last = None
             for b in plan_blocks(tuple(src.shape), src.element_size(), self.staging_bytes):
                 last = self._put(src, dst, b, read)
             if done is not None and last is None:  # nothing to copy (an empty tensor): complete at once
                 done()
             elif done is not None:
-                self._done[last].append(done)
+                self._ring.slots[last].done.append(done)
 
     def _put(self, src: torch.Tensor, dst: torch.Tensor, b: Block, read: Reader | None) -> int:
         i, off = self._space(b.nbytes)
-        staged, piece = self._bufs[i][off:off + b.nbytes], src[b.index]
-        typed = staged.view(src.dtype).view(piece.shape)
-        self._fills.append((read or _Gather(piece), staged, b.start, b.nbytes))
-        self._copies.append((dst[b.index], typed))
-        self.blocks_per_buffer[i] += 1
+        slot = self._ring.slots[i]
+        staged, piece = slot.buf[off:off + b.nbytes], src[b.index]
+        self._fills.append((read or Gather(piece), staged, b.start, b.nbytes))
+        self._copies.append((dst[b.index], staged.view(src.dtype).view(piece.shape)))
+        slot.blocks += 1
         return i
+
+    def _registered(self, src: torch.Tensor, dst: torch.Tensor, mapping: tuple[int, int],
+                    done: Callable[[], None] | None) -> bool:
+        """Copy ``src`` straight from its registered pages, riding on the current buffer (its windows are
+        released once that buffer's copies have completed); False where the registry cannot take it."""
+        if src.device.type != "cpu" or not src.is_contiguous() or not src.numel():
+            return False
+        handle = self.registry.acquire(src.data_ptr(), src.nbytes, bounds=mapping)
+        order = self._ring.order
+        while handle is None and order and order[0] != self._cur:
+            self._ring.wait_through(order[0])  # over the budget: the oldest buffer's windows come free with its copies
+            handle = self.registry.acquire(src.data_ptr(), src.nbytes, bounds=mapping)
+        if handle is None:
+            return False
+        i, _ = self._space(0)
+        slot = self._ring.slots[i]
+        slot.held.append((handle, src))  # src keeps the mapping alive under the copy
+        self._copies.append((dst, src))
+        if done is not None:
+            slot.done.append(done)
+        self.stats["registered_bytes"] += src.nbytes
+        return True
 
     def _space(self, nbytes: int) -> tuple[int, int]:
         """A place for ``nbytes``: after what the current buffer holds, or at the start of the next one."""
@@ -315,12 +334,7 @@ class StagingPool:
                 self._fill = off + nbytes
                 return self._cur, off
             self._leave(run=True)
-        i = self._next
-        self._next = (i + 1) % len(self._bufs)
-        if i in self._order:
-            self._wait(i)
-        self._order.append(i)
-        self.max_in_use = max(self.max_in_use, len(self._order))
+        i = self._ring.take()
         self._cur, self._fill = i, nbytes
         return i, 0
 
@@ -330,85 +344,19 @@ class StagingPool:
         fills, copies, self._fills, self._copies = self._fills, self._copies, [], []
         if i is not None and run:
             self.stats["buffers"] += 1
-            self._sealed[i] = self._filler.submit(self._fill_and_issue, i, fills, copies)
+            slot = self._ring.slots[i]
+            slot.sealed = self._filler.submit(self._fill_and_issue, slot, fills, copies)
 
-    def _fill_and_issue(self, i: int, fills: list[_Fill], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """On the filler thread: fill buffer ``i``, then issue its copies and record the event its reuse waits for."""
+    def _fill_and_issue(self, slot: Slot, fills: list[_Fill], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """On the filler thread: fill the buffer, then issue its copies and record the event its reuse waits for."""
         if self._abandon:
             return
         t0 = time.perf_counter()
         run_fills(fills, FILL_THREADS)
         t1 = time.perf_counter()
-        if self._stream is not None and self._caller is not None:
-            # What the caller queued before it left this buffer (targets made from memory freed under its
-            # kernels, casts of earlier items) comes first: recorded now, after the buffer was packed.
-            self._stream.wait_stream(self._caller)
-        with self._mod.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            for target, typed in copies:
-                target.copy_(typed, non_blocking=self._stream is not None)
-        if self._stream is not None:
-            self._events[i] = self._stream.record_event()
+        slot.event = self._side.issue(copies)
         self.stats["fill_s"] += t1 - t0
         self.stats["issue_s"] += time.perf_counter() - t1
-
-    def _settle(self, i: int) -> BaseException | None:
-        """Wait for buffer ``i``'s fills and issued copies; its fill's error, if any."""
-        fut, self._sealed[i] = self._sealed[i], None
-        err = fut.exception() if fut is not None else None
-        ev, self._events[i] = self._events[i], None
-        if ev is not None:
-            ev.synchronize()
-        return err
-
-    def _wait(self, i: int) -> None:
-        """Wait for buffer ``i``'s copies and those of every buffer before it, running their callbacks."""
-        t0 = time.perf_counter()
-        try:
-            while self._order:
-                j = self._order.pop(0)
-                err = self._settle(j)
-                callbacks, self._done[j] = self._done[j], []
-                if err is not None:
-                    raise err
-                for cb in callbacks:
-                    cb()
-                if j == i:
-                    return
-        finally:
-            self.stats["wait_s"] += time.perf_counter() - t0
-
-
-class _Gather:
-    """A fill from a CPU source (which may be a strided, narrowed region of a stored chunk, or memory)."""
-
-    __slots__ = ("piece",)
-
-    def __init__(self, piece: torch.Tensor) -> None:
-        self.piece = piece
-
-    def __call__(self, staged: torch.Tensor, start: int, nbytes: int) -> None:
-        staged.view(self.piece.dtype).view(self.piece.shape).copy_(self.piece)
-
-
-class _Filler:
-    """The pool's one filler thread: buffers are filled, and their copies issued, in the order they are left.
-
-    Its own thread, not one of the reader threads that the fills share out to (a task of that pool
-    waiting for others of it could wait for ever); made again in a forked child, which has no threads."""
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid = 0
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
-        if self._pool is None or self._pid != os.getpid():
-            self._pool, self._pid = ThreadPoolExecutor(1, thread_name_prefix="mmapckpt-stage"), os.getpid()
-        return self._pool.submit(fn, *args)
-
-    def close(self) -> None:
-        if self._pool is not None and self._pid == os.getpid():
-            self._pool.shutdown(wait=True)
-        self._pool = None
 
 
 def run_fills(fills: list[_Fill], threads: int) -> None:
@@ -456,14 +404,15 @@ def needs_staging(t: torch.Tensor) -> bool:
 
 
 def stage(pool: StagingPool, src: torch.Tensor, dst: torch.Tensor, done: Callable[[], None],
-          read: Reader | None = None) -> None:
+          read: Reader | None = None, mapping: tuple[int, int] | None = None) -> None:
     """Copy ``src`` into accelerator tensor ``dst`` through ``pool``, casting where their dtypes differ.
 
     A cast (``Tensor.copy_`` semantics) goes through a device tensor of the stored dtype,
     cast on the caller's stream once the staged copy is complete, before ``done``.
+    ``read`` and ``mapping`` are :meth:`StagingPool.copy`'s.
     """
     if src.dtype == dst.dtype:
-        pool.copy(src, dst, done=done, read=read)
+        pool.copy(src, dst, done=done, read=read, mapping=mapping)
         return
     tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
 
@@ -471,4 +420,4 @@ def stage(pool: StagingPool, src: torch.Tensor, dst: torch.Tensor, done: Callabl
         dst.copy_(tmp)
         done()
 
-    pool.copy(src, tmp, done=cast_then_done, read=read)
+    pool.copy(src, tmp, done=cast_then_done, read=read, mapping=mapping)

@@ -111,7 +111,13 @@ class Staged:
             src = self.reads.materialize(src, label())  # a placeholder not contiguous in the file
         device = dst.device
         self.devices.add(device)
-        stage(self.pool_for(device), src, dst, done, read)
+        pool = self.pool_for(device)
+        mapping = None
+        if pool.registry is not None and isinstance(self.reads, DirectReads) and src.device.type == "cpu":
+            base, ptr = self.reads.file.address(), src.data_ptr()
+            if base <= ptr and ptr + src.nbytes <= base + self.reads.file.size:  # a view of the mapping (not
+                mapping = (base, base + self.reads.file.size)  # bytes decoded into memory): may be registered
+        stage(pool, src, dst, done, read, mapping)
         return True
 
 

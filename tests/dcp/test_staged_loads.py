@@ -56,9 +56,9 @@ def test_the_ring_is_allocated_once_per_reader_and_freed_on_close(tmp_path):
         helpers.assert_tree_equal(helpers.dcp_load(strategies.fresh_like(sd, 1), reader), sd)
     (pool,) = reader._pools.values()
     assert sum(pool.blocks_per_buffer) >= 3 * 4  # the same buffers served all three loads
-    bufs = pool._bufs
+    slots = pool._ring.slots
     reader.close()
-    assert reader._pools == {} and pool._bufs == [] and len(bufs) == 2
+    assert reader._pools == {} and pool._ring.slots == [] and len(slots) == 2
     helpers.assert_tree_equal(helpers.dcp_load(strategies.fresh_like(sd, 1), reader), sd)  # allocated again
 
 

@@ -54,8 +54,8 @@ def test_cuda_load_casts_floats_only(ckpt):
 
 def test_pool_is_pinned_and_bounded():
     with StagingPool("cuda", staging_bytes=1 << 20, staging_buffers=3) as pool:
-        assert all(b.is_pinned() for b in pool._bufs)
-        assert sum(b.numel() for b in pool._bufs) == 3 << 20
+        assert all(b.is_pinned() for b in pool.buffers)
+        assert sum(b.numel() for b in pool.buffers) == 3 << 20
         src = torch.arange(3 << 20, dtype=torch.uint8)
         dst = torch.empty_like(src, device="cuda")
         pool.copy(src, dst)

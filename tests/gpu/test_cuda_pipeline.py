@@ -78,7 +78,7 @@ def test_any_mix_lands_bitwise_equal_to_a_direct_copy(items, buf_kib, buffers, s
     g = torch.Generator().manual_seed(seed)
     cap = buf_kib << 10
     pool = StagingPool("cuda", staging_bytes=cap, staging_buffers=buffers)
-    assert all(b.is_pinned() for b in pool._bufs)
+    assert all(b.is_pinned() for b in pool.buffers)
     pairs, calls = [], []
     with pool:
         for k, (kind, dtype, odd, strided) in enumerate(items):
@@ -182,8 +182,8 @@ def test_the_readers_pool_is_pinned_and_sized(tmp_path):
     reader = MmapReader(tmp_path, staging_bytes=MIB, staging_buffers=3)
     helpers.dcp_load({k: _filled(v.shape, v.dtype, 0) for k, v in sd.items()}, reader)
     pool = _only_pool(reader)
-    assert pool.device.type == "cuda" and all(b.is_pinned() for b in pool._bufs)
-    assert [b.numel() for b in pool._bufs] == [MIB] * 3
+    assert pool.device.type == "cuda" and all(b.is_pinned() for b in pool.buffers)
+    assert [b.numel() for b in pool.buffers] == [MIB] * 3
     reader.close()
 
 
@@ -285,7 +285,7 @@ def test_pinned_memory_stays_at_the_bound(tmp_path, how):
     assert peak - before <= bound + MIB, f"{how}: {peak - before} pinned bytes for a bound of {bound}"
     if reader is not None:
         pool = _only_pool(reader)
-        assert sum(b.numel() for b in pool._bufs) == bound and pool.max_in_use <= count
+        assert sum(b.numel() for b in pool.buffers) == bound and pool.max_in_use <= count
         assert sum(pool.blocks_per_buffer) >= 10 * 3  # the ring really was cycled
         reader.close()
 

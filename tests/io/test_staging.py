@@ -159,7 +159,7 @@ def test_an_error_skips_the_callbacks_but_waits_for_the_copies():
         with pool:
             pool.copy(torch.zeros(8), torch.empty(8), done=lambda: seen.append(1))
             raise RuntimeError("a read failed")
-    assert seen == [] and pool._order == []  # nothing committed, nothing left in flight
+    assert seen == [] and pool._ring.order == []  # nothing committed, nothing left in flight
     pool.close()
     with pytest.raises(ValueError, match="closed"):
         pool.copy(torch.zeros(1), torch.empty(1))
@@ -367,7 +367,7 @@ def test_a_failed_fill_is_raised_to_the_caller_and_commits_nothing():
                 pool.copy(torch.empty(200), torch.empty(200), done=lambda: seen.append(0), read=broken)
                 for i in range(n):
                     pool.copy(torch.zeros(200), torch.empty(200), done=lambda: seen.append(1))
-        assert seen == [] and pool._order == [] and all(f is None for f in pool._sealed)
+        assert seen == [] and pool._ring.order == [] and all(s.sealed is None for s in pool._ring.slots)
     src, out = torch.arange(1000.0), torch.zeros(1000)
     with pool:
         pool.copy(src, out, done=lambda: seen.append(2))
