@@ -19,9 +19,11 @@ of its own, faulting pages in the middle of the transfer. So every host-to-devic
   fills (from a cached file, whose reader says ``parallel``, cut into about equal shares
   for ``FILL_THREADS`` threads: one thread copies out of the page cache at a fraction of a
   PCIe 5 link, 5-10 GB/s against 55 on an H200 host, where 8 threads reached 22-49; from a
-  cold one, in order, one stream suiting the disk's readahead), then issues its copies
-  ``non_blocking`` on a side stream and records an event. So the caller's planning, the
-  fills of one buffer and the device's copies out of the one before all overlap;
+  cold one, handed together to the file's reads (the reader's ``group``), which read them
+  the way measured best for the device: one stream, several buffered streams or several
+  O_DIRECT ones, io/direct_reads.py), then issues its copies ``non_blocking`` on a side
+  stream and records an event. So the caller's planning, the fills of one buffer and the
+  device's copies out of the one before all overlap;
 - before packing a buffer again the caller waits for its fills and that event, so at most
   ``staging_buffers`` are in use; a fill's error comes out of that wait, or of ``flush``;
 - ``done`` callbacks (the reader's ``commit_tensor``) run only once the copy of the
@@ -81,7 +83,11 @@ STATS_HOOK: Callable[[dict[str, Any]], None] | None = None
 
 #: ``read(staged, start, nbytes)``: fill ``staged`` with the source's bytes ``[start, start + nbytes)``.
 #: Any part of a range may be read on its own; a reader with a true ``parallel`` attribute (a
-#: cached file) may be called from several threads at once.
+#: cached file) may be called from several threads at once. A reader that is not ``parallel`` may
+#: carry a ``group`` (not None: the reads of one cold file, with a method ``read_many(items)``) with
+#: ``offset`` (the file offset of the source's byte 0) and ``label`` (the entry, for errors): a buffer's
+#: fills of one group are then handed to it in one call, as ``(staged, file offset, nbytes, label)``
+#: items in buffer order, so that it can read them together the way it reads that file best.
 Reader = Callable[[torch.Tensor, int, int], None]
 #: A read to run when the host leaves the buffer: (reader, staged bytes, source start, nbytes).
 _Fill = tuple[Reader, torch.Tensor, int, int]
@@ -361,13 +367,21 @@ class StagingPool:
 
 def run_fills(fills: list[_Fill], threads: int) -> None:
     """Run a buffer's reads: those of ``parallel`` readers cut into about equal shares for up to
-    ``threads`` threads (this one included), the others in order on this thread."""
+    ``threads`` threads (this one included); those of a reader's ``group`` handed to it in one call
+    on this thread (it may start threads of its own); the others in order on this thread."""
     shared = []
+    grouped: dict[int, tuple[Any, list[tuple[torch.Tensor, int, int, str | None]]]] = {}
     for f in fills:
-        if getattr(f[0], "parallel", False):
+        read = f[0]
+        group = None if getattr(read, "parallel", False) else getattr(read, "group", None)
+        if group is not None:
+            grouped.setdefault(id(group), (group, []))[1].append((f[1], read.offset + f[2], f[3], read.label))
+        elif getattr(read, "parallel", False):
             shared.append(f)
         else:
-            f[0](*f[1:])
+            read(*f[1:])
+    for group, items in grouped.values():
+        group.read_many(items)
     if not shared:
         return
     total = sum(f[3] for f in shared)
