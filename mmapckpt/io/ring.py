@@ -46,10 +46,9 @@ class Slot:
             ev.synchronize()
         return err
 
-    def sealed_wait(self) -> None:
-        """Wait for the filler's work on this buffer (not for its copies); an error is the settle's to raise."""
-        if self.sealed is not None:
-            self.sealed.exception()
+    def sealed_wait(self) -> BaseException | None:
+        """Wait for the filler's work on this buffer (not for its copies); its error, if any."""
+        return self.sealed.exception() if self.sealed is not None else None
 
 
 class Ring:
@@ -95,10 +94,11 @@ class Ring:
         finally:
             self._stats["wait_s"] += time.perf_counter() - t0
 
-    def wait_fills(self) -> None:
-        """Wait until the filler has finished with every buffer handed to it (not for their copies)."""
-        for i in self.order:
-            self.slots[i].sealed_wait()
+    def wait_fills(self) -> BaseException | None:
+        """Wait until the filler has finished with every buffer handed to it (not for their copies); the first
+        fill error, if any."""
+        errors = [e for e in (self.slots[i].sealed_wait() for i in self.order) if e is not None]
+        return errors[0] if errors else None
 
     def settle_all(self, side: DeviceSide, *, commit: bool) -> None:
         """Wait for everything in flight; then run the callbacks if ``commit`` and no fill failed, else raise

@@ -245,20 +245,27 @@ class StagingPool:
         """Wait until every copy issued has finished, then run their ``done`` callbacks (unless ``commit`` is
         False). A fill that failed is raised here (when committing), after everything in flight has settled."""
         with self._lock:
-            self.seal(run=commit)  # a load that failed: its targets are not used, nothing more is read
+            try:
+                self.seal(run=commit)  # a load that failed: its targets are not used, nothing more is read
+            except BaseException:
+                self._ring.settle_all(self._side, commit=False)
+                raise
             self._ring.settle_all(self._side, commit=commit)
 
     def seal(self, *, run: bool = True) -> None:
         """The host leaves the current buffer (its fills and copies go to the filler), and returns once no
-        fill handed to :meth:`copy` is left to run: its sources and files may then be closed. ``run=False``
-        (after an error) drops the current buffer's fills and has the queued ones skip theirs."""
+        fill handed to :meth:`copy` is left to run: its sources and files may then be closed. A fill that
+        failed is raised. ``run=False`` (after an error) drops the current buffer's fills, has the queued
+        ones skip theirs, and raises nothing."""
         with self._lock:
             self._leave(run=run)
             self._abandon = not run
             try:
-                self._ring.wait_fills()
+                error = self._ring.wait_fills()
             finally:
                 self._abandon = False
+            if run and error is not None:
+                raise error
 
     def close(self) -> None:
         """Wait for the copies in flight and free the buffers (the pool cannot be used afterwards)."""
