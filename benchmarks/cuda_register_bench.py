@@ -93,12 +93,9 @@ class Bench:
 
     def pieces(self, window: int) -> list[tuple[int, int]]:
         """(offset, length) of the file's window-aligned pieces (as the registry tiles it)."""
-        out, k = [], self.lo // window
-        while k * window < self.lo + self.size:
-            start, end = max(k * window, self.lo), min((k + 1) * window, self.lo + self.size)
-            out.append((start - self.lo, end - start))
-            k += 1
-        return out
+        from mmapckpt.io.host_register import window_spans
+
+        return [(s - self.lo, e - s) for s, e in window_spans(self.lo, self.size, *self.bounds, window)]
 
     def registry(self, budget: int, window: int):
         from mmapckpt.io.host_register import HostRegistry

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from .host_drivers import (DEFAULT_WINDOW_BYTES, PAGE, CudaHostDriver, HostDriver, HostRegisterError,
                            RecordingDriver, cuda_host_driver)
 
-__all__ = ["HostRegistry", "RegisteredRange", "RegistryStats", "HostDriver", "HostRegisterError", "CudaHostDriver",
+__all__ = ["HostRegistry", "RegisteredRange", "RegistryStats", "window_spans", "HostDriver", "HostRegisterError", "CudaHostDriver",
            "cuda_host_driver", "RecordingDriver", "PAGE", "DEFAULT_WINDOW_BYTES"]
 
 
@@ -247,19 +247,14 @@ class HostRegistry:
     # -- the books (under the lock) --------------------------------------------------------
 
     def _spans(self, ptr: int, nbytes: int, lo: int, hi: int) -> list[tuple[int, int]]:
-        """The tiles covering the range: window k's address range clipped to ``[lo, hi)``."""
-        w, out = self.window_bytes, []
-        k = ptr // w
-        while nbytes and k * w < ptr + nbytes:
-            start, end = max(k * w, lo), min((k + 1) * w, hi)
-            for s in self._windows.get(k, ()):
+        spans = window_spans(ptr, nbytes, lo, hi, self.window_bytes)
+        for start, end in spans:
+            for s in self._windows.get(start // self.window_bytes, ()):
                 t = self._tiles[s]
                 if t.start < end and t.end > start and (t.start, t.end, t.lo) != (start, end, lo):
                     raise ValueError(f"tile [{start:#x}, {end:#x}) overlaps a registration of another mapping "
                                      f"[{t.start:#x}, {t.end:#x}): forget() a mapping's tiles before closing it")
-            out.append((start, end))
-            k += 1
-        return out
+        return spans
 
     def _make_room(self, need: int, wanted: set[int]) -> bool:
         if need > self.budget_bytes:
@@ -308,6 +303,15 @@ class HostRegistry:
             self._disabled = reason
         while self._idle:  # nothing will reuse them now
             self._unregister(next(iter(self._idle.values())))
+
+
+def window_spans(ptr: int, nbytes: int, lo: int, hi: int, window: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of the tiles covering ``[ptr, ptr + nbytes)``: window-aligned, clipped to ``[lo, hi)``."""
+    out, k = [], ptr // window
+    while nbytes and k * window < ptr + nbytes:
+        out.append((max(k * window, lo), min((k + 1) * window, hi)))
+        k += 1
+    return out
 
 
 def _round_up(n: int) -> int:
