@@ -72,12 +72,15 @@ class CudaHostDriver:
     """:class:`HostDriver` over ``torch.cuda.cudart()``'s cudaHostRegister/cudaHostUnregister.
 
     Args:
-        flags: cudaHostRegister flags; read-only by default (see the module docstring).
+        flags: cudaHostRegister flags. Read-only (see :mod:`mmapckpt.io.host_register`) and
+            portable by default: without ``cudaHostRegisterPortable`` the pages count as pinned
+            only in the context current on the registering thread, and torch's current device
+            is per thread (a filler thread sits on device 0 while the copies go to cuda:1).
         libcudart: torch's libcudart by ctypes, to clear a refusal from the runtime's
             last-error slot; None where it is not reachable.
     """
 
-    def __init__(self, flags: int = FLAG_READ_ONLY, libcudart: ctypes.CDLL | None = None) -> None:
+    def __init__(self, flags: int = FLAG_READ_ONLY | FLAG_PORTABLE, libcudart: ctypes.CDLL | None = None) -> None:
         import torch
 
         self.flags = flags

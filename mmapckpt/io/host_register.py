@@ -112,11 +112,6 @@ class HostRegistry:
         window_bytes: the tile size, a positive multiple of the page size.
         keep: keep unused tiles registered (least recently used evicted first) while the
             budget allows, for repeated loads of the same files; else unregister them at once.
-
-    Example:
-        >>> reg = HostRegistry(1 << 30, driver)             # doctest: +SKIP
-        >>> h = reg.acquire(ptr, n, bounds=(lo, hi))          # doctest: +SKIP
-        >>> ... copy_(non_blocking=True); event.synchronize(); reg.release(h)  # doctest: +SKIP
     """
 
     def __init__(self, budget_bytes: int, driver: HostDriver, *, window_bytes: int = DEFAULT_WINDOW_BYTES,
@@ -154,8 +149,8 @@ class HostRegistry:
             them, or stage instead) or the registry is disabled or closed.
 
         Raises:
-            ValueError: the range lies outside ``bounds``, ``lo`` is not page-aligned, or a tile
-                registered for another mapping overlaps it (a mapping closed without :meth:`forget`).
+            ValueError: the range is outside ``bounds``, ``lo`` is not page-aligned, or a tile of
+                another mapping overlaps it (a mapping closed without :meth:`forget`).
         """
         lo, hi = bounds
         if lo % PAGE or nbytes < 0 or ptr < lo or ptr + nbytes > hi:
@@ -167,6 +162,8 @@ class HostRegistry:
             missing = [s for s in spans if s[0] not in self._tiles]
             if not self._make_room(sum(e - s for s, e in missing), {s for s, _ in spans}):
                 self._refused += 1
+                return None
+            if self._disabled is not None:  # an eviction's unregistration was refused
                 return None
             done: list[_Tile] = []
             for start, end in missing:
@@ -259,10 +256,10 @@ class HostRegistry:
     def _make_room(self, need: int, wanted: set[int]) -> bool:
         if need > self.budget_bytes:
             return False
-        for start in [s for s in self._idle if s not in wanted]:
+        for tile in [t for s, t in self._idle.items() if s not in wanted]:
             if self._bytes + need <= self.budget_bytes:
                 break
-            self._unregister(self._idle[start])
+            self._unregister(tile)
         return self._bytes + need <= self.budget_bytes
 
     def _register(self, start: int, end: int, lo: int) -> _Tile | None:
@@ -282,6 +279,8 @@ class HostRegistry:
         return tile
 
     def _unregister(self, tile: _Tile) -> None:
+        if self._tiles.get(tile.start) is not tile:  # gone already (a refusal dropped the idle tiles)
+            return
         del self._tiles[tile.start]
         window = self._windows[tile.start // self.window_bytes]
         window.discard(tile.start)

@@ -200,6 +200,28 @@ def test_a_refused_unregistration_disables_the_registry(tmp_path, driver):
     reg.close()
 
 
+def test_a_refusal_while_forgetting_kept_tiles_leaves_consistent_books(tmp_path, driver):
+    class RefusesOnce(RecordingDriver):
+        refused = False
+
+        def unregister(self, ptr):
+            super().unregister(ptr)
+            if not self.refused:
+                self.refused = True
+                raise HostRegisterError("cudaHostUnregister refused: invalid argument (1)", 1)
+
+    d = RefusesOnce()
+    m = Mapping(tmp_path, "a", 16 * PAGE, d)
+    reg = HostRegistry(1 << 30, d, window_bytes=W, keep=True)
+    for s, _ in _tiles_of(m, 0, 16 * PAGE):
+        reg.release(reg.acquire(s, PAGE, m.bounds))   # several idle tiles
+    reg.forget(m.bounds)                              # the first refusal drops the other idle tiles meanwhile
+    assert "unregistration refused" in reg.disabled
+    assert d.registered == {} and reg.stats().registered_bytes == 0 and d.violations == []
+    m.close()
+    reg.close()
+
+
 def test_close_unregisters_everything_and_is_idempotent(tmp_path, driver):
     m = Mapping(tmp_path, "a", 12 * PAGE, driver)
     reg = HostRegistry(1 << 30, driver, window_bytes=W, keep=True)
