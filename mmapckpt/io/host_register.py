@@ -11,7 +11,11 @@ writable registration pins its pages for writing, which breaks copy-on-write: th
 would copy every page into anonymous memory, the opposite of the aim. ``cudaHostRegisterReadOnly``
 (flag 8, CUDA 11.1+, where the device attribute ``cudaDevAttrHostRegisterReadOnlySupported``,
 113, is 1) pins the page-cache pages as they are. Pinned pages cannot be evicted, so the
-registry below bounds them (``budget_bytes``) and unregisters them when asked.
+registry below bounds them (``budget_bytes``) and unregisters them when asked. Registering
+faults in every page not yet mapped, so on a cold file it is a synchronous, fault-driven
+read: registration suits cached files. Not yet seen on a GPU (tests/gpu/test_cuda_register.py
+will tell): that the driver pins a MAP_PRIVATE file mapping's page-cache pages read-only as
+documented, rather than refusing them.
 
 What torch 2.13 exposes (torch/csrc/cuda/shared/cudart.cpp, ``torch.cuda.cudart()``):
 ``cudaHostRegister(ptr, size, flags)`` and ``cudaHostUnregister(ptr)`` (both release the
