@@ -57,15 +57,19 @@ keeps the books simple.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
+from .sizes import parse_size
 from .host_drivers import (DEFAULT_WINDOW_BYTES, PAGE, CudaHostDriver, HostDriver, HostRegisterError,
                            RecordingDriver, cuda_host_driver)
 
-__all__ = ["HostRegistry", "RegisteredRange", "RegistryStats", "window_spans", "HostDriver", "HostRegisterError", "CudaHostDriver",
+__all__ = ["registry_from_env", "REGISTER_ENV", "HostRegistry", "RegisteredRange", "RegistryStats", "window_spans", "HostDriver", "HostRegisterError", "CudaHostDriver",
            "cuda_host_driver", "RecordingDriver", "PAGE", "DEFAULT_WINDOW_BYTES"]
 
 
@@ -319,3 +323,27 @@ def window_spans(ptr: int, nbytes: int, lo: int, hi: int, window: int) -> list[t
 
 def _round_up(n: int) -> int:
     return -(-n // PAGE) * PAGE
+
+
+#: The environment variable that turns on registered copies in the staging pipeline (:func:`registry_from_env`).
+REGISTER_ENV = "MMAPCKPT_REGISTER_BYTES"
+
+
+def registry_from_env(device: Any) -> HostRegistry | None:
+    """``MMAPCKPT_REGISTER_BYTES`` (a size: ``1GiB``, ``268435456``; unset or 0: off, the default): for a CUDA
+    device, a registry of at most that many bytes of mapped file pages, so that staged loads of cached files
+    are copied by the device straight from the page cache (io/host_register.py). Experimental: not yet
+    measured on a GPU. Where the driver cannot register read-only, a warning says why and loads stage."""
+    text = os.environ.get(REGISTER_ENV, "").strip()
+    if text in ("", "0") or device.type != "cuda":
+        return None
+    try:
+        budget = parse_size(text)
+    except ValueError as e:
+        raise ValueError(f"{REGISTER_ENV}: {e}") from None
+    driver, reason = cuda_host_driver(device.index)
+    if driver is None:
+        warnings.warn(f"{REGISTER_ENV} is set, but the mapped files cannot be registered ({reason}); "
+                      "loads stage through pinned buffers instead", RuntimeWarning, stacklevel=3)
+        return None
+    return HostRegistry(budget, driver, window_bytes=max(PAGE, min(DEFAULT_WINDOW_BYTES, budget // 4 // PAGE * PAGE)))

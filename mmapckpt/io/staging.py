@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .host_register import registry_from_env
 from .reads import reader_pool
 from .ring import DeviceSide, Filler, Gather, Ring, Slot
 
@@ -182,9 +183,8 @@ class StagingPool:
     A buffer's fills and copies run on the pool's filler thread while the caller packs the
     next one (see the module's docstring); :attr:`stats` says where the time went.
 
-    ``registry`` (a :class:`~mmapckpt.io.host_register.HostRegistry`): sources that are views of a
-    file mapping (``copy(mapping=...)``) are copied by the device straight from their registered
-    pages, no staging buffer between, at most the registry's budget registered at once.
+    ``registry`` (io/host_register.py; default :func:`registry_from_env`): views of a file mapping
+    (``copy(mapping=...)``) are copied by the device straight from their registered pages.
 
     Example:
         >>> with StagingPool("cuda") as pool:
@@ -199,12 +199,13 @@ class StagingPool:
                              f"{staging_bytes}")
         self.device = torch.device(device)
         pin = self.device.type != "cpu" if pin is None else pin
-        self.staging_bytes, self.registry = staging_bytes, registry
+        self.staging_bytes = staging_bytes
+        self.registry = registry if registry is not None else registry_from_env(self.device)
         #: seconds the caller waited for a buffer to come free (its fills and copies), the filler spent
         #: filling and issuing copies; buffers sealed; bytes copied from registered pages (kept across loads)
         self.stats = {"wait_s": 0.0, "fill_s": 0.0, "issue_s": 0.0, "buffers": 0, "registered_bytes": 0}
         self._ring = Ring(staging_buffers, staging_bytes, pin, self.stats,
-                          registry.release if registry is not None else lambda handle: None)
+                          self.registry.release if self.registry is not None else lambda handle: None)
         self._fills: list[_Fill] = []  # the current buffer's fills, run when the host leaves it
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # then its (target, source) copies
         self._cur: int | None = None  # the buffer being packed, how far, and the next one to take
@@ -276,8 +277,7 @@ class StagingPool:
             if self.registry is not None:
                 self.registry.close()
             if STATS_HOOK is not None:
-                STATS_HOOK(dict(self.stats, device=str(self.device), staging_bytes=self.staging_bytes,
-                                staging_buffers=count, max_in_use=self.max_in_use))
+                STATS_HOOK(_report(self, count))
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: torch.Tensor, dst: torch.Tensor, *, done: Callable[[], None] | None = None,
@@ -298,11 +298,16 @@ class StagingPool:
         if self._closed:
             raise ValueError("the staging pool is closed")
         with self._lock:
-            if mapping is not None and self.registry is not None and self._registered(src, dst, mapping, done):
-                return
             last = None
-            for b in plan_blocks(tuple(src.shape), src.element_size(), self.staging_bytes):
-                last = self._put(src, dst, b, read)
+            if mapping is not None and self.registry is not None and src.is_contiguous() and src.device.type == "cpu":
+                for b in plan_blocks(tuple(src.shape), src.element_size(), self.registry.window_bytes):
+                    last = self._registered(src[b.index], dst[b.index], mapping)
+                    if last is None:  # over the budget with nothing in flight, or the registry refused: stage it
+                        for piece in plan_blocks(tuple(src[b.index].shape), src.element_size(), self.staging_bytes):
+                            last = self._put(src[b.index], dst[b.index], piece, read and _Shifted(read, b.start))
+            else:
+                for b in plan_blocks(tuple(src.shape), src.element_size(), self.staging_bytes):
+                    last = self._put(src, dst, b, read)
             if done is not None and last is None:  # nothing to copy (an empty tensor): complete at once
                 done()
             elif done is not None:
@@ -317,27 +322,23 @@ class StagingPool:
         slot.blocks += 1
         return i
 
-    def _registered(self, src: torch.Tensor, dst: torch.Tensor, mapping: tuple[int, int],
-                    done: Callable[[], None] | None) -> bool:
-        """Copy ``src`` straight from its registered pages, riding on the current buffer (its windows are
-        released once that buffer's copies have completed); False where the registry cannot take it."""
-        if src.device.type != "cpu" or not src.is_contiguous() or not src.numel():
-            return False
+    def _registered(self, src: torch.Tensor, dst: torch.Tensor, mapping: tuple[int, int]) -> int | None:
+        """Copy contiguous ``src`` straight from its registered pages, riding on the current buffer (its windows
+        are released once that buffer's copies have completed): that buffer; None where the registry cannot."""
         handle = self.registry.acquire(src.data_ptr(), src.nbytes, bounds=mapping)
         order = self._ring.order
-        while handle is None and order and order[0] != self._cur:
-            self._ring.wait_through(order[0])  # over the budget: the oldest buffer's windows come free with its copies
+        while handle is None and order:  # over the budget: the oldest buffer's windows come free with its copies
+            if order[0] == self._cur:
+                self._leave(run=True)  # the only one: hand it to the filler first
+            self._ring.wait_through(order[0])
             handle = self.registry.acquire(src.data_ptr(), src.nbytes, bounds=mapping)
         if handle is None:
-            return False
+            return None
         i, _ = self._space(0)
-        slot = self._ring.slots[i]
-        slot.held.append((handle, src))  # src keeps the mapping alive under the copy
+        self._ring.slots[i].held.append((handle, src))  # src keeps the mapping alive under the copy
         self._copies.append((dst, src))
-        if done is not None:
-            slot.done.append(done)
         self.stats["registered_bytes"] += src.nbytes
-        return True
+        return i
 
     def _space(self, nbytes: int) -> tuple[int, int]:
         """A place for ``nbytes``: after what the current buffer holds, or at the start of the next one."""
@@ -370,6 +371,30 @@ class StagingPool:
         slot.event = self._side.issue(copies)
         self.stats["fill_s"] += t1 - t0
         self.stats["issue_s"] += time.perf_counter() - t1
+
+
+def _report(pool: StagingPool, count: int) -> dict[str, Any]:
+    """A closed pool's counters, its shape, and its registry's, for :data:`STATS_HOOK`."""
+    out = dict(pool.stats, device=str(pool.device), staging_bytes=pool.staging_bytes, staging_buffers=count,
+               max_in_use=pool.max_in_use)
+    if pool.registry is not None:
+        r = pool.registry.stats()
+        out.update(register_s=r.register_s, unregister_s=r.unregister_s, registrations=r.registrations,
+                   register_peak_bytes=r.peak_bytes)
+    return out
+
+
+class _Shifted:
+    """A reader of a piece of a source: ``read``'s bytes from ``shift`` on (its ``parallel`` and ``group`` kept)."""
+
+    def __init__(self, read: Reader, shift: int) -> None:
+        self.read, self.shift = read, shift
+        self.parallel = getattr(read, "parallel", False)
+        if getattr(read, "group", None) is not None:
+            self.group, self.offset, self.label = read.group, read.offset + shift, read.label  # type: ignore[attr-defined]
+
+    def __call__(self, staged: torch.Tensor, start: int, nbytes: int) -> None:
+        self.read(staged, start + self.shift, nbytes)
 
 
 def run_fills(fills: list[_Fill], threads: int) -> None:

@@ -113,7 +113,9 @@ class Staged:
         self.devices.add(device)
         pool = self.pool_for(device)
         mapping = None
-        if pool.registry is not None and isinstance(self.reads, DirectReads) and src.device.type == "cpu":
+        # registering a cold file's pages would read it by page faults: only cached files' pages are registered
+        if (pool.registry is not None and isinstance(self.reads, DirectReads) and self.reads.cached
+                and src.device.type == "cpu"):
             base, ptr = self.reads.file.address(), src.data_ptr()
             if base <= ptr and ptr + src.nbytes <= base + self.reads.file.size:  # a view of the mapping (not
                 mapping = (base, base + self.reads.file.size)  # bytes decoded into memory): may be registered
