@@ -8,12 +8,14 @@ written, so the transfer of the next tensors overlaps the write of this one.
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["stage_to_host", "DEFAULT_BUDGET"]
+__all__ = ["stage_to_host", "DEFAULT_BUDGET", "host_buffer", "pin_pages", "DeviceCopies"]
 
 DEFAULT_BUDGET = 64 << 20
 
@@ -88,3 +90,89 @@ def stage_to_host(items: Iterable[Any], resolve: Callable[[Any], torch.Tensor],
             s.event.synchronize()
         inflight -= s.nbytes
         yield s.item, s.host
+
+
+# ---------------------------------------------------------------------------- whole-state-dict staging
+#: Host buffers for device tensors are page-aligned and padded to whole pages, so that registering one
+#: with the CUDA driver pins exactly its own pages and never a page another allocation shares.
+_PAGE = 4096
+
+
+def host_buffer(shape: torch.Size, dtype: torch.dtype, *, pinned_for: torch.device | None = None) -> torch.Tensor:
+    """A new contiguous CPU tensor of ``shape`` and ``dtype`` to stage into (contents undefined).
+
+    Args:
+        shape: the tensor's shape.
+        dtype: its dtype.
+        pinned_for: the accelerator whose tensors will be copied into it, or None for plain
+            pageable memory. For CUDA the buffer is page-aligned, padded to whole pages and
+            registered (``cudaHostRegister``), so pinned memory is exactly the bytes staged;
+            for other accelerators it comes from ``pin_memory=True``.
+
+    Returns:
+        The buffer; for CUDA, ``buf.is_pinned()`` is True.
+    """
+    if pinned_for is None:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = dtype.itemsize * math.prod(shape)
+    if pinned_for.type != "cuda" or nbytes == 0:
+        return torch.empty(shape, dtype=dtype, pin_memory=nbytes > 0)
+    padded = -(-nbytes // _PAGE) * _PAGE
+    raw = torch.empty(padded + _PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _PAGE
+    aligned = torch.empty(0, dtype=torch.uint8).set_(raw.untyped_storage(), skip, (padded,))
+    from torch.cuda import _pin_memory_utils as pins  # what DCP's own stager registers with
+
+    pin_pages(raw.untyped_storage(), skip, padded, pins.pin_memory, pins.unpin_memory)
+    return aligned[:nbytes].view(dtype).view(shape)
+
+
+def pin_pages(storage: torch.UntypedStorage, offset: int, nbytes: int,
+              pin: Callable[[int, int], None], unpin: Callable[[int], None]) -> None:
+    """``pin(address, nbytes)`` now, ``unpin(address)`` when ``storage``'s memory is freed.
+
+    The Python storage object lives exactly as long as the memory (PyTorch preserves it
+    while any tensor refers to the storage), so a finalizer on it unregisters the pages
+    only once the last tensor over them is gone, and never after the CUDA context is.
+    """
+    address = storage.data_ptr() + offset
+    pin(address, nbytes)
+    finalizer = weakref.finalize(storage, unpin, address)
+    finalizer.atexit = False
+
+
+class DeviceCopies:
+    """Non-blocking device-to-host copies on one side stream per device, and one wait for them all.
+
+    A side stream is made once per device and kept for later rounds. In each round, before its
+    first copy, it waits for the device's current stream (the producer's work on the source
+    comes first). ``synchronize`` returns once every byte issued in the round is on the host;
+    the caller keeps the sources alive until then.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+        self._round: set[torch.device] = set()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Issue ``dst.copy_(src, non_blocking=True)`` on ``src``'s device's side stream."""
+        mod = torch.get_device_module(src.device)
+        stream = self._streams.get(src.device)
+        if stream is None:
+            stream = self._streams[src.device] = mod.Stream(device=src.device)
+        if src.device not in self._round:
+            stream.wait_stream(mod.current_stream(src.device))
+            self._round.add(src.device)
+        with mod.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued since the last call (one synchronize per device used)."""
+        for device in self._round:
+            self._streams[device].synchronize()
+        self._round.clear()
+
+    def close(self) -> None:
+        """Wait for anything in flight and let the streams go."""
+        self.synchronize()
+        self._streams.clear()
