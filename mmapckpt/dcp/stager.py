@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from ..io.d2h import DeviceCopies, host_buffer
+from ..io.d2h import DeviceCopies, HostBuffer
 
 __all__ = ["PinnedStager"]
 
@@ -42,17 +41,15 @@ _POLL_S = 0.0002
 class _HostCopy:
     """One host copy of a state dict: a buffer per tensor position, and what was handed out over them."""
 
-    __slots__ = ("buffers", "handed")
+    __slots__ = ("buffers",)
 
     def __init__(self) -> None:
-        #: position -> (buffer, the device it is page-locked for or None)
-        self.buffers: dict[Path, tuple[torch.Tensor, torch.device | None]] = {}
-        self.handed: list[weakref.ref[torch.Tensor]] = []
+        self.buffers: dict[Path, HostBuffer] = {}  # position in the state dict -> its buffer
 
     def in_use(self, grace_s: float = 0.0) -> bool:
         """Whether any tensor handed out over these buffers is still referenced after up to ``grace_s`` s."""
         deadline = time.monotonic() + grace_s
-        while any(r() is not None for r in self.handed):
+        while any(b.in_use() for b in self.buffers.values()):
             if time.monotonic() >= deadline:
                 return True
             time.sleep(_POLL_S)  # lets the thread that finished the save drop its references
@@ -104,18 +101,16 @@ class _Staging:
 
     def _tensor(self, x: torch.Tensor, path: Path) -> torch.Tensor:
         pinned_for = x.device if x.device.type != "cpu" else None
-        buf, was_for = self.reuse.buffers.get(path, (None, None))
-        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype or was_for != pinned_for:
-            buf = host_buffer(x.shape, x.dtype, pinned_for=pinned_for)
+        buf = self.reuse.buffers.get(path)
+        if buf is None or not buf.fits(x, pinned_for):
+            buf = HostBuffer(x.shape, x.dtype, pinned_for)
             self.allocated += 1
-        self.result.buffers[path] = (buf, pinned_for)
+        self.result.buffers[path] = buf
         if pinned_for is None:
-            buf.copy_(x.detach())
+            buf.target.copy_(x.detach())
         else:
-            self.copies.copy(buf, x.detach())
-        handed = buf.view(buf.shape)  # a tensor of its own over the buffer: its life says whether it is in use
-        self.result.handed.append(weakref.ref(handed))
-        return handed
+            self.copies.copy(buf.target, x.detach())
+        return buf.hand_out()
 
     def _sharded(self, x: ShardedTensor, path: Path) -> ShardedTensor:
         shards = []

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["stage_to_host", "DEFAULT_BUDGET", "host_buffer", "pin_pages", "DeviceCopies"]
+__all__ = ["stage_to_host", "DEFAULT_BUDGET", "HostBuffer", "pin_pages", "DeviceCopies"]
 
 DEFAULT_BUDGET = 64 << 20
 
@@ -98,33 +98,59 @@ def stage_to_host(items: Iterable[Any], resolve: Callable[[Any], torch.Tensor],
 _PAGE = 4096
 
 
-def host_buffer(shape: torch.Size, dtype: torch.dtype, *, pinned_for: torch.device | None = None) -> torch.Tensor:
-    """A new contiguous CPU tensor of ``shape`` and ``dtype`` to stage into (contents undefined).
+class HostBuffer:
+    """Host memory for one staged tensor, and the tensors handed out over it.
 
-    Args:
-        shape: the tensor's shape.
-        dtype: its dtype.
-        pinned_for: the accelerator whose tensors will be copied into it, or None for plain
-            pageable memory. For CUDA the buffer is page-aligned, padded to whole pages and
-            registered (``cudaHostRegister``), so pinned memory is exactly the bytes staged;
-            for other accelerators it comes from ``pin_memory=True``.
+    ``target`` is what copies go into. ``hand_out()`` returns a tensor over the same memory
+    but with a storage of its own (through numpy), so the life of that storage, which every
+    view and slice of the tensor shares, says whether anything still uses the memory:
+    ``in_use()``. A weak reference to a tensor would not: a slice of it lets the tensor go.
 
-    Returns:
-        The buffer; for CUDA, ``buf.is_pinned()`` is True.
+    For a CUDA tensor (``pinned_for`` a CUDA device) the memory is page-aligned, padded to whole
+    pages and registered with the driver (``cudaHostRegister``), so exactly the staged bytes are
+    page-locked, where ``pin_memory=True`` (the caching host allocator) rounds each block up to
+    a power of two, up to twice the state dict; for another accelerator it comes from
+    ``pin_memory=True``; for None it is plain pageable memory.
     """
-    if pinned_for is None:
-        return torch.empty(shape, dtype=dtype)
-    nbytes = dtype.itemsize * math.prod(shape)
-    if pinned_for.type != "cuda" or nbytes == 0:
-        return torch.empty(shape, dtype=dtype, pin_memory=nbytes > 0)
+
+    __slots__ = ("shape", "dtype", "pinned_for", "target", "_array", "_handed")
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, pinned_for: torch.device | None) -> None:
+        self.shape, self.dtype, self.pinned_for = torch.Size(shape), dtype, pinned_for
+        raw = _allocate(dtype.itemsize * math.prod(shape), pinned_for)
+        self.target = raw.view(dtype).view(shape)
+        self._array = raw.numpy()
+        self._handed: list[weakref.ref[torch.UntypedStorage]] = []
+
+    def fits(self, t: torch.Tensor, pinned_for: torch.device | None) -> bool:
+        """Whether ``t`` can be staged here (same shape, dtype and page-locking)."""
+        return self.shape == t.shape and self.dtype == t.dtype and self.pinned_for == pinned_for
+
+    def hand_out(self) -> torch.Tensor:
+        """A tensor over the memory, watched by ``in_use``."""
+        t = torch.from_numpy(self._array)
+        self._handed.append(weakref.ref(t.untyped_storage()))
+        return t.view(self.dtype).view(self.shape)
+
+    def in_use(self) -> bool:
+        """Whether any tensor handed out (or a view of one) is still alive."""
+        self._handed = [r for r in self._handed if r() is not None]
+        return bool(self._handed)
+
+
+def _allocate(nbytes: int, pinned_for: torch.device | None) -> torch.Tensor:
+    """``nbytes`` of host memory as a 1-D uint8 tensor (see HostBuffer)."""
+    if pinned_for is None or nbytes == 0:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    if pinned_for.type != "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    from torch.cuda import _pin_memory_utils as pins  # what DCP's own stager registers with
+
     padded = -(-nbytes // _PAGE) * _PAGE
     raw = torch.empty(padded + _PAGE, dtype=torch.uint8)
     skip = -raw.data_ptr() % _PAGE
-    aligned = torch.empty(0, dtype=torch.uint8).set_(raw.untyped_storage(), skip, (padded,))
-    from torch.cuda import _pin_memory_utils as pins  # what DCP's own stager registers with
-
     pin_pages(raw.untyped_storage(), skip, padded, pins.pin_memory, pins.unpin_memory)
-    return aligned[:nbytes].view(dtype).view(shape)
+    return raw[skip:skip + nbytes]
 
 
 def pin_pages(storage: torch.UntypedStorage, offset: int, nbytes: int,
