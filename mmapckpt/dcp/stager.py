@@ -156,15 +156,23 @@ class PinnedStager(AsyncStager):
     page-locked, by registering exactly their pages with the driver (``cudaHostRegister``;
     ``pin_memory`` on other accelerators); a CPU-only state dict is staged into plain memory, as
     page-locking it would only cost time. Between saves the stager holds one host copy of the
-    state dict, as any asynchronous save must, and nothing more.
+    state dict, as any asynchronous save must, and nothing more (a page-locked buffer is padded
+    to whole 4 KiB pages: at most 8 KiB more per accelerator tensor).
 
     Safety: the buffers of a staged state dict are never overwritten while any tensor handed out
-    in it is still referenced (``dcp.async_save`` holds it until its write has finished). If the
+    in it, or any view or slice of one, is still referenced (each is watched through a storage
+    of its own over the buffer); ``dcp.async_save`` holds the staged dict until its write has
+    finished. If the
     previous save is still writing when ``stage`` is called, this one is staged into a fresh set
     of buffers instead (after waiting up to ``grace_s``, 5 ms by default, for the save's thread
     to let go of it): it costs an allocation (and page-locking) of the whole state dict, and,
     until the older save finishes, two host copies. Wait for the previous save's future before
     the next ``async_save`` to avoid it. ``fresh_copies`` counts how often that happened.
+
+    Args:
+        grace_s: how long ``stage`` waits for the previous staged dict to be let go (a finished
+            save's thread drops it a moment after its future completes) before staging into
+            fresh buffers instead (see Safety).
 
     Attributes:
         allocations: host buffers allocated so far (equal to the number of tensors after the
@@ -176,13 +184,7 @@ class PinnedStager(AsyncStager):
     _synchronize_after_execute: bool = False
 
     def __init__(self, *, grace_s: float = DEFAULT_GRACE_S) -> None:
-        """Make a stager; its buffers are allocated by the first ``stage``.
-
-        Args:
-            grace_s: how long ``stage`` waits for the previous staged dict to be let go (a
-                finished save's thread drops it a moment after its future completes) before
-                staging into fresh buffers instead (see Safety).
-        """
+        """Make a stager; its buffers are allocated by the first ``stage`` (see the class for ``grace_s``)."""
         self._grace_s = grace_s
         self._copy: _HostCopy | None = _HostCopy()
         self._copies = DeviceCopies()

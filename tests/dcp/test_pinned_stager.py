@@ -209,8 +209,23 @@ def test_the_page_lock_is_released_only_with_the_last_tensor_over_the_memory() -
     assert calls == [("pin", address), ("unpin", address)]
 
 
-# ---------------------------------------------------------------------------- two gloo ranks, DTensors
+# ---------------------------------------------------------------------------- two gloo ranks: DTensor, ShardedTensor
+def _sharded(world: int) -> Any:
+    """A ShardedTensor (rowwise chunks) over the seeded "st" tensor."""
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    full = helpers.seeded_tensor("st", (9, 4), torch.float16)
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])
+    st = sharded_tensor.empty(spec, 9, 4, dtype=torch.float16, init_rrefs=False)
+    for s in st.local_shards():
+        (o, _), (n, _) = s.metadata.shard_offsets, s.metadata.shard_sizes
+        s.tensor.copy_(full[o:o + n])
+    return st
+
+
 def _dtensor_ranks(rank: int, world: int, root: str) -> None:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -219,32 +234,39 @@ def _dtensor_ranks(rank: int, world: int, root: str) -> None:
     def state() -> dict[str, Any]:
         return {"w": distribute_tensor(helpers.seeded_tensor("w", (7, 6), torch.bfloat16), mesh, [Shard(0)]),
                 "r": distribute_tensor(helpers.seeded_tensor("r", (5,), torch.float32), mesh, [Replicate()]),
-                "plain": helpers.seeded_tensor("p", (4,), torch.float8_e4m3fn), "step": 7}
+                "st": _sharded(world), "plain": helpers.seeded_tensor("p", (4,), torch.float8_e4m3fn), "step": 7}
 
-    sd, want = state(), state()
+    def local(sd: dict[str, Any]) -> list[torch.Tensor]:
+        return [sd["w"].to_local(), sd["r"].to_local(), sd["st"].local_shards()[0].tensor, sd["plain"]]
+
+    sd = state()
+    want = local(state())
     st = PinnedStager(grace_s=30.0)
     staged = st.stage(sd)
     assert isinstance(staged["w"], DTensor) and staged["w"].placements == sd["w"].placements
     assert staged["w"].to_local().device.type == "cpu" and staged["w"].shape == sd["w"].shape
-    del staged
+    assert isinstance(staged["st"], ShardedTensor) and staged["st"].metadata() == sd["st"].metadata()
+    for a, b in zip(local(staged), local(sd)):
+        helpers.assert_bitwise_equal(a, b, f"staged rank {rank}")
+        assert a.data_ptr() != b.data_ptr()
+    del staged, a, b
     for i in range(2):
         path = os.path.join(root, str(i))
         fut = dcp.async_save(sd, storage_writer=MmapWriter(path), async_stager=st)
-        for t in (sd["w"].to_local(), sd["r"].to_local(), sd["plain"]):
+        for t in local(sd):
             t.view(torch.uint8).bitwise_not_()
         fut.result()
         got = state()
-        for t in (got["w"].to_local(), got["r"].to_local(), got["plain"]):
+        for t in local(got):
             t.view(torch.uint8).fill_(0x5A)
         dcp.load(got, storage_reader=MmapReader(path))
-        for k in ("w", "r"):
-            helpers.assert_bitwise_equal(got[k].to_local(), want[k].to_local(), f"{k} rank {rank} save {i}")
-        helpers.assert_bitwise_equal(got["plain"], want["plain"], f"plain rank {rank} save {i}")
-        want = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
-    assert st.allocations == 3 and st.fresh_copies == 0, (st.allocations, st.fresh_copies)
+        for k, a, b in zip(("w", "r", "st", "plain"), local(got), want):
+            helpers.assert_bitwise_equal(a, b, f"{k} rank {rank} save {i}")
+        want = [t.clone() for t in local(sd)]
+    assert st.allocations == 4 and st.fresh_copies == 0, (st.allocations, st.fresh_copies)
     st.close()
 
 
 @pytest.mark.distributed
-def test_dtensors_on_two_gloo_ranks(tmp_path) -> None:
+def test_dtensors_and_sharded_tensors_on_two_gloo_ranks(tmp_path) -> None:
     helpers.run_distributed(_dtensor_ranks, 2, str(tmp_path))

@@ -28,6 +28,7 @@ def _state_dict() -> dict:
 def test_stage_copies_into_reused_pinned_buffers_and_is_complete_on_return() -> None:
     sd = _state_dict()
     st = PinnedStager()
+    last: list[int] = []
     for i in range(3):
         want = {k: sd[k].cpu() for k in ("w", "fp8", "big", "t", "cpu")}
         # queue work on the current stream that the copy must wait for: the staged bytes are these
@@ -45,7 +46,7 @@ def test_stage_copies_into_reused_pinned_buffers_and_is_complete_on_return() -> 
             assert staged[k].is_pinned(), k
         assert not staged["cpu"].is_pinned()  # CPU tensors are staged into plain memory
         ptrs = [staged[k].data_ptr() for k in want]
-        if i:
+        if last:
             assert ptrs == last, "the buffers were not reused"
         last = ptrs
         del staged
