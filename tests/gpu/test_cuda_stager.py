@@ -30,7 +30,7 @@ def test_stage_copies_into_reused_pinned_buffers_and_is_complete_on_return() -> 
     st = PinnedStager()
     last: list[int] = []
     for i in range(3):
-        want = {k: sd[k].cpu() for k in ("w", "fp8", "big", "t", "cpu")}
+        want = {k: sd[k].to("cpu", copy=True) for k in ("w", "fp8", "big", "t", "cpu")}
         # queue work on the current stream that the copy must wait for: the staged bytes are these
         sd["big"].mul_(2.0)
         want["big"] = want["big"] * 2.0
@@ -58,7 +58,7 @@ def test_stage_copies_into_reused_pinned_buffers_and_is_complete_on_return() -> 
 def test_async_save_from_cuda_is_bitwise_the_state_at_the_call(tmp_path) -> None:
     sd = _state_dict()
     flat = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    want = {k: v.cpu() for k, v in flat.items()}
+    want = {k: v.to("cpu", copy=True) for k, v in flat.items()}
     st = PinnedStager()
     fut = dcp.async_save(flat, storage_writer=MmapWriter(str(tmp_path)), async_stager=st, no_dist=True)
     for v in flat.values():
