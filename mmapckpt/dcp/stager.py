@@ -39,7 +39,7 @@ _POLL_S = 0.0002
 
 
 class _HostCopy:
-    """One host copy of a state dict: a buffer per tensor position, and what was handed out over them."""
+    """One host copy of a state dict: a buffer per tensor position."""
 
     __slots__ = ("buffers",)
 
@@ -57,7 +57,7 @@ class _HostCopy:
 
 
 class _Staging:
-    """One ``stage`` call: walks the state dict, copies tensors into buffers of ``reuse`` or new ones."""
+    """One ``stage`` call: walks the state dict, copies tensors into the free buffers of ``reuse`` or new ones."""
 
     def __init__(self, reuse: _HostCopy, copies: DeviceCopies) -> None:
         self.reuse, self.copies = reuse, copies
@@ -102,7 +102,7 @@ class _Staging:
     def _tensor(self, x: torch.Tensor, path: Path) -> torch.Tensor:
         pinned_for = x.device if x.device.type != "cpu" else None
         buf = self.reuse.buffers.get(path)
-        if buf is None or not buf.fits(x, pinned_for):
+        if buf is None or not buf.fits(x, pinned_for) or buf.in_use():  # never under a tensor still alive
             buf = HostBuffer(x.shape, x.dtype, pinned_for)
             self.allocated += 1
         self.result.buffers[path] = buf
@@ -163,9 +163,10 @@ class PinnedStager(AsyncStager):
     in it, or any view or slice of one, is still referenced (each is watched through a storage
     of its own over the buffer); ``dcp.async_save`` holds the staged dict until its write has
     finished. If the
-    previous save is still writing when ``stage`` is called, this one is staged into a fresh set
-    of buffers instead (after waiting up to ``grace_s``, 5 ms by default, for the save's thread
-    to let go of it): it costs an allocation (and page-locking) of the whole state dict, and,
+    previous save is still writing when ``stage`` is called, this one is staged into fresh
+    buffers instead (after waiting up to ``grace_s``, 5 ms by default, for the save's thread
+    to let go of it; each buffer is judged on its own, so one a caller kept a slice of is the
+    only one replaced): it costs an allocation (and page-locking) of the whole state dict, and,
     until the older save finishes, two host copies. Wait for the previous save's future before
     the next ``async_save`` to avoid it. ``fresh_copies`` counts how often that happened.
 
@@ -207,11 +208,9 @@ class PinnedStager(AsyncStager):
         if self._copy is None:
             raise RuntimeError("PinnedStager.stage: this stager was closed (its host buffers are freed); "
                                "create a new PinnedStager for further saves")
-        reuse = self._copy
-        if reuse.in_use(self._grace_s):  # the previous save still holds its staged dict: leave it be
+        if self._copy.in_use(self._grace_s):  # the previous save still holds its staged dict: leave it be
             self.fresh_copies += 1
-            reuse = _HostCopy()
-        staging = _Staging(reuse, self._copies)
+        staging = _Staging(self._copy, self._copies)
         with torch.no_grad():
             try:
                 staged = staging.value(state_dict, ())

@@ -174,6 +174,24 @@ def test_a_held_staged_dict_is_never_overwritten() -> None:
     helpers.assert_tree_equal(sd2, last)
 
 
+def test_only_the_buffer_under_a_kept_slice_is_replaced() -> None:
+    sd = _state_dict()
+    st = PinnedStager(grace_s=0.0)
+    first = st.stage(sd)
+    ptrs = _ptrs(first)
+    kept = first["optim"]["state"][0]["exp_avg"][2:5]  # the caller keeps a slice of one staged tensor
+    want = kept.clone()
+    del first
+    _scramble(sd)
+    second = st.stage(sd)
+    helpers.assert_bitwise_equal(want, kept)
+    moved = [i for i, (a, b) in enumerate(zip(ptrs, _ptrs(second))) if a != b]
+    names = [id(t) for t in _tensors(sd)]
+    assert moved == [names.index(id(sd["optim"]["state"][0]["exp_avg"]))]
+    assert st.allocations == len(ptrs) + 1 and st.fresh_copies == 1
+    helpers.assert_tree_equal(_clone(sd), second)
+
+
 def test_close_frees_the_buffers_and_refuses_further_stages() -> None:
     sd = _state_dict()
     st = PinnedStager()
