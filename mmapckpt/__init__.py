@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _WHERE = {
     "MmapWriter": ".dcp.writer",
     "MmapReader": ".dcp.reader",
+    "PinnedStager": ".dcp.stager",
     "save": ".saving",
     "open": ".lazy",
     "load": ".lazy",
@@ -61,7 +62,7 @@ _WHERE = {
 }
 
 __all__ = [
-    "MmapWriter", "MmapReader", "save", "open", "load", "load_into", "load_model", "LazyCheckpoint",
+    "MmapWriter", "MmapReader", "PinnedStager", "save", "open", "load", "load_into", "load_model", "LazyCheckpoint",
     "TensorSlice",
     "EntryInfo", "ChunkInfo", "ZeroCopyLoadPlanner", "SafeLoadPlanner", "FastLoadPlanner", "FastSavePlanner",
     "convert", "ConvertResult", "ConversionWarning", "inspect_checkpoint", "CheckpointInfo",
@@ -78,6 +79,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imp
     from .dcp.fast_planner import FastLoadPlanner, FastSavePlanner
     from .dcp.planner import SafeLoadPlanner, ZeroCopyLoadPlanner
     from .dcp.reader import MmapReader
+    from .dcp.stager import PinnedStager
     from .dcp.unwrap import checkpoint_error
     from .dcp.writer import MmapWriter
     from .errors import (
