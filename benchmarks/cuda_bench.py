@@ -9,7 +9,8 @@ Measures, in one run and on the same bytes (a transformer-shaped state dict):
   the mmapckpt files: one O_DIRECT stream, eight, or four buffered streams (mmapckpt/bench/disk.py);
 - loads to the device, warm (page cache hot) and cold (evicted): ``dcp.load`` with
   mmapckpt's MmapReader into preallocated device targets, ``mmapckpt.load_into`` into the
-  same targets, ``mmapckpt.load(path, device=...)``, ``dcp.load`` with the stock
+  same targets, ``mmapckpt.load(path, device=...)``, ``load_into`` with the cached files' pages
+  registered with the driver (``MMAPCKPT_REGISTER_BYTES=1GiB``, experimental), ``dcp.load`` with the stock
   FileSystemReader, ``safetensors.torch.load_file(device=...)``,
   ``torch.load(mmap=True, weights_only=True)`` then ``.to(device)``, and fastsafetensors
   (``nogds``) where it imports;
@@ -56,6 +57,7 @@ LOADS = (
     ("mmapckpt-dcp", "dcp.load + MmapReader", "mmapckpt"),
     ("mmapckpt-load_into", "mmapckpt.load_into", "mmapckpt"),
     ("mmapckpt-load", "mmapckpt.load(device=)", "mmapckpt"),
+    ("mmapckpt-registered", "load_into, registered pages (1 GiB)", "mmapckpt"),
     ("dcp", "dcp.load + FileSystemReader", "dcp"),
     ("safetensors", "safetensors load_file(device=)", "safetensors"),
     ("torch", "torch.load(mmap=True) + .to(device)", "torch"),
@@ -283,6 +285,7 @@ def _loads(paths: dict[str, str], targets: StateDict, dev: torch.device,
     from safetensors.torch import load_file
 
     import mmapckpt
+    from mmapckpt.io.host_register import REGISTER_ENV
 
     def mmap_dcp() -> StateDict:
         reader = mmapckpt.MmapReader(paths["mmapckpt"])
@@ -297,6 +300,14 @@ def _loads(paths: dict[str, str], targets: StateDict, dev: torch.device,
         mmapckpt.load_into(targets, paths["mmapckpt"])
         return targets
 
+    def registered() -> StateDict:  # experimental: cached files' pages registered with the driver, 1 GiB at most
+        os.environ[REGISTER_ENV] = "1GiB"
+        try:
+            mmapckpt.load_into(targets, paths["mmapckpt"])
+        finally:
+            del os.environ[REGISTER_ENV]
+        return targets
+
     def stock() -> StateDict:
         dcp.load(targets, storage_reader=dcp.FileSystemReader(paths["dcp"]), no_dist=True)
         return targets
@@ -305,7 +316,7 @@ def _loads(paths: dict[str, str], targets: StateDict, dev: torch.device,
         return {k: v.to(dev) for k, v in torch.load(paths["torch"], mmap=True, weights_only=True).items()}
 
     fns: dict[str, Callable[[], StateDict]] = {
-        "mmapckpt-dcp": mmap_dcp, "mmapckpt-load_into": load_into,
+        "mmapckpt-dcp": mmap_dcp, "mmapckpt-load_into": load_into, "mmapckpt-registered": registered,
         "mmapckpt-load": lambda: mmapckpt.load(paths["mmapckpt"], device=dev), "dcp": stock,
         "safetensors": lambda: load_file(paths["safetensors"], device=str(dev)), "torch": torch_load}
     notes: dict[str, str] = {}

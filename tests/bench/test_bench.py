@@ -115,7 +115,7 @@ def test_cuda_benchmark_smoke_runs_every_row_on_the_cpu(tmp_path) -> None:
     doc = json.loads(out.read_text())
     assert doc["device"] == "cpu" and doc["smoke"] and not doc["ratios_meaningful"] and "mean nothing" in doc["note"]
 
-    loads = ["mmapckpt-dcp", "mmapckpt-load_into", "mmapckpt-load", "dcp", "safetensors", "torch"]
+    loads = ["mmapckpt-dcp", "mmapckpt-load_into", "mmapckpt-load", "mmapckpt-registered", "dcp", "safetensors", "torch"]
     if "fastsafetensors" not in doc["skipped"]:  # measured only where it imports
         loads.append("fastsafetensors")
     got = {(r["method"], r["phase"]) for r in doc["rows"]}
