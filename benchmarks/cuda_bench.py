@@ -46,11 +46,12 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from typing import Any, Callable
 
 import torch
+
+from cuda_common import device_or_exit, stats, timed
 
 #: (key, label, checkpoint it reads) for every load; the first three are mmapckpt's
 LOADS = (
@@ -74,34 +75,12 @@ SMOKE_NOTE = ("--device cpu smoke run: CPU targets, an unpinned memcpy as the 'H
 StateDict = dict[str, torch.Tensor]
 
 
-def _device_or_exit(name: str) -> torch.device:
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        print("cuda_bench: no CUDA device is available (torch.cuda.is_available() is False; "
-              f"torch {torch.__version__}, built with CUDA {torch.version.cuda}). "
-              "This benchmark needs an NVIDIA GPU; nothing was measured. "
-              "(--device cpu runs a smoke version on the CPU.)", file=sys.stderr)
-        sys.exit(2)
-    return torch.device("cuda", torch.cuda.current_device())
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
-def _timed(fn: Callable[[], Any], dev: torch.device) -> tuple[float, Any]:
-    _sync(dev)
-    t0 = time.perf_counter()
-    out = fn()
-    _sync(dev)
-    return time.perf_counter() - t0, out
 
 
-def _stats(xs: list[float], nbytes: int) -> dict[str, float]:
-    med = statistics.median(xs)
-    return {"median_s": med, "min_s": min(xs), "max_s": max(xs), "gbps": nbytes / med / 1e9, "n": len(xs)}
 
 
 def _h2d_limit(nbytes: int, dev: torch.device) -> float:
@@ -118,7 +97,7 @@ def _h2d_limit(nbytes: int, dev: torch.device) -> float:
             dst[:n].copy_(src[:n], non_blocking=pinned)
             done += n
     run()  # warm-up: first use of the pinned pages and the copy engine
-    return _timed(run, dev)[0]
+    return timed(run, dev)[0]
 
 
 def _fill_limit(files: list[str], threads: int, dev: torch.device) -> float:
@@ -147,7 +126,7 @@ def _fill_limit(files: list[str], threads: int, dev: torch.device) -> float:
             finally:
                 os.close(fd)
     run()
-    return _timed(run, dev)[0]
+    return timed(run, dev)[0]
 
 
 def _fill_sweep(ctx: dict[str, Any], counts: list[int], repeats: int) -> dict[str, Any]:
@@ -191,25 +170,25 @@ def _staging_sweep(ctx: dict[str, Any], shapes: list[tuple[int, int]], repeats: 
     h2d = statistics.median(ctx["h2d"])
     for count, nbytes in shapes:
         warm_up(files)
-        times, stats = [], []
+        times, counters = [], []
         for i in range(repeats):
             if i == 0:
                 _scramble(ctx["targets"])
             pools: list[dict[str, Any]] = []
             staging.STATS_HOOK = pools.append
             try:
-                times.append(_timed(lambda: mmapckpt.load_into(ctx["targets"], ctx["paths"]["mmapckpt"],
+                times.append(timed(lambda: mmapckpt.load_into(ctx["targets"], ctx["paths"]["mmapckpt"],
                                                                staging_bytes=nbytes, staging_buffers=count),
                                     ctx["dev"])[0])
             finally:
                 staging.STATS_HOOK = None
-            stats.append({k: sum(p[k] for p in pools) for k in ("wait_s", "fill_s", "issue_s", "buffers")})
+            counters.append({k: sum(p[k] for p in pools) for k in ("wait_s", "fill_s", "issue_s", "buffers")})
             if i == 0:
                 _check(ctx["targets"], ctx["sd"], ctx["dev"], f"load_into with {count}x{nbytes} staging")
         med = statistics.median(times)
         rows.append({"buffers": count, "bytes": nbytes, "median_s": med, "gbps": ctx["nbytes"] / med / 1e9,
-                     "ratio": h2d / med, "sealed": statistics.median(st["buffers"] for st in stats),
-                     **{k: statistics.median(st[k] for st in stats) for k in ("wait_s", "fill_s", "issue_s")},
+                     "ratio": h2d / med, "sealed": statistics.median(st["buffers"] for st in counters),
+                     **{k: statistics.median(st[k] for st in counters) for k in ("wait_s", "fill_s", "issue_s")},
                      "default": (count, nbytes) == (staging.DEFAULT_STAGING_BUFFERS, staging.DEFAULT_STAGING_BYTES)})
     return rows
 
@@ -358,7 +337,7 @@ def _load_once(ctx: dict[str, Any], key: str, phase: str, check: bool) -> float 
     pools: list[dict[str, Any]] = []
     staging.STATS_HOOK = pools.append
     try:
-        seconds, out = _timed(ctx["loads"][key], ctx["dev"])
+        seconds, out = timed(ctx["loads"][key], ctx["dev"])
     except Exception as e:
         if key != "fastsafetensors":
             raise
@@ -386,7 +365,7 @@ def _repetition(r: int, ctx: dict[str, Any], add: Callable[[str, str, float], No
     for m in SAVES:
         shutil.rmtree(paths[m], ignore_errors=True)
         os.sync()  # the removed files' journal commit is not the save's
-        add("save", m, _timed(lambda m=m: _save(m, ctx["sd"], paths[m]), dev)[0])
+        add("save", m, timed(lambda m=m: _save(m, ctx["sd"], paths[m]), dev)[0])
     for fmt, p in paths.items():
         add("cold_read", fmt, sum(cold_read_limit(f) for f in files_under(p)))
     from mmapckpt.bench.disk import read_streams
@@ -438,7 +417,7 @@ def _rows(times: dict[tuple[str, str], list[float]], nbytes: int) -> list[dict[s
             limit = max(h2d, min([statistics.median(times[("cold_read", fmt_of[key])]), *disk]))
         med = statistics.median(xs)
         label = f"save from device (fsync): {key}" if phase == "save" else labels[key]
-        rows.append({"phase": phase, "method": key, "label": label, **_stats(xs, nbytes),
+        rows.append({"phase": phase, "method": key, "label": label, **stats(xs, nbytes),
                      "limit": LIMIT_OF.get(phase), "limit_s": limit, "ratio": limit / med if limit else None})
     return rows
 
@@ -501,9 +480,9 @@ def _document(args: argparse.Namespace, dev: torch.device, sd: StateDict, times:
     return {"device": dev.type, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
             "smoke": smoke, "ratios_meaningful": not smoke, "note": SMOKE_NOTE if smoke else None,
             "machine": machine_info(os.getcwd()), "bytes": nbytes, "tensors": len(sd), "repeats": args.repeats,
-            "limits": {"h2d": _stats(times[("limit", "h2d")], nbytes),
-                       "cold_read": {k: _stats(xs, nbytes) for (p, k), xs in times.items() if p == "cold_read"},
-                       "disk": {k: _stats(xs, nbytes) for (p, k), xs in times.items() if p == "disk"}},
+            "limits": {"h2d": stats(times[("limit", "h2d")], nbytes),
+                       "cold_read": {k: stats(xs, nbytes) for (p, k), xs in times.items() if p == "cold_read"},
+                       "disk": {k: stats(xs, nbytes) for (p, k), xs in times.items() if p == "disk"}},
             "rows": rows, "targets": _targets(rows, not smoke), "checked_bitwise": checked, "skipped": notes,
             "staging": {k: {f: statistics.median(x[f] for x in xs) for f in xs[0]} for k, xs in staging.items()}}
 
@@ -531,7 +510,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    dev = _device_or_exit(args.device)
+    dev = device_or_exit(args.device, "cuda_bench")
 
     from mmapckpt.bench.synthetic import parse_size, transformer_state_dict
 

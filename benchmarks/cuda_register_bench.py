@@ -40,29 +40,16 @@ from typing import Any
 
 import torch
 
+from cuda_common import device_or_exit, stats, sync
+
 SMOKE_NOTE = ("--device cpu smoke run: a recording driver that registers nothing, memcpy into CPU memory, a tiny "
               "file; the ratios mean nothing, only that every step ran and copied the right bytes")
 
 
-def _device_or_exit(name: str) -> torch.device:
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        print("cuda_register_bench: no CUDA device is available (torch.cuda.is_available() is False; "
-              f"torch {torch.__version__}, built with CUDA {torch.version.cuda}). This benchmark needs an "
-              "NVIDIA GPU; nothing was measured. (--device cpu runs a smoke version on the CPU.)", file=sys.stderr)
-        sys.exit(2)
-    return torch.device("cuda", torch.cuda.current_device())
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
-def _stats(xs: list[float], nbytes: int) -> dict[str, Any]:
-    med = statistics.median(xs)
-    return {"median_s": med, "min_s": min(xs), "max_s": max(xs), "gbps": nbytes / med / 1e9, "n": len(xs)}
 
 
 class Bench:
@@ -106,11 +93,11 @@ class Bench:
         self.dst[off:off + n].copy_(self.mf.raw(off, n), non_blocking=non_blocking and self.dev.type == "cuda")
 
     def check(self, what: str) -> None:
-        _sync(self.dev)
+        sync(self.dev)
         if not torch.equal(self.dst, self.ref):
             raise SystemExit(f"cuda_register_bench: {what} copied wrong bytes")
         self.dst.zero_()
-        _sync(self.dev)
+        sync(self.dev)
 
 
 def _register_cost(b: Bench, window: int) -> tuple[float, float, int]:
@@ -134,19 +121,19 @@ def _pinned_limit(b: Bench) -> float:
             n = min(piece, b.size - off)
             b.dst[off:off + n].copy_(src[:n], non_blocking=b.dev.type == "cuda")
     run()
-    _sync(b.dev)
+    sync(b.dev)
     t0 = time.perf_counter()
     run()
-    _sync(b.dev)
+    sync(b.dev)
     return time.perf_counter() - t0
 
 
 def _copy_all(b: Bench, non_blocking: bool) -> float:
-    _sync(b.dev)
+    sync(b.dev)
     t0 = time.perf_counter()
     for off, n in b.pieces(256 << 20):
         b.copy(off, n, non_blocking)
-    _sync(b.dev)
+    sync(b.dev)
     return time.perf_counter() - t0
 
 
@@ -169,13 +156,13 @@ def _registered_copy(b: Bench, check: bool) -> float:
 
 def _sequential(b: Bench, window: int) -> float:
     reg = b.registry(window, window)
-    _sync(b.dev)
+    sync(b.dev)
     t0 = time.perf_counter()
     for off, n in b.pieces(window):
         h = reg.acquire(b.lo + off, n, b.bounds)
         assert h is not None, reg.disabled
         b.copy(off, n, True)
-        _sync(b.dev)
+        sync(b.dev)
         reg.release(h)
     s = time.perf_counter() - t0
     reg.close()
@@ -188,7 +175,7 @@ def _pipelined(b: Bench, window: int) -> float:
     pieces = b.pieces(window)
     pending: collections.deque = collections.deque()
     with ThreadPoolExecutor(1) as pool:
-        _sync(b.dev)
+        sync(b.dev)
         t0 = time.perf_counter()
         fut = pool.submit(reg.acquire, b.lo + pieces[0][0], pieces[0][1], b.bounds)
         for i, (off, n) in enumerate(pieces):
@@ -212,7 +199,7 @@ def _pipelined(b: Bench, window: int) -> float:
             if ev0 is not None:
                 ev0.synchronize()
             reg.release(h0)
-        _sync(b.dev)
+        sync(b.dev)
         s = time.perf_counter() - t0
     reg.close()
     return s
@@ -228,12 +215,12 @@ def _measure(b: Bench, windows: list[int], repeats: int) -> dict[str, Any]:
                          "tiles": runs[0][2],
                          "register_s_per_gb": statistics.median(r[0] for r in runs) / gb,
                          "unregister_s_per_gb": statistics.median(r[1] for r in runs) / gb})
-    limit = _stats([_pinned_limit(b) for _ in range(repeats)], b.size)
+    limit = stats([_pinned_limit(b) for _ in range(repeats)], b.size)
     _copy_all(b, False)
     b.check("the pageable copy")
     copies = {"pinned buffer (limit)": limit,
-              "registered mapping": _stats([_registered_copy(b, r == 0) for r in range(repeats)], b.size),
-              "pageable mapping": _stats([_copy_all(b, False) for _ in range(repeats)], b.size)}
+              "registered mapping": stats([_registered_copy(b, r == 0) for r in range(repeats)], b.size),
+              "pageable mapping": stats([_copy_all(b, False) for _ in range(repeats)], b.size)}
     for row in copies.values():
         row["ratio"] = limit["median_s"] / row["median_s"]
     e2e = []
@@ -244,7 +231,7 @@ def _measure(b: Bench, windows: list[int], repeats: int) -> dict[str, Any]:
                 times.append(fn(b, w))
                 if r == 0:
                     b.check(f"{mode} register + copy + unregister")
-            row = {"window_bytes": w, "mode": mode, **_stats(times, b.size)}
+            row = {"window_bytes": w, "mode": mode, **stats(times, b.size)}
             row["ratio"] = limit["median_s"] / row["median_s"]
             e2e.append(row)
     return {"register": reg_rows, "copies": copies, "end_to_end": e2e}
@@ -295,7 +282,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    dev = _device_or_exit(args.device)
+    dev = device_or_exit(args.device, "cuda_register_bench")
     from mmapckpt.io.host_register import PAGE
     from mmapckpt.io.sizes import parse_size
 

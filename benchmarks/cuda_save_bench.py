@@ -43,6 +43,8 @@ from typing import Any, Callable
 
 import torch
 
+from cuda_common import device_or_exit, stats, sync
+
 #: (key, label) of every blocked-time row; "first" rows are one save, the others medians
 BLOCKED = (
     ("dcp-default", "async_save, no stager (DCP's default)"),
@@ -57,26 +59,10 @@ SMOKE_NOTE = ("--device cpu smoke run: CPU tensors, an unpinned memcpy as the 'D
 StateDict = dict[str, torch.Tensor]
 
 
-def _device_or_exit(name: str) -> torch.device:
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        print("cuda_save_bench: no CUDA device is available (torch.cuda.is_available() is False; "
-              f"torch {torch.__version__}, built with CUDA {torch.version.cuda}). "
-              "This benchmark needs an NVIDIA GPU; nothing was measured. "
-              "(--device cpu runs a smoke version on the CPU.)", file=sys.stderr)
-        sys.exit(2)
-    return torch.device("cuda", torch.cuda.current_device())
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
-def _stats(xs: list[float], nbytes: int) -> dict[str, float]:
-    med = statistics.median(xs)
-    return {"median_s": med, "min_s": min(xs), "max_s": max(xs), "gbps": nbytes / med / 1e9, "n": len(xs)}
 
 
 # ---------------------------------------------------------------- limits
@@ -91,11 +77,11 @@ def _d2h_limit(sd: StateDict, dev: torch.device, repeats: int) -> list[float]:
     host = HostBuffer(torch.Size([off]), torch.uint8, dev if dev.type != "cpu" else None).target
 
     def run() -> float:
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         for o, t in zip(offsets, sd.values()):
             host[o:o + t.nbytes].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
-        _sync(dev)
+        sync(dev)
         return time.perf_counter() - t0
 
     run()  # warm-up: the first touch of the host pages and the copy engine
@@ -133,7 +119,7 @@ def _blocked(sd: StateDict, path: str, stager: Any, dev: torch.device, check: bo
 
     want = {k: v.to("cpu", copy=True) for k, v in sd.items()} if check else None
     shutil.rmtree(path, ignore_errors=True)
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     fut = dcp.async_save(sd, storage_writer=MmapWriter(path), async_stager=stager, no_dist=True)
     seconds = time.perf_counter() - t0
@@ -190,7 +176,7 @@ def _measure(sd: StateDict, root: str, repeats: int, dev: torch.device) -> tuple
     for i in range(repeats):
         shutil.rmtree(path, ignore_errors=True)
         os.sync()  # the removed files' journal commit is not the save's
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         dcp.save(sd, storage_writer=MmapWriter(path), no_dist=True)
         times.setdefault(("save", "mmapckpt"), []).append(time.perf_counter() - t0)
@@ -215,7 +201,7 @@ def _document(args: argparse.Namespace, dev: torch.device, sd: StateDict, times:
             continue
         limit_s, limit = (d2h, "D2H into one pinned buffer") if phase == "blocked" else (write, notes["write_limit"])
         label = labels[key] if phase == "blocked" else "dcp.save + MmapWriter from device (fsync)"
-        rows.append({"phase": phase, "method": key, "label": label, **_stats(xs, nbytes), "limit": limit,
+        rows.append({"phase": phase, "method": key, "label": label, **stats(xs, nbytes), "limit": limit,
                      "limit_s": limit_s, "ratio": limit_s / statistics.median(xs)})
     targets = [{"phase": r["phase"], "method": r["method"], "ratio": r["ratio"],
                 "target": TARGETS[(r["phase"], r["method"])], "met": r["ratio"] >= TARGETS[(r["phase"], r["method"])],
@@ -224,8 +210,8 @@ def _document(args: argparse.Namespace, dev: torch.device, sd: StateDict, times:
             "smoke": smoke, "ratios_meaningful": not smoke, "note": SMOKE_NOTE if smoke else None,
             "machine": machine_info(os.getcwd()), "bytes": nbytes, "tensors": len(sd), "repeats": args.repeats,
             "torch": torch.__version__,
-            "limits": {"d2h": _stats(times[("limit", "d2h")], nbytes),
-                       "write": {**_stats(times[("limit", "write")], nbytes), "label": notes["write_limit"]}},
+            "limits": {"d2h": stats(times[("limit", "d2h")], nbytes),
+                       "write": {**stats(times[("limit", "write")], nbytes), "label": notes["write_limit"]}},
             "rows": rows, "targets": targets, "checked_bitwise": checked,
             "skipped": {k: v for k, v in notes.items() if k != "write_limit"}}
 
@@ -267,7 +253,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    dev = _device_or_exit(args.device)
+    dev = device_or_exit(args.device, "cuda_save_bench")
 
     from mmapckpt.bench.synthetic import parse_size, transformer_state_dict
 
