@@ -418,3 +418,34 @@ def test_a_closing_pool_reports_where_its_time_went(tmp_path, monkeypatch):
     r = reports[0]
     assert r["buffers"] == 4 and r["staging_bytes"] == 16384 and r["staging_buffers"] == 2 and r["max_in_use"] == 2
     assert r["fill_s"] > 0 and r["device"] == "cpu"
+
+
+def _copy_in_child(pool: StagingPool, conn) -> None:
+    src, out = torch.arange(5000, dtype=torch.float32), torch.zeros(5000)
+    with pool:
+        pool.copy(src, out)
+    conn.send(bool(torch.equal(out, src)))
+
+
+def test_a_pool_used_before_a_fork_serves_the_child():
+    """The filler thread does not survive a fork: a child using its parent's pool gets a filler of its own
+    (with the parent's, whose thread the child lacks, the load would wait for ever)."""
+    import multiprocessing
+
+    pool = StagingPool("cpu", staging_bytes=4096, staging_buffers=2)
+    with pool:
+        pool.copy(torch.ones(3000), torch.zeros(3000))  # the parent's filler thread now runs
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_copy_in_child, args=(pool, child))
+    proc.start()
+    try:
+        assert parent.poll(60), "the child's load did not finish"
+        assert parent.recv() is True
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    pool.close()
