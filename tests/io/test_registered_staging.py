@@ -14,11 +14,14 @@ import threading
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import helpers
 import mmapckpt
 from helpers import seeded_tensor
 from mmapckpt.io import direct_reads, staging
+from mmapckpt.io.direct_reads import DirectReads
 from mmapckpt.io.host_register import PAGE, HostRegistry, RecordingDriver
 from mmapckpt.io.mapped import MappedFile, open_regular
 from mmapckpt.io.staging import StagingPool
@@ -180,3 +183,57 @@ def test_the_environment_variable_turns_registration_on_only_for_cuda(monkeypatc
         monkeypatch.setenv(REGISTER_ENV, "1GiB")
         with pytest.warns(RuntimeWarning, match="cannot be registered"):
             assert registry_from_env(torch.device("cuda")) is None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 9 * W // 4), min_size=1, max_size=8), windows=st.integers(1, 4),
+       staging_kib=st.sampled_from([4, 16]), buffers=st.integers(1, 3), read=st.booleans(),
+       refuse_after=st.one_of(st.none(), st.integers(0, 6)), seed=st.integers(0, 2**16))
+def test_any_mix_of_registered_and_staged_copies_lands_bitwise(tmp_path_factory, sizes, windows, staging_kib,
+                                                               buffers, read, refuse_after, seed):
+    """Tensors of 0 bytes to over two windows, in one mapped file, through a pool whose registry holds 1 to 4
+    windows (a block may straddle two) and whose driver may refuse: every byte lands, each ``done`` runs once
+    with its target complete, never more than the budget registered, nothing left registered, and the
+    driver's rules kept; with ``read``, the pieces staged instead of registered are read from the file at
+    their own place."""
+    tmp = tmp_path_factory.mktemp("mix")
+    g = torch.Generator().manual_seed(seed)
+    blob = torch.randint(0, 256, (sum(sizes) * 4 + 64,), dtype=torch.uint8, generator=g)
+    (tmp / "f").write_bytes(blob.numpy().tobytes())
+    fd = open_regular(str(tmp / "f"))
+    mf = MappedFile(fd, str(tmp / "f"))
+    driver = RecordingDriver(refuse_after)
+    driver.mapped(mf.address(), mf.address() + mf.size)
+    registry = HostRegistry(windows * W, driver, window_bytes=W)
+    pool = StagingPool("cpu", staging_bytes=staging_kib << 10, staging_buffers=buffers, registry=registry)
+    reads = DirectReads(mf, ranges=[(0, mf.size)]) if read else None
+    bounds = (mf.address(), mf.address() + mf.size)
+    pairs, calls, at = [], [], 0
+    try:
+        with pool:
+            for k, n in enumerate(sizes):
+                src = mf.view(at, torch.float32, (n,))
+                dst = torch.zeros(n, dtype=torch.float32)
+                at += n * 4
+
+                def done(k=k, src=src, dst=dst):
+                    assert helpers.tensor_bytes(dst) == helpers.tensor_bytes(src), f"item {k} committed incomplete"
+                    calls.append(k)
+
+                pool.copy(src, dst, done=done, mapping=bounds,
+                          read=reads.reader_for(src, f"t{k}") if reads is not None and n else None)
+                pairs.append((src, dst))
+                assert registry.stats().registered_bytes <= windows * W
+            pool.seal()
+    finally:
+        if reads is not None:
+            reads.close()
+        os.close(fd)
+    pool.close()
+    assert sorted(calls) == list(range(len(sizes)))
+    for src, dst in pairs:
+        helpers.assert_bitwise_equal(dst, src)
+    assert registry.stats().peak_bytes <= windows * W
+    assert driver.registered == {} and driver.violations == []
+    del pairs, src
+    driver.unmapped(mf.address())
