@@ -16,7 +16,7 @@ from ..format.entries import EntryInfo
 from ..io.mapped import MappedFile
 from ..storage.base import StoredFile
 from .backend import ChunkBackend
-from .moves import Moves
+from .moves import Moves, close_all
 from .regions import read_tensor
 
 __all__ = ["fill_targets"]
@@ -48,8 +48,7 @@ def fill_targets(files: ChunkBackend, plan: Sequence[tuple[str, torch.Tensor, En
             m.finish()
         ok = True
     finally:
-        for m in moves.values():
-            m.close(ok=ok)
+        close_all(moves.values(), ok=ok)
     files.check_unchanged(c for _, _, info in plan for c in info.chunks)
 
 

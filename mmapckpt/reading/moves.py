@@ -26,7 +26,7 @@ rank's own items to these.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 
@@ -37,7 +37,7 @@ from ..io.staging import StagingPool, stage
 from ..storage.base import StoredFile
 from .fetches import FetchReads, is_placeholder
 
-__all__ = ["Move", "MappedCopy", "DirectRead", "Fetched", "Staged", "Moves"]
+__all__ = ["Move", "MappedCopy", "DirectRead", "Fetched", "Staged", "Moves", "close_all"]
 
 Done = Callable[[], None]
 #: The entry's name for errors, made only where a strategy needs it (most copies never do).
@@ -187,3 +187,17 @@ class Moves:
         finally:
             if self.reads is not None:
                 self.reads.close()
+
+
+def close_all(moves: Iterable[Moves], *, ok: bool) -> None:
+    """:meth:`Moves.close` each of ``moves``, all of them even where one raises (a read's error coming out of
+    its pool's seal); then raise the first error."""
+    error: BaseException | None = None
+    for m in moves:
+        try:
+            m.close(ok=ok)
+        except BaseException as e:  # noqa: BLE001 - raised again below, once every file is closed
+            error = error or e
+            ok = False  # the load failed: later pools drop what they hold
+    if error is not None:
+        raise error

@@ -12,7 +12,7 @@ from ..io.staging import StagingPool
 from ..storage.base import StoredFile
 from ..format.entries import ChunkInfo, EntryInfo
 from .backend import ChunkBackend
-from .moves import Moves
+from .moves import Moves, close_all
 
 __all__ = ["chunk_stager"]
 
@@ -55,6 +55,5 @@ def chunk_stager(files: ChunkBackend, infos: list[EntryInfo]) -> Iterator[Callab
         yield stage_chunk
         ok = True
     finally:
-        for m in (*moves.values(), memory):  # the pools read late: sealed before the files close
-            m.close(ok=ok)
+        close_all((*moves.values(), memory), ok=ok)  # the pools read late: sealed before the files close
     files.check_unchanged(chunks)

@@ -8,6 +8,7 @@ buffers small enough to force many blocks and reuse.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import threading
@@ -449,3 +450,37 @@ def test_a_pool_used_before_a_fork_serves_the_child():
             proc.kill()
             proc.join()
     pool.close()
+
+
+def test_a_failed_read_closes_every_file_of_the_load(tmp_path, monkeypatch):
+    """A read that fails on the filler comes out of the first file's close (its seal); every other file of the
+    load is still closed, and the error names the file and entry."""
+    import torch.distributed.checkpoint as dcp
+
+    from mmapckpt.io import direct_reads, staging
+
+    monkeypatch.setattr(staging, "STAGE_CPU_TARGETS", True)
+    sd = {f"t{i}": torch.randn(20_000) for i in range(3)}
+    dcp.save(sd, storage_writer=mmapckpt.MmapWriter(tmp_path / "c", single_file_per_rank=False), no_dist=True)
+    shards = sorted(p for p in os.listdir(tmp_path / "c") if p.endswith(".distcp"))
+    assert len(shards) == 3
+    victim = str(tmp_path / "c" / shards[-1])
+    real_open = direct_reads.DirectReads._open
+
+    def open_then_cut(self, ranges):
+        real_open(self, ranges)
+        if self.file.path == victim:
+            os.truncate(victim, os.path.getsize(victim) - 40_000)
+
+    monkeypatch.setattr(direct_reads.DirectReads, "_open", open_then_cut)
+    before = len(os.listdir("/proc/self/fd"))
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    try:
+        mmapckpt.load_into(out, tmp_path / "c", staging_bytes=1 << 20)
+    except mmapckpt.TruncatedFileError as e:
+        path = e.path
+    else:
+        raise AssertionError("the cut file loaded")
+    assert path == victim
+    gc.collect()  # the mappings (each holds a descriptor of its own) go with the load's objects
+    assert len(os.listdir("/proc/self/fd")) == before  # no descriptor of the load left open
