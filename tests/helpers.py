@@ -433,3 +433,20 @@ def mounted(argv: list[str], d: str, what: str) -> Any:
         gc.collect()  # drop mappings of files on it
         if subprocess.run(["umount", d], capture_output=True, timeout=60).returncode != 0:
             subprocess.run(["umount", "-l", d], capture_output=True, timeout=60)
+
+
+def refuse_o_direct(monkeypatch: Any) -> None:
+    """Make the cold reads' O_DIRECT opens fail with EINVAL, as a tmpfs answered before Linux 6.6 (since then it
+    takes O_DIRECT, so the refusal is simulated)."""
+    import errno
+
+    from mmapckpt.io import cold_reads
+
+    real_open = os.open
+
+    def no_direct(path: Any, flags: int, *args: Any) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(cold_reads.os, "open", no_direct)

@@ -301,10 +301,12 @@ class StagingPool:
             last = None
             if mapping is not None and self.registry is not None and src.is_contiguous() and src.device.type == "cpu":
                 for b in plan_blocks(tuple(src.shape), src.element_size(), self.registry.window_bytes):
-                    last = self._registered(src[b.index], dst[b.index], mapping)
+                    s, d = src[b.index], dst[b.index]
+                    last = self._registered(s, d, mapping)
                     if last is None:  # over the budget with nothing in flight, or the registry refused: stage it
-                        for piece in plan_blocks(tuple(src[b.index].shape), src.element_size(), self.staging_bytes):
-                            last = self._put(src[b.index], dst[b.index], piece, read and _Shifted(read, b.start))
+                        shifted = read and _Shifted(read, b.start)
+                        for piece in plan_blocks(tuple(s.shape), s.element_size(), self.staging_bytes):
+                            last = self._put(s, d, piece, shifted)
             else:
                 for b in plan_blocks(tuple(src.shape), src.element_size(), self.staging_bytes):
                     last = self._put(src, dst, b, read)

@@ -6,7 +6,6 @@ put into their targets, against the file's bytes, for every way.
 
 from __future__ import annotations
 
-import errno
 import os
 
 import numpy as np
@@ -21,7 +20,7 @@ from mmapckpt.io import cold_reads, direct_reads, read_choice
 from mmapckpt.io.read_choice import CANDIDATES, STREAM, Segment, Strategy, choose, parse, segments
 from mmapckpt.io.reads import ReadJob, pieces
 
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, refuse_o_direct
 
 WAYS = [STREAM, Strategy("buffered", 1), Strategy("buffered", 3), Strategy("direct", 1), Strategy("direct", 2),
         Strategy("direct", 8)]
@@ -249,14 +248,7 @@ def test_load_into_cold_by_each_way_is_bitwise(tmp_path, monkeypatch, way):
 def test_load_into_where_o_direct_is_refused_reads_one_stream(tmp_path, monkeypatch):
     sd = _state_dict()
     mmapckpt.save(sd, str(tmp_path / "ck"))
-    real_open = os.open
-
-    def no_direct(path, flags, *args):
-        if flags & getattr(os, "O_DIRECT", 0):
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(cold_reads.os, "open", no_direct)
+    refuse_o_direct(monkeypatch)
     monkeypatch.setattr(read_choice, "TRIAL_BYTES", 4096)
     monkeypatch.setattr(direct_reads, "is_cached", lambda fd, offsets: False)
     targets = {k: torch.full_like(v, 3) for k, v in sd.items()}

@@ -64,6 +64,17 @@ def _state_dict() -> dict[str, torch.Tensor]:
             "empty": torch.empty(0, 4)}
 
 
+def _load_into_checked(tmp_path, sd: dict[str, torch.Tensor], reports: list[dict]) -> dict:
+    """Save ``sd``, load it back into zeroed CPU targets through 8 KiB x 2 staging, check it bitwise; the pool's
+    report."""
+    mmapckpt.save(sd, tmp_path / "c")
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    mmapckpt.load_into(out, tmp_path / "c", staging_bytes=8192, staging_buffers=2)
+    helpers.assert_tree_equal(out, sd)
+    (r,) = reports
+    return r
+
+
 @pytest.mark.parametrize("how", ["load_into", "dcp"])
 def test_a_cached_file_is_copied_from_its_registered_pages_bitwise(tmp_path, registered, how):
     """Every stored byte comes from registered pages (no staging fill), within the budget, all of it released
@@ -147,11 +158,7 @@ def test_a_refusing_driver_falls_back_to_staging(tmp_path, registered):
     bitwise the same."""
     regs, reports = registered(8 * W, refuse_after=2)
     sd = _state_dict()
-    mmapckpt.save(sd, tmp_path / "c")
-    out = {k: torch.zeros_like(v) for k, v in sd.items()}
-    mmapckpt.load_into(out, tmp_path / "c", staging_bytes=8192, staging_buffers=2)
-    helpers.assert_tree_equal(out, sd)
-    (r,) = reports
+    r = _load_into_checked(tmp_path, sd, reports)
     assert 0 < r["registered_bytes"] < sum(v.nbytes for v in sd.values()) and r["fill_s"] > 0
     assert regs.made[0].disabled and regs.driver.registered == {}
 
@@ -161,11 +168,7 @@ def test_a_cold_file_is_staged_not_registered(tmp_path, registered, monkeypatch)
     regs, reports = registered(8 * W)
     monkeypatch.setattr(direct_reads, "is_cached", lambda fd, offsets: False)
     sd = _state_dict()
-    mmapckpt.save(sd, tmp_path / "c")
-    out = {k: torch.zeros_like(v) for k, v in sd.items()}
-    mmapckpt.load_into(out, tmp_path / "c", staging_bytes=8192, staging_buffers=2)
-    helpers.assert_tree_equal(out, sd)
-    (r,) = reports
+    r = _load_into_checked(tmp_path, sd, reports)
     assert r["registered_bytes"] == 0 and r["registrations"] == 0 and r["buffers"] > 1
 
 

@@ -11,7 +11,6 @@ reader threads may run them one after another).
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 
@@ -19,7 +18,8 @@ import pytest
 import torch
 
 import mmapckpt
-from helpers import assert_bitwise_equal, assert_tree_equal, dcp_failure, dcp_load, dcp_save, seeded_tensor
+from helpers import (assert_bitwise_equal, assert_tree_equal, dcp_failure, dcp_load, dcp_save, refuse_o_direct,
+                     seeded_tensor)
 from mmapckpt.io import cold_reads, direct_reads, read_choice, staging
 from mmapckpt.io.read_choice import CANDIDATES, STREAM, Strategy
 
@@ -168,18 +168,6 @@ def test_the_trials_of_a_staged_load_are_timed_across_buffers_and_recorded(tmp_p
     assert spy.bytes_by(STREAM) == 300_000 * 6  # the stream trial and the rest (no choice yet: one stream)
 
 
-def _refuse_o_direct(monkeypatch) -> None:
-    """What a tmpfs answered before Linux 6.6 (since then it takes O_DIRECT, so the refusal is simulated)."""
-    real_open = os.open
-
-    def no_direct(path, flags, *args):
-        if flags & getattr(os, "O_DIRECT", 0):
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(cold_reads.os, "open", no_direct)
-
-
 @pytest.mark.parametrize("fixed", [True, False], ids=["direct-8", "trial"])
 def test_a_file_that_refuses_o_direct_is_read_as_one_stream_and_marked(tmp_path, monkeypatch, cold, fixed):
     sd = _state_dict()
@@ -190,7 +178,7 @@ def test_a_file_that_refuses_o_direct_is_read_as_one_stream_and_marked(tmp_path,
         monkeypatch.setenv("MMAPCKPT_COLD_READS", "direct-8")
     else:
         monkeypatch.setattr(read_choice, "TRIAL_BYTES", 4096)
-    _refuse_o_direct(monkeypatch)
+    refuse_o_direct(monkeypatch)
     spy = Spy(monkeypatch)
     assert_tree_equal(_load_into(sd, path), sd)
     dev = os.stat(path).st_dev
