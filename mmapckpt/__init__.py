@@ -11,7 +11,7 @@ command line's ``--help`` and ``--version`` and ``mmapckpt.__version__`` do not 
 import importlib
 import typing
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 #: public name -> the module (relative to this package) that defines it. A new name goes here, in __all__ and
 #: in the TYPE_CHECKING block (tests/test_public_api.py checks that the three agree).

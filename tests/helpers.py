@@ -450,3 +450,22 @@ def refuse_o_direct(monkeypatch: Any) -> None:
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(cold_reads.os, "open", no_direct)
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+
+
+def bench_script(name: str) -> Any:
+    """``benchmarks/NAME.py`` (a script outside the package) imported by path, as module ``benchmarks_NAME``."""
+    import importlib.util
+    import sys
+
+    module = f"benchmarks_{name}"
+    if module in sys.modules:
+        return sys.modules[module]
+    spec = importlib.util.spec_from_file_location(module, os.path.join(BENCHMARKS, f"{name}.py"))
+    assert spec is not None and spec.loader is not None, name
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[module] = mod  # dataclasses and pickling look the module up by name
+    spec.loader.exec_module(mod)
+    return mod

@@ -43,6 +43,8 @@ def test_import_contracts_are_kept() -> None:
     ("bench/demo.py", "from ..conversion import driver as _sideways", "do not know each other"),
     ("format/dtypes.py", "from ..io import files as _opens_files", "The format defines bytes"),
     ("storage/base.py", "from ..reading import shard as _upward", "Wings import only the wings below them"),
+    ("bench/synthetic.py", "from . import runner as _around", "No import circle"),
+    ("format/metadata/framing.py", "from . import codec as _around", "No import circle"),
 ])
 def test_an_import_against_the_layering_breaks_a_contract(tmp_path: Path, module: str, line: str,
                                                           contract: str) -> None:
@@ -66,6 +68,47 @@ def test_import_mmapckpt_does_not_import_the_benchmark() -> None:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def _imports_of_the_face(src: str, rel: Path) -> list[str]:
+    """The imports in ``src`` (module ``rel`` of the package) that name the package root ``mmapckpt`` itself (its
+    face), not one of its modules."""
+    tree = ast.parse(src)
+    package = ".".join(("mmapckpt", *rel.parent.parts))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == "mmapckpt"]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            target = ".".join(filter(None, (base, node.module))) if node.level else (node.module or "")
+            if target == "mmapckpt":  # `from .. import X` at the root: X must be a module, never a face name
+                found += [f"from mmapckpt import {a.name}" for a in node.names
+                          if not (PKG / a.name).is_dir() and not (PKG / f"{a.name}.py").is_file()]
+    return found
+
+
+def test_nothing_in_the_package_imports_its_face() -> None:
+    """The face (``mmapckpt/__init__.py``) is for users: a module that imports it depends on every wing at once
+    (the command line included: tools/cli.py imports the wings it runs)."""
+    offenders = {str(p.relative_to(PKG)): names for p in _modules() if p != PKG / "__init__.py"
+                 for names in [_imports_of_the_face(p.read_text(), p.relative_to(PKG))] if names}
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("line, where, face", [
+    ("from .. import __version__", "tools/cli.py", True),
+    ("from .. import load", "tools/cli.py", True),
+    ("from ... import open", "storage/s3/reads.py", True),
+    ("import mmapckpt", "io/files.py", True),
+    ("from mmapckpt import save", "bench/demo.py", True),
+    ("from .. import errors", "tools/cli.py", False),
+    ("from ..io import files", "tools/cli.py", False),
+    ("from . import wording", "tools/cli.py", False),
+    ("from .. import layout", "format/metadata/v1.py", False),
+])
+def test_the_face_check_tells_the_face_from_a_module(line: str, where: str, face: bool) -> None:
+    assert bool(_imports_of_the_face(line + "\n", Path(where))) is face
 
 
 def _modules() -> list[Path]:

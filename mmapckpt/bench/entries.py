@@ -1,5 +1,5 @@
-"""Many-entry checkpoints for ``mmapckpt bench --scan tensors``: the Adam case, per-entry costs,
-their ratios to safetensors, the issue's targets, the table and the chart.
+"""Many-entry checkpoints for the scan (bench/scan.py): the Adam case, per-entry costs, their ratios to
+safetensors and the issue's targets (the table and the chart: ``benchmarks/scan_bench.py``).
 
 Per-entry cost at a point is the median seconds of an operation divided by the tensor
 count of the state dict (the same divisor for every method, so a ratio of per-entry
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["adam_state_dict", "flatten_tensors", "targets_like", "same_values", "summarize", "render", "plot",
+__all__ = ["adam_state_dict", "flatten_tensors", "targets_like", "same_values", "summarize",
            "TARGETS", "PHASE_LABELS"]
 
 #: phase -> what it is, in the table and the chart
@@ -148,95 +148,3 @@ def _readers(rows: list[dict[str, Any]], by: dict[tuple[Any, ...], dict[str, Any
                         "us_per_entry": total, "plan_us_per_entry": plan, "own_us_per_entry": total - plan,
                         "own_ratio_to_api": (total - plan) / api if api else None})
     return out
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.1f}" if x >= 10 else f"{x:.2f}"
-
-
-def render(doc: dict[str, Any]) -> list[str]:
-    """The per-entry table: one line per operation, one column per point (us per entry, x safetensors)."""
-    s = doc["summary"]
-    points = list(dict.fromkeys((r["case"], r["tensors"]) for r in s["ratios"]))
-    if not points:
-        return []
-    heads = [f"{n} t" if c == "transformer" else f"{c} {n} t" for c, n in points]
-    w = max(16, *(len(h) + 2 for h in heads))
-    head = f"{'phase':<27}{'method':<20}{'operation':<44}" + "".join(f"{h:>{w}}" for h in heads)
-    lines = ["", "per entry: us per tensor entry, median; (x): its ratio to safetensors' counterpart at the point",
-             head, "-" * len(head)]
-    cells = {(q["case"], q["tensors"], q["method"], q["phase"]): q for q in s["ratios"]}
-    ops = list(dict.fromkeys((q["phase"], q["method"], q["op"]) for q in s["ratios"]))
-    ops.sort(key=lambda o: list(PHASE_LABELS).index(o[0]))
-    for ph, m, op in ops:
-        row = f"{PHASE_LABELS[ph]:<27}{m:<20}{op:<44}"
-        for c, n in points:
-            q = cells.get((c, n, m, ph))
-            if q is None:
-                row += f"{'-':>{w}}"
-            else:
-                x = q["ratio_to_safetensors"]
-                row += f"{_fmt(q['us_per_entry']) + (f' ({x:.2f}x)' if x is not None else ''):>{w}}"
-        lines.append(row)
-    if s.get("readers"):
-        lines += ["", "dcp.load and dcp.save apart, us per entry: planning (through a reader that resolves and "
-                  "commits without copying, a writer that writes nothing: DCP's own code, the planner, the "
-                  "metadata decode) and the storage layer's own cost (the operation less its planning; x: its "
-                  "ratio to mmapckpt.load_into, mmapckpt.save)"]
-        for q in s["readers"]:
-            x = q["own_ratio_to_api"]
-            own = "reader" if q["op"] == "load" else "writer"
-            lines.append(f"  {q['case']:<12}{q['tensors']:>8} t  {q['method']:<20}{q['op']:<5} planning "
-                         f"{_fmt(q['plan_us_per_entry'])}, {own} {_fmt(q['own_us_per_entry'])}"
-                         + (f" ({x:.2f}x)" if x is not None else ""))
-    lines += ["", "targets (per-entry ratios):"]
-    for t in s["targets"]:
-        lines.append(f"  {t['case']:<12}{t['tensors']:>8} t  {t['target']:<60} {t['ratio']:.2f} "
-                     f"(at most {t['at_most']:g}): {'met' if t['met'] else 'MISSED'}")
-    return lines
-
-
-def plot(doc: dict[str, Any], path: str) -> str | None:
-    """us per entry against entry count (log-log), one panel per phase; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    qs = doc["summary"]["ratios"]
-    phases = [p for p in PHASE_LABELS if any(q["phase"] == p for q in qs)]
-    if not phases:
-        return None
-    from matplotlib.ticker import ScalarFormatter
-
-    cols = min(2, len(phases))
-    rows = -(-len(phases) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 4.2 * rows), squeeze=False)
-    for ax in axes.flat[len(phases):]:
-        ax.set_visible(False)
-    for ax, ph in zip(axes.flat, phases):
-        for m in dict.fromkeys(q["method"] for q in qs if q["phase"] == ph):
-            line = sorted((q["tensors"], q["us_per_entry"], q["op"]) for q in qs
-                          if q["phase"] == ph and q["method"] == m and q["case"] == "transformer")
-            adam = [(q["tensors"], q["us_per_entry"]) for q in qs
-                    if q["phase"] == ph and q["method"] == m and q["case"] == "adam"]
-            label = next(q["op"] for q in qs if q["phase"] == ph and q["method"] == m)
-            drawn = ax.plot([x for x, _, _ in line], [y for _, y, _ in line], marker="o", label=label)
-            if adam:
-                ax.plot(*zip(*adam), marker="*", markersize=12, linestyle="none", color=drawn[0].get_color())
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(ScalarFormatter())
-        ax.yaxis.set_minor_formatter(ScalarFormatter())
-        ax.tick_params(axis="y", which="minor", labelsize=7)
-        ax.set_title(PHASE_LABELS[ph])
-        ax.set_xlabel("tensor entries (log); star: the Adam state dict")
-        ax.set_ylabel("us per entry (median, log)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="best", framealpha=0.7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

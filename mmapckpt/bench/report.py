@@ -6,6 +6,8 @@ by the limit's GB/s (that is, the limit's median seconds over the method's).
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 from typing import Any
 
@@ -15,7 +17,7 @@ from .targets import evaluate
 from .targets import render as render_targets
 
 __all__ = ["document", "render_table", "plot", "row_prefix", "PHASES", "SAVE_NOTE", "RETURNS_NOTE", "LIMIT_LABELS",
-           "limit_label", "READ_LIMITS"]
+           "limit_label", "READ_LIMITS", "write_json"]
 
 #: phase -> (label, the limit it is measured against)
 PHASES: dict[str, tuple[str, str]] = {
@@ -237,4 +239,16 @@ def plot(doc: dict[str, Any], path: str) -> str | None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
+
+
+def write_json(out: str | None, name: str, doc: object) -> str | None:
+    """Write ``doc`` to ``out/name`` and say so; nothing (None) without ``--out``."""
+    if out is None:
+        return None
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"\nJSON: {path}")
     return path

@@ -42,27 +42,27 @@ from .disk import PARTS, SWEEP, read_streams
 from .methods import EXTRA_METHODS, METHODS, SCAN_METHODS, Method, lazy_note
 from .peers import PEER_KEYS, PEERS, Peer, PeerRun
 from .synthetic import parse_size, transformer_state_dict
+from .report import write_json
 from .system import cold_read_limit, copy_limit, evict, files_under, machine_info, warm_up, write_limit
 
-__all__ = ["add_arguments", "run", "run_benchmark", "write_json"]
+__all__ = ["add_arguments", "add_common_arguments", "resolve", "drive", "run", "run_benchmark", "write_json",
+           "SCAN_TENSORS"]
 
 _QUICK = {"size": "8MB", "tensors": 23, "repeats": 1}
 _DEFAULTS = {"size": "1GB", "tensors": 320, "repeats": 5}
 StateDict = dict[str, torch.Tensor]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``mmapckpt bench`` options to ``parser``."""
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every benchmark shares (``mmapckpt bench`` and the scripts in ``benchmarks/``)."""
     parser.add_argument("--size", default=None, help="state dict size, e.g. 256MB, 1GB (default 1GB)")
     parser.add_argument("--dtype", default="bfloat16", help="tensor dtype (default bfloat16)")
     parser.add_argument("--tensors", type=int, default=None,
                         help="about how many tensors (10 per layer plus 3; default 320)")
     parser.add_argument("--repeats", type=int, default=None, help="repetitions; medians shown (default 5)")
     parser.add_argument("--out", default=None,
-                        help="directory to write the results to (bench.json and, with matplotlib, bench.png; "
-                             "scan-*.json for --scan); default: none, the table is printed only")
-    parser.add_argument("--targets", action="store_true",
-                        help="list every target with its measured fraction (default: one line counts them)")
+                        help="directory to write the results to (JSON and, with matplotlib, a PNG chart); "
+                             "default: none, the table is printed only")
     parser.add_argument("--dir", default=None,
                         help="where to write the checkpoints (default: a temporary directory under the "
                              "current one, so on its disk rather than a tmpfs /tmp)")
@@ -70,45 +70,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated subset of: " + ", ".join(m.key for m in METHODS + EXTRA_METHODS)
                              + ", and the peers " + ", ".join(PEER_KEYS)
                              + " (mmapckpt-base: mmapckpt with O_DIRECT writes and direct reads off; default: "
-                             + ",".join([m.key for m in METHODS] + list(PEER_KEYS)) + "; for --scan tensors: "
-                             + ",".join(SCAN_METHODS) + ")")
+                             + ",".join([m.key for m in METHODS] + list(PEER_KEYS)) + ")")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's own choice); on a busy machine 1 "
                              "avoids copy_ stalling at OpenMP barriers")
-    parser.add_argument("--scan", choices=("sizes", "tensors"), default=None,
-                        help="instead of the comparison, scan time against total size (at --tensors) or "
-                             "against tensor count (at --size, default 16MB for this scan; plus an Adam "
-                             "optimizer state dict) for mmapckpt, safetensors and the stock DCP")
-    parser.add_argument("--points", default=None,
-                        help="scan points, comma-separated: sizes (default 256MB,512MB,1GB,2GB,4GB) or "
-                             "tensor counts (default 10,100,1000,10000; up to 100000 and more)")
-    parser.add_argument("--adam-layers", type=int, default=100,
-                        help="--scan tensors: the Adam state dict's model layers, 48 tensors each "
-                             "(default 100: 4,800 tensors; 0: no Adam case)")
-    parser.add_argument("--dcp-max-entries", type=int, default=None,
-                        help="--scan tensors: skip the stock DCP above this many entries (default 20000; "
-                             "0: never skip)")
-    parser.add_argument("--replicas", type=int, default=None, metavar="N",
-                        help="instead: a replicated load on N gloo ranks, with and without read-once")
-    parser.add_argument("--hf-dirs", action="store_true",
-                        help="instead: dcp.load from a Hugging Face safetensors directory, MmapReader against "
-                             "HuggingFaceStorageReader (bench/hf_dirs.py)")
+    parser.add_argument("--quick", action="store_true", help="a tiny run (8MB, 1 repetition) to try it out")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``mmapckpt bench`` options to ``parser``."""
+    add_common_arguments(parser)
+    parser.add_argument("--targets", action="store_true",
+                        help="list every target with its measured fraction (default: one line counts them)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-load memory measurement")
     parser.add_argument("--scan-entries", type=int, default=None, metavar="N",
                         help="the many-entry scan whose targets the comparison reports: N tensors (16 MB) and the "
                              "Adam state dict of --adam-layers (default 10000; 0, and --quick: none)")
-    parser.add_argument("--storage", default=None, metavar="s3://BUCKET/PREFIX",
-                        help="run the save and load rows against an object store instead, beside its measured GET "
-                             "and PUT limits and DCP's FsspecWriter/FsspecReader (bench/objstore.py; the s3 extra)")
-    parser.add_argument("--quick", action="store_true", help="a tiny run (8MB, 1 repetition) to try it out")
+    parser.add_argument("--adam-layers", type=int, default=100,
+                        help="the many-entry scan's Adam state dict: its model layers, 48 tensors each "
+                             "(default 100: 4,800 tensors; 0: no Adam case)")
 
 
-def _resolve(args: argparse.Namespace) -> dict[str, object]:
+def resolve(args: argparse.Namespace, default_methods: list[str] | None = None) -> dict[str, Any]:
+    """The run's settings from the common options (ValueError on a bad one); ``default_methods``: the
+    methods without ``--methods`` (default: every method of the comparison and every peer)."""
     base = _QUICK if args.quick else _DEFAULTS
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {args.dtype!r}")
-    default = ",".join(SCAN_METHODS if args.scan == "tensors" else [m.key for m in METHODS] + list(PEER_KEYS))
+    default = ",".join(default_methods or [m.key for m in METHODS] + list(PEER_KEYS))
     chosen = [s.strip() for s in (args.methods or default).split(",")]
     methods = sorted((m for m in METHODS + EXTRA_METHODS if m.key in chosen), key=lambda m: chosen.index(m.key))
     peers = sorted((p for p in PEERS if p.key in chosen), key=lambda p: chosen.index(p.key))
@@ -118,9 +108,29 @@ def _resolve(args: argparse.Namespace) -> dict[str, object]:
     if repeats < 1:
         raise ValueError("--repeats must be at least 1")
     tensors = args.tensors if args.tensors is not None else base["tensors"]
+    scan_entries = getattr(args, "scan_entries", None)
     return {"size": parse_size(args.size or str(base["size"])), "dtype": dtype, "repeats": repeats,
             "layers": max(1, round((tensors - 3) / 10)), "methods": methods, "peers": peers,
-            "scan_entries": args.scan_entries if args.scan_entries is not None else (0 if args.quick else SCAN_TENSORS)}
+            "scan_entries": scan_entries if scan_entries is not None else (0 if args.quick else SCAN_TENSORS)}
+
+
+def drive(args: argparse.Namespace, body: Callable[[argparse.Namespace, dict[str, Any], str], int], *,
+          prog: str = "mmapckpt bench", default_methods: list[str] | None = None) -> int:
+    """Run ``body(args, settings, bench_dir)`` with ``--threads`` torch threads in ``--dir``; 2 on a bad option."""
+    try:
+        cfg = resolve(args, default_methods)
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    threads_before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        bench_dir = args.dir or os.getcwd()
+        os.makedirs(bench_dir, exist_ok=True)
+        return body(args, cfg, bench_dir)
+    finally:
+        torch.set_num_threads(threads_before)  # run() may be called in a process that goes on
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -285,10 +295,14 @@ def _rotated(xs: list, r: int) -> list:
     return xs[k:] + xs[:k]
 
 
+#: The many-entry scan's total size in a comparison run.
+_SCAN_TENSORS_SIZE = "16MB"
+
+
 def _scan_targets(bench_dir: str, entries: int, adam_layers: int, dtype: torch.dtype, repeats: int,
                   log: Callable[[str], None]) -> dict[str, Any]:
     """The many-entry scan at ``entries`` tensors (16 MB) and the Adam state dict: its targets."""
-    from . import scan as _scan
+    from . import scan as _scan  # torch-heavy planning paths: only when the scan runs
 
     methods = [m for m in SCAN_METHODS if m != "dcp"]  # the stock DCP takes minutes there and has no target
     doc = _scan.scan("tensors", [entries], fixed=parse_size(_SCAN_TENSORS_SIZE), dtype=dtype,
@@ -345,34 +359,10 @@ def run_benchmark(*, size: int, dtype: torch.dtype, layers: int, repeats: int, m
 
 def run(args: argparse.Namespace) -> int:
     """The ``mmapckpt bench`` command: run, print the table, write the JSON (and PNG)."""
-    try:
-        cfg = _resolve(args)
-    except ValueError as e:
-        print(f"mmapckpt bench: {e}", file=sys.stderr)
-        return 2
-    threads_before = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        return _run_configured(args, cfg)
-    finally:
-        torch.set_num_threads(threads_before)  # run() may be called in a process that goes on
+    return drive(args, _compare)
 
 
-def _run_configured(args: argparse.Namespace, cfg: dict) -> int:
-    bench_dir = args.dir or os.getcwd()
-    os.makedirs(bench_dir, exist_ok=True)
-    if args.scan:
-        return _run_scan(args, cfg, bench_dir)
-    if args.replicas:
-        from . import replicas
-        return replicas.run(args, cfg, bench_dir)
-    if args.hf_dirs:
-        from . import hf_dirs
-        return hf_dirs.run(args, cfg, bench_dir)
-    if args.storage:
-        from . import objstore
-        return objstore.run(args, cfg)
+def _compare(args: argparse.Namespace, cfg: dict[str, Any], bench_dir: str) -> int:
     doc = run_benchmark(size=cfg["size"], dtype=cfg["dtype"], layers=cfg["layers"], repeats=cfg["repeats"],
                         methods=cfg["methods"], bench_dir=bench_dir, memory=not args.no_memory,
                         log=lambda s: print(s, file=sys.stderr, flush=True), peers=cfg["peers"],
@@ -383,45 +373,6 @@ def _run_configured(args: argparse.Namespace, cfg: dict) -> int:
         print(f"chart: {png}" if png else "chart: skipped (install the 'plot' extra: matplotlib)")
     scan_ok = doc["scan"] is None or doc["scan"]["correct"]
     return 0 if all(doc["run"]["correct"].values()) and scan_ok else 1
-
-
-def write_json(out: str | None, name: str, doc: object) -> str | None:
-    """Write ``doc`` to ``out/name`` and say so; nothing (None) without ``--out``."""
-    if out is None:
-        return None
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, name)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"\nJSON: {path}")
-    return path
-
-
-_SCAN_POINTS = {"sizes": "256MB,512MB,1GB,2GB,4GB", "tensors": "10,100,1000,10000"}
-_SCAN_TENSORS_SIZE = "16MB"
-
-
-def _run_scan(args: argparse.Namespace, cfg: dict, bench_dir: str) -> int:
-    from . import scan as _bench_scan
-
-    raw = (args.points or _SCAN_POINTS[args.scan]).split(",")
-    points = [parse_size(p) if args.scan == "sizes" else int(p) for p in raw]
-    if args.scan == "sizes":
-        fixed = args.tensors or _DEFAULTS["tensors"]
-    else:
-        fixed = parse_size(args.size or _SCAN_TENSORS_SIZE)
-    methods = [m.key for m in cfg["methods"] if m.key in SCAN_METHODS] or ["mmapckpt"]
-    cap = _bench_scan.DCP_MAX_ENTRIES if args.dcp_max_entries is None else (args.dcp_max_entries or None)
-    doc = _bench_scan.scan(args.scan, points, fixed=fixed, dtype=cfg["dtype"], repeats=cfg["repeats"],
-                           methods=methods, bench_dir=bench_dir, log=lambda s: print(s, file=sys.stderr, flush=True),
-                           adam_layers=max(0, args.adam_layers), dcp_max_entries=cap)
-    print(_bench_scan.render(doc))
-    if write_json(args.out, f"scan-{args.scan}.json", doc) and args.scan == "tensors":
-        from . import entries
-
-        png = entries.plot(doc, os.path.join(args.out, "scan-tensors.png"))
-        print(f"chart: {png}" if png else "chart: skipped (install the 'plot' extra: matplotlib)")
-    return 0 if all(r.get("correct", True) for r in doc["rows"]) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

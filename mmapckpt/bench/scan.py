@@ -1,4 +1,5 @@
-"""Scaling scans for ``mmapckpt bench --scan``: time against size, and against entry count.
+"""Scaling scans: time against size, and against entry count (the many-entry targets of ``mmapckpt bench``;
+the whole sweep, its table and chart: ``python benchmarks/scan_bench.py``).
 
 - ``sizes``: the same tensor count at several total sizes; time should grow linearly,
   so seconds per GB should stay level.
@@ -27,9 +28,9 @@ from .methods import method_by_key, scan_ops
 from .synthetic import transformer_state_dict
 from .system import files_under, warm_up
 
-__all__ = ["scan", "render", "DCP_MAX_ENTRIES"]
+__all__ = ["scan", "DCP_MAX_ENTRIES", "PHASES"]
 
-_PHASES = ("save", "plan_save", "warm", "plan", "lazy", "open")
+PHASES = ("save", "plan_save", "warm", "plan", "lazy", "open")
 #: Above this many entries the stock DCP is skipped in the tensor scan by default (about 0.5 ms an entry).
 DCP_MAX_ENTRIES = 20_000
 Ops = dict[str, tuple[str, Callable]]
@@ -140,7 +141,7 @@ def _summary(kind: str, rows: list[dict[str, Any]], methods: list[str]) -> dict[
     out: dict[str, Any] = {}
     for m in methods:
         mine = [r for r in rows if r["method"] == m]
-        for ph in _PHASES:
+        for ph in PHASES:
             pts = [r for r in mine if f"{ph}_s" in r]
             if len(pts) < 2:
                 continue
@@ -151,32 +152,8 @@ def _summary(kind: str, rows: list[dict[str, Any]], methods: list[str]) -> dict[
                 out[f"{m}.{ph}.s_per_gb"] = per_gb
     if kind == "tensors" and "safetensors" in methods:
         for m in methods:
-            for ph in _PHASES:
+            for ph in PHASES:
                 a, b = out.get(f"{m}.{ph}.per_tensor_us"), out.get(f"safetensors.{ph}.per_tensor_us")
                 if a is not None and b:
                     out[f"{m}.{ph}.overhead_vs_safetensors"] = a / b
     return out
-
-
-def render(doc: dict[str, Any]) -> str:
-    """The scan as a text table, with its summary (and, for "tensors", the per-entry table and targets)."""
-    phases = [p for p in _PHASES if any(f"{p}_s" in r for r in doc["rows"])]
-    head = f"{'case':<13}{'method':<15}{'tensors':>9}{'GB':>8}" + "".join(f"{p + ' s':>10}" for p in phases)
-    lines = [f"scan: {doc['kind']} (median seconds)", head, "-" * len(head)]
-    for r in doc["rows"]:
-        lines.append(f"{r.get('case', ''):<13}{r['method']:<15}{r['tensors']:>9}{r['bytes'] / 1e9:>8.3f}"
-                     + "".join(f"{r[p + '_s']:>10.4f}" if p + "_s" in r else f"{'-':>10}" for p in phases))
-    if doc["kind"] == "tensors":
-        lines.append("least-squares slope of seconds against tensor count (transformer points), us per tensor:")
-    for k, v in doc["summary"].items():
-        if k in ("ratios", "targets", "readers"):
-            continue
-        val = ", ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else f"{v:.2f}"
-        lines.append(f"  {k}: {val}")
-    if doc["kind"] == "tensors":
-        lines += entries.render(doc)
-    bad = [f"{r['method']} ({r.get('case')}, {r['tensors']} t)" for r in doc["rows"] if not r.get("correct", True)]
-    lines.append("")
-    lines.append("bitwise check of every warm load: " + ("ok" if not bad else "FAILED: " + ", ".join(bad)))
-    lines += [f"note: {n}" for n in dict.fromkeys(doc.get("notes", []))]
-    return "\n".join(lines)

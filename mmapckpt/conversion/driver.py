@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..storage.lock import SaveLock
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from ..io.files import fsync_dir
-from ..io.progress import Progress, ProgressCallback
+from .progress import Progress, ProgressCallback
 from ..io.sizes import parse_size
 from ..io.replace import recover, remove_dead_temps, remove_stale_temps, replace_path, temp_sibling
 from .cast import CastSource, cast_dtype

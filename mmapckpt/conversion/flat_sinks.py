@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from ..errors import CheckpointError
 from ..io.files import fsync_dir, map_file, pwrite_all
-from ..io.progress import Progress
+from .progress import Progress
 from ..storage.base import CheckpointStorage, FileOutput
 from .common import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, Source, Writing
 from .outputs import Put, commit_to, fresh_name, fsync_file, nbytes, raw_bytes, storage_of, write_stored

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from ..errors import CheckpointError, FormatError
 from ..format import layout as fmt
 from ..format.metadata import METADATA_NAME, encode_metadata
-from ..io.progress import Progress
+from .progress import Progress
 from ..storage.base import CheckpointStorage
 from ..writing.shard import ShardEntry, ShardOptions, write_shard
 from .common import Source, Writing, label, tensor_chunk_sizes

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
-from ..io.progress import Progress
+from .progress import Progress
 from ..reading.located import split_url
 from ..storage.base import CheckpointStorage, FileOutput
 from ..storage.location import storage_for

@@ -64,7 +64,7 @@ def _emit(text: str) -> None:
 
 
 def _version() -> str:
-    from .. import __version__
+    from .._version import __version__
     return __version__
 
 
@@ -203,7 +203,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 def _run_convert(args: argparse.Namespace) -> int:
     from ..conversion.driver import convert, target_format
-    from ..io.progress import human_bytes
+    from ..conversion.progress import human_bytes
 
     to = args.to or target_format(args.dst)
     if args.max_shard_size is not None and to != "safetensors":

@@ -16,7 +16,7 @@ from ..conversion.common import label, select_names
 from ..conversion.detect import open_source
 from ..errors import CheckpointError, IncompleteCheckpointError, TruncatedFileError
 from ..format import layout as fmt
-from ..io.progress import human_bytes
+from ..conversion.progress import human_bytes
 from ..reading.shard import Shard
 from .wording import count
 

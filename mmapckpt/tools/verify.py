@@ -42,7 +42,7 @@ from ..reading.locate import directory_kind, indexed_files, place_format
 from ..format.metadata import KIND_MMAPCKPT
 from ..format.safetensors import entry_infos
 from ..format.transforms import StreamTransforms
-from ..io.progress import Progress, human_bytes
+from ..conversion.progress import Progress, human_bytes
 from ..reading.safetensors_files import SafetensorsFile
 from ..reading.shard import Shard, check_size_unchanged, decode_entry
 from ..reading.torchfile import TorchSource, flat_torch_file, is_zip, torch_source

@@ -1,14 +1,16 @@
-"""``python -m mmapckpt.bench.coverage``: what the index checks cost per chunk, beside the decode."""
+"""``python benchmarks/coverage_bench.py``: what the index checks cost per chunk, beside the decode."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+from helpers import bench_script
 
-from mmapckpt.bench import coverage
 from mmapckpt.format.metadata import v2
 from mmapckpt.storage.commits import read_index_file
+
+coverage = bench_script("coverage_bench")
 
 
 def test_a_quick_run_prints_every_layout(capsys) -> None:

@@ -1,23 +1,19 @@
-"""``mmapckpt bench --hf-dirs`` runs at a tiny size: every reader and phase timed, every load checked (no timing asserted)."""
+"""``python benchmarks/hf_dirs_bench.py`` runs at a tiny size: every reader and phase timed, every load checked (no timing asserted)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
+from helpers import bench_script
 
-from mmapckpt.bench import hf_dirs
-from mmapckpt.bench import runner as bench
+hf_dirs = bench_script("hf_dirs_bench")
 
 
 def test_a_quick_run_prints_every_reader_and_writes_json(tmp_path, capsys) -> None:
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    args = parser.parse_args(["--hf-dirs", "--quick", "--size", "2MB", "--tensors", "13", "--repeats", "2",
-                              "--out", str(tmp_path / "out"), "--dir", str(tmp_path / "work"), "--threads", "1"])
-    assert bench.run(args) == 0
+    assert hf_dirs.main(["--quick", "--size", "2MB", "--tensors", "13", "--repeats", "2",
+                         "--out", str(tmp_path / "out"), "--dir", str(tmp_path / "work"), "--threads", "1"]) == 0
     out = capsys.readouterr().out
     doc = json.loads((tmp_path / "out" / "hf-dirs.json").read_text())
     assert doc["run"]["files"] == hf_dirs.FILES

@@ -1,10 +1,12 @@
-"""``python -m mmapckpt.bench.metadecode``: the metadata decode measured beside safetensors' header parse."""
+"""``python benchmarks/metadecode_bench.py``: the metadata decode measured beside safetensors' header parse."""
 
 from __future__ import annotations
 
 import pytest
+from helpers import bench_script
 
-from mmapckpt.bench import metadecode
+metadecode = bench_script("metadecode_bench")
+
 
 
 def test_it_times_each_operation_beside_safetensors(capsys) -> None:

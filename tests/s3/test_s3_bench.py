@@ -1,4 +1,4 @@
-"""``mmapckpt bench --storage s3://...`` runs end to end against the real radosgw (no timing is asserted).
+"""``python benchmarks/objstore_bench.py s3://...`` runs end to end against the real radosgw (no timing is asserted).
 
 A tiny run (``--quick``) produces every mmapckpt row and both limits, each load checked bitwise,
 DCP's FsspecWriter/FsspecReader rows, a JSON document, and leaves no object or upload behind.
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 
-from mmapckpt.tools.cli import main
+from helpers import bench_script
+
+objstore = bench_script("objstore_bench")
 
 
 def test_bench_storage_quick(s3_env, s3_bucket, s3_server, tmp_path, capsys):
     # two repetitions: the second save takes another shard name (the first is committed)
-    assert main(["bench", "--storage", f"s3://{s3_bucket}/bench", "--quick", "--repeats", "2", "--out",
-                 str(tmp_path)]) == 0
+    assert objstore.main([f"s3://{s3_bucket}/bench", "--quick", "--repeats", "2", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "bench_s3.json").read_text())
     rows = doc["rows"]
     for row in ("save: dcp.save + MmapWriter", "load: mmapckpt.load_into", "load: dcp.load + MmapReader",

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 import mmapckpt
 from mmapckpt import CheckpointExistsError, MmapWriter
-from mmapckpt.io.progress import Progress, human_bytes
+from mmapckpt.conversion.progress import Progress, human_bytes
 from mmapckpt.reading.shard import Shard
 from mmapckpt.tools.cli import main
 

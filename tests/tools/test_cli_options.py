@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import mmapckpt
-from mmapckpt.io import progress as progress_module
+from mmapckpt.conversion import progress as progress_module
 from mmapckpt.tools.cli import main
 
 SD = {"model.embed.weight": torch.randn(16, 8), "model.norm.weight": torch.randn(8).to(torch.bfloat16),

@@ -1,4 +1,6 @@
-"""``mmapckpt bench --replicas N``: a replicated N-rank load, with and without read-once.
+"""A replicated N-rank load, with and without read-once.
+
+``python benchmarks/replicas_bench.py N [--size 128MB] [--repeats 5] [--out DIR] [--dir DIR]``.
 
 One process saves a transformer-shaped state dict (``--size``, default 128MB here) with
 MmapWriter; N spawned gloo ranks then each ``dcp.load`` all of it (data-parallel
@@ -32,13 +34,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from ..dcp.reader import MmapReader
-from ..dcp.writer import MmapWriter
-from ..io.progress import human_bytes
-from .synthetic import parse_size, transformer_state_dict
-from .system import evict
+from mmapckpt.dcp.reader import MmapReader
+from mmapckpt.dcp.writer import MmapWriter
+from mmapckpt.conversion.progress import human_bytes
+from mmapckpt.bench import runner
+from mmapckpt.bench.synthetic import parse_size, transformer_state_dict
+from mmapckpt.bench.system import evict
 
-__all__ = ["run", "run_replicas"]
+__all__ = ["run", "run_replicas", "render", "main"]
+
+PROG = "python benchmarks/replicas_bench.py"
 
 _DEFAULT_SIZE = "128MB"
 #: (reader, cache state): "cold" loads start with the checkpoint evicted from the page cache
@@ -125,18 +130,29 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, cfg: dict[str, Any], bench_dir: str) -> int:
-    """The ``--replicas`` branch of ``mmapckpt bench`` (bench/runner.py)."""
+    """Run on ``args.replicas`` ranks, print the table, write ``replicas.json`` with ``--out``."""
     if args.replicas < 2:
-        print("mmapckpt bench: --replicas needs at least 2 ranks", file=sys.stderr)
+        print(f"{PROG}: N needs to be at least 2 ranks", file=sys.stderr)
         return 2
     size = parse_size(args.size or _DEFAULT_SIZE)
     doc = run_replicas(replicas=args.replicas, size=size, dtype=cfg["dtype"], repeats=cfg["repeats"],
                        bench_dir=bench_dir, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(render(doc))
-    if args.out is not None:  # only where --out says (bench/runner.py)
+    if args.out is not None:  # only where --out says
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "replicas.json")
         with open(path, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"\nJSON: {path}")
     return 0 if all(r["correct"] for r in doc["rows"].values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("replicas", type=int, metavar="N", help="gloo ranks, each loading the whole checkpoint")
+    runner.add_common_arguments(parser)
+    return runner.drive(parser.parse_args(argv), run, prog=PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

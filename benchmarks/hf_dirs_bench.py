@@ -1,4 +1,6 @@
-"""``mmapckpt bench --hf-dirs``: ``dcp.load`` from a Hugging Face safetensors directory, MmapReader against torch's reader.
+"""``dcp.load`` from a Hugging Face safetensors directory, MmapReader against torch's reader.
+
+``python benchmarks/hf_dirs_bench.py [--size 256MB] [--repeats 9] [--threads 1] [--out DIR]``.
 
 How training starts from Hugging Face weights (torchtitan): ``dcp.load(state_dict,
 storage_reader=HuggingFaceStorageReader(hf_dir))``. One run writes a transformer-shaped state
@@ -39,13 +41,16 @@ from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, Hu
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from ..dcp.fast_planner import FastLoadPlanner
-from ..dcp.reader import MmapReader
-from ..format.entries import paused_gc
-from .synthetic import transformer_state_dict
-from .system import cold_read_limit, copy_limit, evict, files_under, machine_info, warm_up, write_limit
+from mmapckpt.dcp.fast_planner import FastLoadPlanner
+from mmapckpt.dcp.reader import MmapReader
+from mmapckpt.format.entries import paused_gc
+from mmapckpt.bench import runner
+from mmapckpt.bench.synthetic import transformer_state_dict
+from mmapckpt.bench.system import cold_read_limit, copy_limit, evict, files_under, machine_info, warm_up, write_limit
 
-__all__ = ["READERS", "run", "run_hf_dirs", "render"]
+__all__ = ["READERS", "run", "run_hf_dirs", "render", "main"]
+
+PROG = "python benchmarks/hf_dirs_bench.py"
 
 StateDict = dict[str, torch.Tensor]
 #: files the directory is split into (by tensor, round robin), as a Hub download of a few GB is
@@ -175,7 +180,7 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, cfg: dict[str, Any], bench_dir: str) -> int:
-    """``mmapckpt bench --hf-dirs``: run, print the table, write ``hf-dirs.json`` with ``--out``."""
+    """Run, print the table, write ``hf-dirs.json`` with ``--out``."""
     doc = run_hf_dirs(size=cfg["size"], dtype=cfg["dtype"], layers=cfg["layers"], repeats=cfg["repeats"],
                       bench_dir=bench_dir, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(render(doc))
@@ -186,3 +191,13 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], bench_dir: str) -> int:
             json.dump(doc, f, indent=2)
         print(f"\nJSON: {path}")
     return 0 if all(doc["run"]["correct"].values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    runner.add_common_arguments(parser)
+    return runner.drive(parser.parse_args(argv), run, prog=PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

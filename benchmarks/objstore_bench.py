@@ -1,4 +1,7 @@
-"""``mmapckpt bench --storage s3://BUCKET/PREFIX``: saves and loads against an object store, beside its limits.
+"""Saves and loads against an object store, beside its limits.
+
+``python benchmarks/objstore_bench.py s3://BUCKET/PREFIX [--size 1GB] [--repeats 3] [--out DIR]`` (the
+``s3`` extra; credentials and endpoint from the ``AWS_*`` environment).
 
 One run, one server, the same transformer-shaped state dict throughout, the rows' order
 rotating between repetitions. It measures:
@@ -37,10 +40,13 @@ from typing import Any, Callable
 
 import torch
 
-from .runner import write_json
-from .synthetic import transformer_state_dict
+from mmapckpt.bench import runner
+from mmapckpt.bench.report import write_json
+from mmapckpt.bench.synthetic import transformer_state_dict
 
-__all__ = ["run"]
+__all__ = ["run", "main"]
+
+PROG = "python benchmarks/objstore_bench.py"
 
 StateDict = dict[str, torch.Tensor]
 _GET_SWEEP = ((8 << 20, 8), (16 << 20, 8), (16 << 20, 16), (32 << 20, 16), (64 << 20, 8))
@@ -102,7 +108,7 @@ class _Run:
 
 # ---------------------------------------------------------------------------- the limits
 def _raw_get(client: Any, bucket: str, key: str, size: int, part: int, threads: int, buf: memoryview) -> None:
-    from ..storage.s3.reads import _direct_stream
+    from mmapckpt.storage.s3.reads import _direct_stream
 
     def one(start: int) -> None:
         n = min(part, size - start)
@@ -140,11 +146,11 @@ def _same(a: StateDict, b: StateDict) -> bool:
 def _rows(url: str, sd: StateDict, targets: StateDict) -> dict[str, Callable[[], StateDict | None]]:
     import torch.distributed.checkpoint as dcp
 
-    from ..dcp.fast_planner import FastLoadPlanner
-    from ..dcp.reader import MmapReader
-    from ..dcp.writer import MmapWriter
-    from ..into import load_into
-    from ..lazy import load
+    from mmapckpt.dcp.fast_planner import FastLoadPlanner
+    from mmapckpt.dcp.reader import MmapReader
+    from mmapckpt.dcp.writer import MmapWriter
+    from mmapckpt.into import load_into
+    from mmapckpt.lazy import load
 
     def fresh() -> StateDict:  # zeroed by _one before the clock starts (as the raw GET's buffer is not timed)
         return targets
@@ -208,11 +214,12 @@ class _Skip(Exception):
 
 
 # ---------------------------------------------------------------------------- the run
-def run(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
-    """Run the object-store benchmark against ``args.storage``; print the table, write the JSON."""
-    from ..storage.s3.options import S3Options, client_for, parse_url
+def run(args: argparse.Namespace, cfg: dict[str, Any], bench_dir: str) -> int:
+    """Run the object-store benchmark against ``args.url``; print the table, write the JSON (``bench_dir``: unused,
+    everything it writes is on the store)."""
+    from mmapckpt.storage.s3.options import S3Options, client_for, parse_url
 
-    base = args.storage.rstrip("/")
+    base = args.url.rstrip("/")
     bucket, prefix = parse_url(base)
     run_id = uuid.uuid4().hex[:8]
     url = f"{base}/mmapckpt-bench-{run_id}"
@@ -341,3 +348,13 @@ def _table(doc: dict[str, Any]) -> str:
                      f"{r['client_cores']:11.2f} + {r['server_cores']:.2f}{ok}")
     return "\n".join(lines)
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("url", metavar="s3://BUCKET/PREFIX", help="where to save and load (removed at the end)")
+    runner.add_common_arguments(parser)
+    return runner.drive(parser.parse_args(argv), run, prog=PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Metadata decode against safetensors' header parse, side by side in one process.
 
-``python -m mmapckpt.bench.metadecode [--entries N] [--repeats R] [--mixed]`` saves N small
+``python benchmarks/metadecode_bench.py [--entries N] [--repeats R] [--mixed]`` saves N small
 tensors (four floats each; ``--mixed``: shapes (2, 2), (4,), (2, 2), (4,), () in turn, as a
 model's weights, biases and optimizer steps) with ``mmapckpt.save`` and
 ``safetensors.torch.save_file``, then times, interleaved round-robin so that a noisy
@@ -42,7 +42,7 @@ def make_checkpoints(root: str, entries: int, *, mixed: bool = False) -> tuple[s
     """An mmapckpt checkpoint and a safetensors file of ``entries`` small tensors; their paths."""
     from safetensors.torch import save_file
 
-    from ..saving import save
+    from mmapckpt.saving import save
 
     shapes = MIXED_SHAPES if mixed else ((4,),)
     sd = {f"layer{i // 8}.param{i % 8}": torch.full(shapes[i % len(shapes)], float(i)) for i in range(entries)}
@@ -56,9 +56,9 @@ def operations(ck: str, st: str) -> dict[str, Callable[[], object]]:
     """The operations compared, by name (``safetensors`` is the reference)."""
     from safetensors import safe_open
 
-    from ..format.metadata.framing import META_PREAMBLE, METADATA_NAME
-    from ..storage.commits import read_index_file, read_metadata_file
-    from ..lazy import open as open_ckpt
+    from mmapckpt.format.metadata.framing import META_PREAMBLE, METADATA_NAME
+    from mmapckpt.storage.commits import read_index_file, read_metadata_file
+    from mmapckpt.lazy import open as open_ckpt
 
     meta = os.path.join(ck, METADATA_NAME)
 
@@ -109,7 +109,7 @@ def render(times: dict[str, list[float]], entries: int, mixed: bool = False) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mmapckpt.bench.metadecode", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/metadecode_bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--mixed", action="store_true", help="tensors of ranks 0, 1 and 2 in turn")

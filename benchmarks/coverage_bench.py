@@ -1,6 +1,6 @@
 """The checks every index gets (format/tiling.py), per chunk, beside the decode they are part of.
 
-``python -m mmapckpt.bench.coverage [--chunks 1000,6000,12000] [--entries 100000] [--repeats 7]``
+``python benchmarks/coverage_bench.py [--chunks 1000,6000,12000] [--entries 100000] [--repeats 7]``
 writes ``.metadata`` files (the decode needs no shard) and times, interleaved round-robin so that a
 noisy machine slows every operation alike, medians of R:
 
@@ -38,7 +38,7 @@ def write_layout(path: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                        TensorProperties, TensorStorageMetadata)
 
-    from ..format.metadata import encode_metadata
+    from mmapckpt.format.metadata import encode_metadata
 
     sdm: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
@@ -81,9 +81,9 @@ def _timed(ops: dict[str, Callable[[], object]], repeats: int) -> dict[str, floa
 def measure_layout(path: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...],
                    repeats: int) -> dict[str, float]:
     """Seconds of the decode, the decode without the checks, and the tiling check alone."""
-    from ..format.metadata import v2
-    from ..storage.commits import read_index_file
-    from ..format.tiling import tiling_problem
+    from mmapckpt.format.metadata import v2
+    from mmapckpt.storage.commits import read_index_file
+    from mmapckpt.format.tiling import tiling_problem
 
     def unchecked() -> object:
         with _patched(v2, "check_entries", lambda entries, path: None):
@@ -94,8 +94,8 @@ def measure_layout(path: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...
 
 
 def _bulk(path: str, repeats: int) -> dict[str, float]:
-    from ..format.metadata import v2_columns
-    from ..storage.commits import read_index_file
+    from mmapckpt.format.metadata import v2_columns
+    from mmapckpt.storage.commits import read_index_file
 
     def unchecked() -> object:
         with _patched(v2_columns, "_disjoint", lambda *a: True):
@@ -113,7 +113,7 @@ def _row(what: str, n: int, t: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mmapckpt.bench.coverage", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/coverage_bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", default="1000,6000,12000")
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=7)
