@@ -182,3 +182,20 @@ def test_error_messages_name_file_and_entry_and_survive_pickling(cls: type) -> N
     assert type(back) is cls and str(back) == str(e) and (back.path, back.entry) == (e.path, e.entry)
     assert str(cls("bare")) == "bare"
     assert str(cls("m", path="p")) == "p: m"
+
+
+# --------------------------------------------------------------------------- the storage extension point
+def test_the_storage_extension_point_is_public_and_documented() -> None:
+    """``mmapckpt.storage`` names what a new medium implements and registers, each documented in docs/api.md."""
+    import mmapckpt.storage as storage
+    from mmapckpt.storage import base, location
+
+    assert set(storage.__all__) == set(storage._WHERE)
+    for name in storage.__all__:
+        assert getattr(storage, name) is getattr(importlib.import_module(storage._WHERE[name], storage.__name__),
+                                                 name)
+    assert storage.CheckpointStorage is base.CheckpointStorage and storage.register_scheme is location.register_scheme
+    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    for name in ("CheckpointStorage", "StoredFile", "FileOutput", "Lock", "register_scheme", "storage_for"):
+        assert f"::: mmapckpt.storage.{name}" in text, name
+    assert "tests/storage/test_storage_contract.py" in text

@@ -18,7 +18,7 @@ from ..io.files import refuse_url
 from .base import CheckpointStorage
 from .local import LocalStorage
 
-__all__ = ["storage_for", "register_scheme", "is_url"]
+__all__ = ["storage_for", "register_scheme", "is_url", "StorageFactory"]
 
 #: The storage of a URL of a scheme: ``factory(url, options)``, ``options`` the caller's
 #: ``storage_options`` (``{}`` where none were given).

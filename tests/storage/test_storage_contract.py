@@ -1,0 +1,254 @@
+"""The storage contract (``mmapckpt.storage``, ``storage/base.py``), checked against every medium.
+
+Each test runs once per medium: a local directory (``LocalStorage``), the ``unmapped://`` test
+medium (tests/unmapped.py: no mappings, every byte through ``read_into``) and S3 (a real Ceph
+radosgw, tests/s3server.py; those parameters are marked ``s3`` and skipped without the server).
+They check what base.py's docstrings promise, through the interface only. A new medium runs
+the same suite by adding one entry to ``_MEDIA`` (a fixture that yields a factory of fresh,
+empty locations of it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import s3server
+from unmapped import SCHEME as UNMAPPED, Unmapped
+
+from mmapckpt.errors import (
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    FormatError,
+    IncompleteCheckpointError,
+    TruncatedFileError,
+    UnsafePathError,
+)
+from mmapckpt.format.metadata import METADATA_NAME
+from mmapckpt.storage import CheckpointStorage, FileOutput, Lock, StoredFile, register_scheme, storage_for
+
+Locations = Callable[[], CheckpointStorage]
+
+HEAD = 16  # bytes of a file's head, written last (as a shard's header is)
+PIECE = b"0123456789abcdef" * 64  # 1 KiB
+
+
+# --------------------------------------------------------------------------- the media
+@pytest.fixture
+def local_media(tmp_path) -> Iterator[Locations]:
+    yield lambda: storage_for(str(tmp_path / uuid.uuid4().hex))
+
+
+@pytest.fixture
+def unmapped_media(tmp_path) -> Iterator[Locations]:
+    register_scheme(UNMAPPED, Unmapped)
+    try:
+        yield lambda: storage_for(f"{UNMAPPED}://{tmp_path / uuid.uuid4().hex}")
+    finally:
+        register_scheme(UNMAPPED, None)
+
+
+@pytest.fixture(scope="module")
+def _radosgw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.RadosGW]:
+    missing = s3server.missing_binaries()
+    if missing:
+        reason = f"no Ceph radosgw here (missing {', '.join(missing)})"
+        if os.environ.get("MMAPCKPT_REQUIRE_S3") == "1":
+            pytest.fail(f"MMAPCKPT_REQUIRE_S3=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+    server = s3server.RadosGW(tmp_path_factory.mktemp("radosgw-contract"))
+    atexit.register(server.stop)  # a session ended by Ctrl-C still stops the daemons
+    try:
+        server.start()
+        yield server
+    finally:
+        try:
+            server.stop(remove_data=True)
+        finally:
+            atexit.unregister(server.stop)
+
+
+@pytest.fixture
+def s3_media(_radosgw: s3server.RadosGW) -> Iterator[Locations]:
+    bucket = _radosgw.new_bucket("contract")
+    options = {"endpoint_url": _radosgw.endpoint_url, "key": _radosgw.access_key, "secret": _radosgw.secret_key,
+               "region_name": _radosgw.region, "addressing_style": "path", "lock_lease": 30.0}
+    try:
+        yield lambda: storage_for(f"s3://{bucket}/{uuid.uuid4().hex}", options=options)
+    finally:
+        _radosgw.empty_and_delete_bucket(bucket)
+
+
+#: medium -> the fixture yielding its locations; a new medium adds its own here
+_MEDIA = {"local": "local_media", "unmapped": "unmapped_media", "s3": "s3_media"}
+
+
+@pytest.fixture(params=[pytest.param(m, marks=[pytest.mark.s3] if m == "s3" else []) for m in _MEDIA])
+def new(request: pytest.FixtureRequest) -> Locations:
+    """A factory of fresh, empty locations of the medium under test."""
+    return request.getfixturevalue(_MEDIA[request.param])
+
+
+def _written(st: CheckpointStorage, name: str, pieces: int = 3, *, size_known: bool = True) -> bytes:
+    """Write file ``name`` through create_file/put/finish: its head (last) and ``pieces`` pieces; its bytes."""
+    size = HEAD + pieces * len(PIECE)
+    out = st.create_file(name, size if size_known else None, head=HEAD, direct=False, sync=True)
+    for i in range(pieces):
+        out.put(HEAD + i * len(PIECE), PIECE)
+    head = bytes(range(HEAD))
+    out.finish(head)
+    return head + PIECE * pieces
+
+
+# --------------------------------------------------------------------------- writing a file
+@pytest.mark.parametrize("size_known", [True, False])
+def test_a_file_appears_only_when_finished_and_reads_back(new: Locations, size_known: bool) -> None:
+    st = new()
+    st.prepare()
+    out = st.create_file("__0_0.distcp", None if not size_known else HEAD + len(PIECE), head=HEAD, direct=False,
+                         sync=True)
+    assert isinstance(out, FileOutput)
+    out.put(HEAD, PIECE)
+    assert not st.exists("__0_0.distcp") and "__0_0.distcp" not in st.list()
+    out.finish(b"h" * HEAD)
+    assert st.exists("__0_0.distcp") and "__0_0.distcp" in st.list()
+    with st.open_file("__0_0.distcp") as f:
+        assert isinstance(f, StoredFile)
+        assert f.size == HEAD + len(PIECE)
+        assert bytes(f.read(0, f.size)) == b"h" * HEAD + PIECE
+
+
+def test_an_aborted_file_leaves_nothing(new: Locations) -> None:
+    st = new()
+    st.prepare()
+    before = sorted(st.list())
+    out = st.create_file("__0_0.distcp", HEAD + 2 * len(PIECE), head=HEAD, direct=False, sync=True)
+    out.put(HEAD, PIECE)
+    out.abort()
+    assert sorted(st.list()) == before  # no temporary file, no upload in progress
+    assert not st.exists("__0_0.distcp")
+
+
+# --------------------------------------------------------------------------- reading
+def test_reads_return_the_bytes_written(new: Locations) -> None:
+    st = new()
+    st.prepare()
+    data = _written(st, "f.distcp")
+    with st.open_file("f.distcp") as f:
+        assert f.size == len(data) and f.path == st.full("f.distcp") and "f.distcp" in f.path
+        buf = bytearray(100)
+        f.read_into(HEAD + 5, buf)
+        assert bytes(buf) == data[HEAD + 5:HEAD + 105]
+        bufs = [bytearray(10), bytearray(len(PIECE)), bytearray(1), bytearray(0)]
+        offsets = [0, HEAD + len(PIECE), len(data) - 1, 7]
+        f.read_batch(list(zip(offsets, bufs)))
+        assert [bytes(b) for b in bufs] == [data[o:o + len(b)] for o, b in zip(offsets, bufs)]
+        assert bytes(f.read(len(data), 0)) == b""
+        assert (f.mapping is not None) == st.can_map
+        f.check_unchanged()
+
+
+@pytest.mark.parametrize("where", ["one past the end", "all and one more", "from the end", "far past"])
+def test_reads_past_the_end_raise_truncated_file_error(new: Locations, where: str) -> None:
+    st = new()
+    st.prepare()
+    data = _written(st, "f.distcp", pieces=1)
+    at, length = {"one past the end": (len(data) - 1, 2), "all and one more": (0, len(data) + 1),
+                  "from the end": (len(data), 1), "far past": (len(data) + 4096, 8)}[where]
+    with st.open_file("f.distcp") as f:
+        with pytest.raises(TruncatedFileError) as e:
+            f.read(at, length, entry="w")
+        assert "f.distcp" in str(e.value) and e.value.entry == "w"
+        with pytest.raises(TruncatedFileError):
+            f.read_into(at, bytearray(length), entry="w")
+        with pytest.raises(TruncatedFileError):
+            f.read_batch([(0, bytearray(1)), (at, bytearray(length))], entry="w")
+        with pytest.raises(TruncatedFileError):
+            f.read(-1, 1)
+
+
+def test_a_missing_file_is_an_incomplete_checkpoint(new: Locations) -> None:
+    st = new()
+    st.prepare()
+    _written(st, "a.distcp", pieces=1)
+    with pytest.raises(IncompleteCheckpointError) as e:
+        st.open_file("b.distcp")
+    assert "b.distcp" in str(e.value)
+    assert not st.exists("b.distcp")
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "../../etc/passwd"])
+def test_a_name_leaving_the_location_is_refused(new: Locations, name: str) -> None:
+    st = new()
+    st.prepare()
+    _written(st, "a.distcp", pieces=1)
+    with pytest.raises(UnsafePathError):
+        st.open_file(name)
+
+
+def test_read_file_refuses_a_file_over_its_limit(new: Locations) -> None:
+    st = new()
+    st.prepare()
+    data = _written(st, "index.json", pieces=1)
+    assert bytes(st.read_file("index.json", len(data))) == data
+    with pytest.raises(FormatError) as e:
+        st.read_file("index.json", len(data) - 1)
+    assert "index.json" in str(e.value)
+
+
+# --------------------------------------------------------------------------- the commit
+def test_commit_replaces_old_by_new_and_leaves_nothing_else(new: Locations) -> None:
+    st = new()
+    with pytest.raises(CheckpointNotFoundError):
+        st.find_metadata()
+    st.prepare()
+    st.commit(METADATA_NAME, b"old commit", sync=True)
+    assert st.find_metadata() == METADATA_NAME
+    with st.open_file(METADATA_NAME) as f:
+        old_ident = f.ident
+    st.commit(METADATA_NAME, b"the new commit", sync=True)
+    assert bytes(st.read_file(METADATA_NAME, 1 << 10)) == b"the new commit"
+    assert st.list() == [METADATA_NAME]  # no temporary file beside it
+    with st.open_file(METADATA_NAME) as f, st.open_file(METADATA_NAME) as g:
+        assert f.ident == g.ident != old_ident  # the same file twice; not the one replaced
+
+
+def test_shards_without_a_commit_are_an_incomplete_checkpoint(new: Locations) -> None:
+    st = new()
+    st.prepare()
+    _written(st, "__0_0.distcp", pieces=1)
+    with pytest.raises(IncompleteCheckpointError):
+        st.find_metadata()
+
+
+# --------------------------------------------------------------------------- list, exists, remove
+def test_list_exists_and_remove(new: Locations) -> None:
+    st = new()
+    assert not st.is_location() and st.list() == [] and not st.exists("a")
+    st.prepare()
+    _written(st, "a.distcp", pieces=1)
+    _written(st, "b.distcp", pieces=1)
+    st.commit("notes.txt", b"kept", sync=True)
+    assert st.is_location()
+    assert sorted(st.list()) == ["a.distcp", "b.distcp", "notes.txt"]
+    st.remove(["a.distcp", "missing.distcp"], sync=True)  # a missing name is no error
+    assert sorted(st.list()) == ["b.distcp", "notes.txt"] and not st.exists("a.distcp") and st.exists("b.distcp")
+    st.sync()
+
+
+# --------------------------------------------------------------------------- the lock
+def test_the_lock_is_exclusive_until_released(new: Locations) -> None:
+    st = new()
+    st.prepare()
+    first = st.lock()
+    assert isinstance(first, Lock)
+    try:
+        with pytest.raises(CheckpointWriteError):
+            st.lock()
+    finally:
+        first.release()
+    again = st.lock()
+    again.release()
