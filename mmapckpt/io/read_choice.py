@@ -3,25 +3,42 @@
 Disks differ: one virtual disk here read a cold file with two threads at 0.65 of one stream,
 another (the GPU machine's) at 1.16-1.28 with several. So the choice is measured, not assumed.
 The first large cold reads on a device (``st_dev``) read a slice of their bytes with each
-candidate (:data:`CANDIDATES`) and time it; once every candidate has :data:`TRIALS` samples,
+candidate (:func:`candidates`) and time it; once every candidate has :data:`TRIALS` samples,
 :func:`choose` picks one for that device from the medians. Every :data:`RETRY`-th large cold read
 after that tries each candidate once more (the last :data:`KEEP` samples count), so the choice
 follows a disk whose load changes (a shared virtual disk). A parallel way is picked
 only when its median beats one stream's by :data:`MARGIN`, so a device where parallel reads
-lose keeps one stream. Nothing is stored on disk: a decision costs one or two loads' slices.
-``MMAPCKPT_COLD_READS`` (``stream``, ``buffered-4``, ``direct-8``, ...) fixes the way instead.
+lose keeps one stream. ``MMAPCKPT_COLD_READS`` (``stream``, ``buffered-4``, ``direct-8``, ...)
+fixes the way instead.
+
+Two rules keep the choice from costing what it should save:
+
+- **Measured once per device and boot, not per process.** The samples are kept in a small JSON
+  file (:func:`state_path`: ``$MMAPCKPT_READ_CHOICE``, else ``$XDG_CACHE_HOME/mmapckpt/read-choice.json``
+  or ``~/.cache/mmapckpt/read-choice.json``; ``MMAPCKPT_READ_CHOICE=off`` keeps them in memory only),
+  keyed by the kernel's boot id and the device number (``st_dev`` numbers are only stable within
+  a boot), so a new process (a server starting, a job resuming) reads cold with what earlier
+  processes measured instead of running the trials again. The file is a cache: it is replaced
+  atomically, and one that cannot be read or written is ignored.
+- **A load never leaves a file less cached than a buffered read would.** O_DIRECT reads bypass
+  the page cache, so the next load of what they read is cold again (issue 44 measured 34-42 MB of
+  0.5 GB left uncached by the trials, and the next "warm" loads at half speed). O_DIRECT ways are
+  candidates only for a read larger than the memory the page cache could give it
+  (``MemAvailable``, :func:`cache_room`), where a buffered read would not keep it cached either.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 __all__ = ["Strategy", "STREAM", "CANDIDATES", "TRIALS", "MARGIN", "TRIAL_BYTES", "RETRY", "KEEP", "choose", "parse",
-           "Segment", "segments", "plan", "record", "unsupported", "forget"]
+           "Segment", "segments", "plan", "record", "unsupported", "forget", "candidates", "cache_room", "state_path"]
 
 
 class Strategy(NamedTuple):
@@ -116,8 +133,102 @@ def segments(ranges: Sequence[tuple[int, int]], trials: Sequence[Strategy], rest
 
 
 _samples: dict[int, dict[Strategy, list[float]]] = {}
+_loaded: set[int] = set()  # devices whose kept samples were read from the state file
 _reads: dict[int, int] = {}  # large cold reads since the device's choice was made
 _lock = threading.Lock()
+_STATE_ENV = "MMAPCKPT_READ_CHOICE"
+
+
+def cache_room() -> int | None:
+    """Bytes the page cache could hold now without evicting what a process uses (``MemAvailable``), or None
+    where the kernel does not say."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def candidates(nbytes: int) -> tuple[Strategy, ...]:
+    """The ways tried for a cold read of ``nbytes``: O_DIRECT ones only where the read is larger than the
+    page cache's room (:func:`cache_room`), so that what fits stays cached for the next load."""
+    room = cache_room()
+    direct = room is not None and nbytes > room
+    return tuple(s for s in CANDIDATES if s.kind != "direct" or direct)
+
+
+def state_path() -> str | None:
+    """The file the samples are kept in across processes (see the module), or None when it is turned off."""
+    given = os.environ.get(_STATE_ENV)
+    if given is not None:
+        return None if given.strip().lower() in ("", "off", "0", "none") else given
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mmapckpt", "read-choice.json")
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown-boot"
+
+
+def _key(device: int) -> str:
+    return f"{_boot_id()}/{os.major(device)}:{os.minor(device)}"
+
+
+def _read_state(path: str) -> dict[str, dict[str, list[float]]]:
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _load(device: int) -> None:
+    """Merge the device's kept samples into memory, once per process (under ``_lock``)."""
+    if device in _loaded:
+        return
+    _loaded.add(device)
+    path = state_path()
+    kept = _read_state(path).get(_key(device)) if path else None
+    if not isinstance(kept, dict):
+        return
+    names = {s.name: s for s in CANDIDATES}
+    have = _samples.setdefault(device, {})
+    for name, rates in kept.items():
+        s = names.get(name) if isinstance(name, str) else None
+        if s is None or not isinstance(rates, list) or s in have:
+            continue
+        good = [float(r) for r in rates if isinstance(r, (int, float)) and r == r and r >= 0]
+        if good:
+            have[s] = good[-KEEP:]
+
+
+def _store(device: int) -> None:
+    """Write the device's samples into the state file (under ``_lock``); failures are ignored (a cache)."""
+    path = state_path()
+    if not path:
+        return
+    doc = _read_state(path)
+    doc[_key(device)] = {s.name: rates for s, rates in _samples.get(device, {}).items()}
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".read-choice.", dir=os.path.dirname(path) or ".")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        pass
 
 
 def plan(device: int, ranges: Sequence[tuple[int, int]]) -> list[Segment]:
@@ -126,15 +237,18 @@ def plan(device: int, ranges: Sequence[tuple[int, int]]) -> list[Segment]:
     forced = os.environ.get(_ENV)
     if forced:
         return segments(ranges, (), parse(forced))
-    large = sum(n for _, n in ranges) >= 2 * len(CANDIDATES) * TRIAL_BYTES
+    total = sum(n for _, n in ranges)
+    ways = candidates(total)
+    large = total >= 2 * len(ways) * TRIAL_BYTES
     with _lock:
-        have = _samples.get(device, {})
-        lacking = [s for s in CANDIDATES if len(have.get(s, ())) < TRIALS]
+        _load(device)
+        have = {s: r for s, r in _samples.get(device, {}).items() if s in ways}
+        lacking = [s for s in ways if len(have.get(s, ())) < TRIALS]
         rest = choose(have) if not lacking else STREAM
         if not lacking and large:
             _reads[device] = _reads.get(device, 0) + 1
             if _reads[device] % RETRY == 0:
-                lacking = [s for s in CANDIDATES if min(have.get(s, [1.0])) > 0]  # not the refused ones
+                lacking = [s for s in ways if min(have.get(s, [1.0])) > 0]  # not the refused ones
     return segments(ranges, lacking if large else (), rest, trial_bytes=TRIAL_BYTES)
 
 
@@ -143,19 +257,24 @@ def record(device: int, strategy: Strategy, nbytes: int, seconds: float) -> None
     if seconds <= 0 or nbytes <= 0:
         return
     with _lock:
+        _load(device)
         kept = _samples.setdefault(device, {}).setdefault(strategy, [])
         kept.append(nbytes / seconds)
         del kept[:-KEEP]
+        _store(device)
 
 
 def unsupported(device: int, strategy: Strategy) -> None:
     """The device refused ``strategy`` (O_DIRECT on a tmpfs): never try or choose it there."""
     with _lock:
+        _load(device)
         _samples.setdefault(device, {})[strategy] = [0.0] * TRIALS
+        _store(device)
 
 
 def forget() -> None:
-    """Drop every device's samples (the next cold reads measure again)."""
+    """Drop every device's samples held in this process (the next cold read reads the state file again)."""
     with _lock:
         _samples.clear()
+        _loaded.clear()
         _reads.clear()
