@@ -127,7 +127,7 @@ def test_nothing_shows_a_credential(s3_env, s3_bucket, tmp_path, caplog, capsys,
         dcp.load(got, storage_reader=MmapReader(url, storage_options={**opts, "secret": WRONG_SECRET}), no_dist=True)
     errors.append(ei.value)
     for i, e in enumerate(errors):
-        shown += [(f"error {i}", str(e)), (f"error {i}", repr(e)), (f"error {i}", "".join(traceback.format_exception(e)))]
+        shown += [(f"error {i}", text) for text in (str(e), repr(e), "".join(traceback.format_exception(e)))]
     shown += [(f"log {r.name}", r.getMessage()) for r in caplog.records]
     shown += [("warning", str(w.message)) for w in recwarn]
     for where, text in shown:
