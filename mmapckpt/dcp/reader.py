@@ -27,6 +27,7 @@ from ..format.entries import paused_gc
 from ..format.metadata import METADATA_NAME
 from ..storage.base import CheckpointStorage
 from ..storage.commits import read_metadata
+from ..storage.credentials import StorageOptions
 from ..storage.location import storage_for
 from ..io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool
 from .bytes_read import BytesRead
@@ -92,7 +93,7 @@ class MmapReader(StorageReader):
         #: the typed error of the last failed read_metadata (see mmapckpt.checkpoint_error)
         self.metadata_error: CheckpointError | None = None
         self.path = os.fspath(path)
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = StorageOptions(storage_options)  # shown redacted (storage/credentials.py)
         self._storage: tuple[str, CheckpointStorage] | None = None
         self.thread_count = thread_count
         self.verify = verify
@@ -110,6 +111,10 @@ class MmapReader(StorageReader):
         if self._storage is None or self._storage[0] != self.path:
             self._storage = (self.path, storage_for(self.path, options=self.storage_options))
         return self._storage[1]
+
+    def __repr__(self) -> str:
+        options = f", storage_options={self.storage_options!r}" if self.storage_options else ""
+        return f"MmapReader({self.path!r}{options})"
 
     # ------------------------------------------------------------------ DCP interface
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:

@@ -25,6 +25,7 @@ from .compat import writer_compat
 from ..storage.base import CheckpointStorage, Lock
 from ..storage.commits import commit_files, existing_shards, metadata_name, remove_stale, shard_name
 from ..storage.local import writable_local_path
+from ..storage.credentials import StorageOptions
 from ..storage.location import is_url, storage_for
 from .shard_writer import WriterOptions, chunk_nbytes, write_files
 
@@ -113,7 +114,7 @@ class MmapWriter(StorageWriter):
                                    _extensions, serialization_format)
         self.single_file_per_rank = single_file_per_rank
         self.path = os.fspath(path)
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = StorageOptions(storage_options)  # shown redacted (storage/credentials.py)
         self._storage: tuple[str, CheckpointStorage] | None = None
         self.storage  # a URL of no medium (or bad storage_options) is refused here, before any plan
         self.options = WriterOptions(thread_count, sync_files, alignment, overwrite, direct_io, transforms)
@@ -125,6 +126,10 @@ class MmapWriter(StorageWriter):
         self.use_collectives = True
         self.is_coordinator = False
         self._lock: Lock | None = None
+
+    def __repr__(self) -> str:
+        options = f", storage_options={self.storage_options!r}" if self.storage_options else ""
+        return f"MmapWriter({self.path!r}{options})"
 
     # ------------------------------------------------------------------ DCP interface
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:

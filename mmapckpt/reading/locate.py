@@ -110,7 +110,35 @@ def _read_index(place: Place, rel: str) -> dict[str, str]:
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise FormatError("index has no 'weight_map' of name -> file", path=full)
+    _no_impossible_file_names(wm, full)
     return wm
+
+
+def _impossible_file_name(name: str) -> str | None:
+    """Why ``name``, a file name an index gives, can name no file on any medium (else None)."""
+    if not name:
+        return "is empty"
+    if "\x00" in name:
+        return "holds a NUL byte"
+    if name.endswith("/"):
+        return "names a directory"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds a lone surrogate, which no UTF-8 name can"
+    return None
+
+
+def _no_impossible_file_names(weight_map: Mapping[str, str], full: str) -> None:
+    """Refuse an index whose ``weight_map`` gives a file name that no file can have, naming the index and the
+    entry (the file system would raise an untyped ValueError naming neither)."""
+    for given in set(weight_map.values()):
+        why = _impossible_file_name(given)
+        if why is not None:
+            entry = next(k for k, v in weight_map.items() if v == given)
+            raise FormatError(f"the index's weight_map gives this tensor's file as {given!r}, which {why}: no "
+                              "file can have that name. Fix the index (or restore it from the model's source)",
+                              path=full, entry=entry)
 
 
 def safetensors_files(place: Place) -> tuple[dict[str, list[str] | None], str | None]:

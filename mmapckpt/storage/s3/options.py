@@ -5,8 +5,10 @@ Settings come, as boto3 and the AWS CLI take them, from the standard environment
 ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, the shared config files), and a caller's
 ``storage_options`` override them. Keys of ``storage_options`` (s3fs's names where s3fs has one):
 
-- credentials and endpoint: ``key``, ``secret``, ``token``, ``profile``, ``anon`` (unsigned
-  requests), ``endpoint_url``, ``region_name``, ``addressing_style`` (``"path"`` by default
+- credentials and endpoint: ``key``, ``secret``, ``token`` (``key`` and ``secret`` together;
+  ``token`` only with both, since a session token is valid only with the pair it was issued with;
+  anything else is refused rather than dropped), ``profile``, ``anon`` (unsigned requests, with no
+  credentials given), ``endpoint_url``, ``region_name``, ``addressing_style`` (``"path"`` by default
   where an endpoint is given, as S3-compatible stores want), ``client_kwargs`` (a dict
   whose ``endpoint_url``/``region_name`` are taken as s3fs takes them);
 - transfers: ``part_size`` (bytes of one ranged GET, default 16 MiB), ``concurrency`` (GETs in
@@ -27,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import CheckpointError
+from ..credentials import redact_value
 
 __all__ = ["S3Options", "parse_url", "client_for", "boto"]
 
@@ -39,9 +42,10 @@ _ALIASES = {"aws_access_key_id": "key", "aws_secret_access_key": "secret", "aws_
             "region": "region_name", "profile_name": "profile"}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class S3Options:
-    """The settings of one client and its transfers (see the module docstring for each)."""
+    """The settings of one client and its transfers (see the module docstring for each); its repr shows
+    no credential (``storage/credentials.py``)."""
 
     key: str | None = None
     secret: str | None = None
@@ -80,10 +84,32 @@ class S3Options:
         if out.part_size < 1 or out.concurrency < 1 or out.upload_concurrency < 1 or out.retries < 0:
             raise CheckpointError("storage_options: part_size, concurrency and upload_concurrency must be positive, "
                                   "retries not negative")
+        out._check_credentials()
         if out.upload_part_size < MIN_PART:
             raise CheckpointError(f"storage_options: upload_part_size must be at least {MIN_PART} bytes (5 MiB), "
                                   "as S3 requires of multipart uploads")
         return out
+
+    def _check_credentials(self) -> None:
+        """Credentials are used as given or refused: never one of them dropped silently."""
+        if self.anon and (self.key is not None or self.secret is not None or self.token is not None):
+            raise CheckpointError("storage_options: anon=True sends unsigned requests, so the key, secret or "
+                                  "token given would be ignored; give either anon=True or credentials")
+        if (self.key is None) != (self.secret is None):
+            given, missing = ("key", "secret") if self.secret is None else ("secret", "key")
+            raise CheckpointError(f"storage_options: {given!r} was given without {missing!r}; give both (and "
+                                  "'token' for temporary credentials), or neither to use the environment's")
+        if self.token is not None and self.key is None:
+            raise CheckpointError("storage_options: 'token' was given without 'key' and 'secret'. A session token "
+                                  "is valid only with the key pair it was issued with, so it cannot be combined "
+                                  "with credentials from the environment or a profile: give key, secret and token "
+                                  "together in storage_options, or set AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY "
+                                  "and AWS_SESSION_TOKEN")
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={redact_value(f.name, getattr(self, f.name))!r}"
+                          for f in dataclasses.fields(self))
+        return f"S3Options({shown})"
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -154,6 +180,6 @@ def _make_client(opts: S3Options) -> Any:
     kwargs: dict[str, Any] = {"config": config}
     if endpoint:
         kwargs["endpoint_url"] = endpoint
-    if opts.key is not None or opts.secret is not None:
+    if opts.key is not None:  # with its secret, and the token issued with them if any (S3Options.of checked)
         kwargs.update(aws_access_key_id=opts.key, aws_secret_access_key=opts.secret, aws_session_token=opts.token)
     return session.client("s3", **kwargs)
