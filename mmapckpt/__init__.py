@@ -54,6 +54,7 @@ _WHERE = {
     "UnsafePickleError": ".errors",
     "ChecksumError": ".errors",
     "SizeMismatchError": ".errors",
+    "CastError": ".errors",
     "ModelMismatchError": ".errors",
     "CheckpointWriteError": ".errors",
     "StorageAccessError": ".errors",
@@ -70,7 +71,7 @@ __all__ = [
     "IncompleteCheckpointError", "CheckpointExistsError", "FormatError", "BadMagicError",
     "UnsupportedVersionError", "ByteOrderError", "TruncatedFileError", "EntryBoundsError", "UnknownDtypeError",
     "UnsafePathError", "UnsafePickleError", "ChecksumError", "SizeMismatchError", "ModelMismatchError",
-    "CheckpointWriteError",
+    "CastError", "CheckpointWriteError",
     "StorageAccessError", "StorageUnavailableError", "checkpoint_error", "__version__",
 ]
 
@@ -85,6 +86,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imp
     from .errors import (
         BadMagicError,
         ByteOrderError,
+        CastError,
         CheckpointError,
         CheckpointExistsError,
         CheckpointNotFoundError,
