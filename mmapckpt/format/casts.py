@@ -101,8 +101,8 @@ def _extremes(piece: torch.Tensor) -> tuple[float, float] | None:
 
 def _outside(v: float, target: torch.dtype) -> bool:
     if target.is_floating_point:
-        cast = torch.tensor(float(v), dtype=torch.float64).to(target)
-        return abs(v) > _limit(target) or not bool(torch.isfinite(cast))
+        cast = torch.tensor(float(v), dtype=torch.float64).to(target).to(torch.float64)  # float8: no isfinite
+        return abs(v) > _limit(target) or not math.isfinite(cast.item())
     lo, hi = _bounds(target)
     return not lo <= v <= hi
 
