@@ -70,8 +70,8 @@ __all__ = [
     "verify_checkpoint", "VerifyReport", "CheckpointError", "CheckpointNotFoundError",
     "IncompleteCheckpointError", "CheckpointExistsError", "FormatError", "BadMagicError",
     "UnsupportedVersionError", "ByteOrderError", "TruncatedFileError", "EntryBoundsError", "UnknownDtypeError",
-    "UnsafePathError", "UnsafePickleError", "ChecksumError", "SizeMismatchError", "ModelMismatchError",
-    "CastError", "CheckpointWriteError",
+    "UnsafePathError", "UnsafePickleError", "ChecksumError", "SizeMismatchError", "CastError",
+    "ModelMismatchError", "CheckpointWriteError",
     "StorageAccessError", "StorageUnavailableError", "checkpoint_error", "__version__",
 ]
 
