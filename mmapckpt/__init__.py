@@ -54,6 +54,7 @@ _WHERE = {
     "UnsafePickleError": ".errors",
     "ChecksumError": ".errors",
     "SizeMismatchError": ".errors",
+    "CastError": ".errors",
     "ModelMismatchError": ".errors",
     "CheckpointWriteError": ".errors",
     "StorageAccessError": ".errors",
@@ -69,8 +70,8 @@ __all__ = [
     "verify_checkpoint", "VerifyReport", "CheckpointError", "CheckpointNotFoundError",
     "IncompleteCheckpointError", "CheckpointExistsError", "FormatError", "BadMagicError",
     "UnsupportedVersionError", "ByteOrderError", "TruncatedFileError", "EntryBoundsError", "UnknownDtypeError",
-    "UnsafePathError", "UnsafePickleError", "ChecksumError", "SizeMismatchError", "ModelMismatchError",
-    "CheckpointWriteError",
+    "UnsafePathError", "UnsafePickleError", "ChecksumError", "SizeMismatchError", "CastError",
+    "ModelMismatchError", "CheckpointWriteError",
     "StorageAccessError", "StorageUnavailableError", "checkpoint_error", "__version__",
 ]
 
@@ -85,6 +86,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imp
     from .errors import (
         BadMagicError,
         ByteOrderError,
+        CastError,
         CheckpointError,
         CheckpointExistsError,
         CheckpointNotFoundError,

@@ -20,6 +20,7 @@ Each subclass also derives from the built-in exception users already catch::
         │   └── UnsafePickleError                             stock metadata naming a class outside DCP's
         ├── ChecksumError                (ValueError)         data bytes do not match their checksum
         ├── SizeMismatchError            (ValueError)         stored chunk and target disagree
+        ├── CastError                    (TypeError)          a cast that would change stored values (allow_cast=)
         ├── ModelMismatchError           (RuntimeError)       checkpoint and model disagree (load_model): missing or
         │                                                     unexpected names, a tensor nothing can fill
         ├── CheckpointWriteError         (OSError)            a save failed (disk full, permissions)
@@ -49,6 +50,7 @@ __all__ = [
     "UnsafePickleError",
     "ChecksumError",
     "SizeMismatchError",
+    "CastError",
     "ModelMismatchError",
     "CheckpointWriteError",
     "StorageAccessError",
@@ -156,6 +158,12 @@ class ChecksumError(CheckpointError, ValueError):
 
 class SizeMismatchError(CheckpointError, ValueError):
     """A stored chunk does not fit the tensor it is loaded into."""
+
+
+class CastError(CheckpointError, TypeError):
+    """Casting stored values to the target's dtype would change them beyond rounding: floating point or complex
+    into integers, complex into real, or a value outside the target dtype's range (format/casts.py). A TypeError,
+    as ``load_into`` raised for lossy casts before this class; ``allow_cast=True`` casts anyway."""
 
 
 class ModelMismatchError(CheckpointError, RuntimeError):

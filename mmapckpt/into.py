@@ -17,8 +17,10 @@ from typing import Any, Mapping
 import torch
 
 from .errors import SizeMismatchError
+from .format.casts import check_cast, range_can_shrink
 from .format.entries import EntryInfo, paused_gc
 from .reading.fill import fill_targets
+from .reading.regions import read_tensor
 from .reading.stager import chunk_stager
 from .io.staging import (
     DEFAULT_STAGING_BUFFERS,
@@ -28,7 +30,7 @@ from .io.staging import (
 )
 from .lazy import LazyCheckpoint
 
-__all__ = ["load_into"]
+__all__ = ["load_into", "fill_from"]
 
 
 def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool = True,
@@ -38,7 +40,11 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
     """Copy the checkpoint's tensors into the tensors of ``state_dict``, in place.
 
     Every tensor value of ``state_dict`` receives the full (unsharded) tensor of the same
-    name, cast to its dtype as ``Tensor.copy_`` does; other values are left alone. Use
+    name, cast to its dtype as ``Tensor.copy_`` does; other values are left alone. A cast
+    that would change values beyond rounding (floating point or complex into integers,
+    complex into real, a value outside the target dtype's range: int64 1000 into int8,
+    float32 ``1e30`` into float16) is refused before any target is written, unless
+    ``allow_cast`` (docs/lazy.md, "Casts"). Use
     ``dcp.load`` for DTensors and other sharded targets, and ``load`` with
     ``model.load_state_dict(sd, assign=True)`` for a model on the meta device.
 
@@ -48,8 +54,12 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
             stock DCP, safetensors file or Hugging Face directory, torch.save file).
         strict: raise KeyError if a tensor of ``state_dict`` is not in the checkpoint;
             with False, such tensors are left unchanged and their names returned.
-        allow_cast: also copy into targets of a dtype that loses the stored values' kind
-            (floating point into integers or bool, complex into real); refused by default.
+        allow_cast: also copy into targets whose dtype changes the stored values beyond rounding
+            (floating point or complex into integers or bool, complex into real, values outside the
+            target dtype's range, which then wrap or become inf as ``Tensor.copy_`` makes them);
+            refused by default. Checking the range reads the stored values once more, only for
+            pairs of dtypes where a value can fall outside (int64 into int32, float32 into float16
+            or bfloat16).
         staging_bytes: the size of each buffer of the pinned staging ring for accelerator
             targets (allocated for this call only when a target is on one).
         staging_buffers: the number of buffers in that ring.
@@ -62,7 +72,8 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
 
     Raises:
         KeyError: ``strict`` and names missing from the checkpoint.
-        TypeError: a target is a DTensor, or its dtype would lose the stored values (see ``allow_cast``).
+        TypeError: a target is a DTensor.
+        CastError: a target's dtype would change the stored values (see ``allow_cast``; also a TypeError).
         ValueError: a target is on the meta device (it has no memory to fill).
         CheckpointError: a damaged checkpoint, a name holding a non-tensor value, or a
             stored shape other than the target's (SizeMismatchError).
@@ -76,8 +87,20 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
     meta = [n for n, t in targets.items() if t.is_meta]
     if meta:
         raise ValueError(f"{meta[0]!r} (and {len(meta) - 1} more) is on the meta device: it has no memory to load "
-                         "into. Use model.load_state_dict(mmapckpt.load(path), assign=True) instead")
-    with LazyCheckpoint(path, storage_options=storage_options, strip_prefix=strip_prefix) as ckpt, paused_gc(), torch.no_grad():
+                         "into. Use mmapckpt.load_model(model, path), which replaces meta tensors (or "
+                         "model.load_state_dict(mmapckpt.load(path), assign=True)), instead")
+    with LazyCheckpoint(path, storage_options=storage_options, strip_prefix=strip_prefix) as ckpt:
+        return fill_from(ckpt, targets, strict=strict, allow_cast=allow_cast, staging_bytes=staging_bytes,
+                         staging_buffers=staging_buffers)
+
+
+def fill_from(ckpt: LazyCheckpoint, targets: Mapping[str, torch.Tensor], *, strict: bool = True,
+              allow_cast: bool = False, staging_bytes: int = DEFAULT_STAGING_BYTES,
+              staging_buffers: int = DEFAULT_STAGING_BUFFERS) -> list[str]:
+    """:func:`load_into`'s work on the open ``ckpt`` (its names: ``strip_prefix`` applied when it was opened):
+    every target checked (names, shapes, casts) before any is written, then filled. Returns the missing names.
+    ``load_model`` calls it with the checkpoint it has already opened."""
+    with paused_gc(), torch.no_grad():
         missing = [n for n in targets if n not in ckpt]
         if missing and strict:
             raise KeyError(f"not in the checkpoint at {ckpt.path}: {sorted(missing)[:20]}")
@@ -85,10 +108,12 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
         for name, t, info in plan:
             if tuple(t.shape) != info.shape:
                 raise SizeMismatchError(f"stored tensor is {list(info.shape or ())} but the target is {list(t.shape)}",
-                                        path=ckpt.path, entry=name)
-            if not allow_cast and _loses_values(info.dtype, t.dtype):
-                raise TypeError(f"{ckpt.path}: entry {name!r}: the stored {info.dtype} values would be truncated "
-                                f"in a {t.dtype} target; pass allow_cast=True to cast anyway")
+                                        path=ckpt.path, entry=info.name)
+            check_cast(None, info.dtype, t.dtype, allow_cast=allow_cast, path=ckpt.path, entry=info.name)
+        for name, t, info in plan:  # the values, where the target's dtype may not hold them all: read twice
+            if not allow_cast and range_can_shrink(info.dtype, t.dtype):
+                check_cast(read_tensor(ckpt.backend, info), info.dtype, t.dtype, allow_cast=False, path=ckpt.path,
+                           entry=info.name)
         fill_targets(ckpt.backend, [p for p in plan if not needs_staging(p[1])])
         on_device = [p for p in plan if needs_staging(p[1])]
         if on_device:
@@ -112,13 +137,6 @@ def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, Entr
                         stage_chunk(pool, info, c, t.detach()[region])
         finally:
             pool.close()
-
-
-def _loses_values(stored: torch.dtype, target: torch.dtype) -> bool:
-    """A cast that changes what kind of number a value is: floating point to integer or bool, complex to real."""
-    if stored.is_complex and not target.is_complex:
-        return True
-    return (stored.is_floating_point or stored.is_complex) and not (target.is_floating_point or target.is_complex)
 
 
 def _refuse_dtensors(targets: dict[str, torch.Tensor]) -> None:

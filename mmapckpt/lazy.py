@@ -29,6 +29,7 @@ import torch
 
 from .errors import CheckpointError, FormatError
 from .format.aliases import shared_names
+from .format.casts import check_cast
 from .format.entries import ChunkInfo, EntryInfo, paused_gc
 from .format.safetensors import SAFETENSORS_DTYPES
 from .reading.backend import ChunkBackend
@@ -38,9 +39,15 @@ from .reading.locate import open_backend
 from .reading.regions import normalize_index, read_selection, read_tensor
 from .reading.stager import chunk_stager
 from .storage.base import StoredFile
-from .io.staging import StagingPool, check_device, staging_options
+from .io.staging import (
+    DEFAULT_STAGING_BUFFERS,
+    DEFAULT_STAGING_BYTES,
+    StagingPool,
+    check_device,
+    staging_options,
+)
 
-__all__ = ["open", "load", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
+__all__ = ["open", "load", "read_tensors", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
 
 KeySelector = Union[Collection[str], Callable[[str], bool], None]
 
@@ -338,7 +345,8 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
          keys: KeySelector = None, allow_unpickle: bool = False, prefetch: bool = False, verify: bool = False,
          staging_bytes: int | None = None, staging_buffers: int | None = None,
          buffer_bytes: int | None = None, num_buffers: int | None = None,
-         storage_options: Mapping[str, Any] | None = None, strip_prefix: str | None = None) -> dict[str, Any]:
+         storage_options: Mapping[str, Any] | None = None, strip_prefix: str | None = None,
+         allow_cast: bool = False) -> dict[str, Any]:
     """Load a checkpoint's full (unsharded) state dict as a flat ``{fqn: tensor}`` dict.
 
     Every format :func:`open` takes is accepted, with the same result for the same tensors.
@@ -353,7 +361,10 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
     Args:
         path: a checkpoint directory or file (see :func:`open`).
         device: where the tensors go.
-        dtype: cast floating-point tensors to this dtype (others are kept as stored).
+        dtype: cast floating-point tensors to this dtype (others are kept as stored). A finite value
+            outside ``dtype``'s range (float32 ``1e30`` into float16, which would become inf) raises
+            CastError naming the entry, unless ``allow_cast``; rounding is what a cast is for and is
+            never refused (docs/lazy.md, "Casts").
         keys: glob patterns of the names to load, as ``convert --keys`` takes them (``fnmatch``,
             case-sensitive, ``*`` also matches dots: ``["model.layers.0.*", "lm_head.weight"]``),
             or a predicate on names; None loads every tensor. A pattern that matches no name
@@ -375,6 +386,8 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         strip_prefix: remove this prefix from the selected names that start with it (see
             :func:`open`): ``load(p, keys=["model.*"], strip_prefix="model.")`` gives a training
             checkpoint's model under the names ``model.state_dict()`` has.
+        allow_cast: cast with ``dtype`` even values outside its range (they become inf, as
+            ``Tensor.to`` makes them).
 
     Returns:
         ``{fqn: tensor}`` (plus objects with ``allow_unpickle``), ready for
@@ -398,44 +411,62 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
                                   path=ckpt.path, entry=named_objects[0])
         if strip_prefix is not None:
             new_names = {old: new for new, old in strip_names(names, strip_prefix, ckpt.path).items()}
-        objects = [n for n in names if ckpt.info(n).kind == "object"]
-        out: dict[str, Any] = {}
         tensors = [n for n in names if ckpt.info(n).kind == "tensor"]
-        if prefetch:
-            files = ckpt.backend
-            for n in tensors:
-                for c in ckpt.info(n).chunks:
-                    files.advise(c, mmap.MADV_WILLNEED)
-        if device.type == "cpu":
-            with paused_gc():
-                files = ckpt.backend
-                # tensors stored whole in an object (no mapping to view): read into new tensors in one batch
-                fetched = []
-                for n in tensors:
-                    info = ckpt.info(n)
-                    if info.whole is not None and isinstance(files.mapped(info, info.whole), StoredFile):
-                        fetched.append((n, torch.empty(info.shape or (), dtype=info.dtype), info))
-                fill_targets(files, fetched)
-                out.update((n, t) for n, t, _ in fetched)
-                for n in tensors:
-                    if n not in out:
-                        out[n] = read_tensor(files, ckpt.info(n))
-        else:
-            with StagingPool(device, staging_bytes=nbytes, staging_buffers=count) as pool:
-                out.update(_load_to_device(ckpt, tensors, pool))
-            pool.close()
+        out: dict[str, Any] = read_tensors(ckpt, tensors, device, prefetch=prefetch, staging_bytes=nbytes,
+                                           staging_buffers=count)
         if dtype is not None:
+            cast: dict[int, torch.Tensor] = {}  # tied names: one tensor, cast once
             for n in tensors:
-                if out[n].is_floating_point() and out[n].dtype != dtype:
-                    out[n] = out[n].to(dtype)
-        for alias, first in shared_names(ckpt._entries, tensors).items():  # tied weights: one tensor again
-            out[alias] = out[first]
+                t = out[n]
+                if t.is_floating_point() and t.dtype != dtype:
+                    if id(t) not in cast:
+                        check_cast(t, t.dtype, dtype, allow_cast=allow_cast, path=ckpt.path, entry=ckpt.info(n).name,
+                                   fix="pass allow_cast=True to cast anyway, or leave dtype out")
+                        cast[id(t)] = t.to(dtype)
+                    out[n] = cast[id(t)]
         if allow_unpickle:
-            for n in objects:
-                out[n] = ckpt.get_object(n, allow_unpickle=True)
+            for n in names:
+                if ckpt.info(n).kind == "object":
+                    out[n] = ckpt.get_object(n, allow_unpickle=True)
         if strip_prefix is not None:
             return {new_names[n]: out[n] for n in names if n in out}
         return {n: out[n] for n in names if n in out}
+
+
+def read_tensors(ckpt: LazyCheckpoint, names: list[str], device: torch.device, *, prefetch: bool = False,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 staging_buffers: int = DEFAULT_STAGING_BUFFERS) -> dict[str, torch.Tensor]:
+    """The tensor entries ``names`` of the open ``ckpt`` on ``device``, as stored: what :func:`load` and
+    ``load_model`` read. Names that are one stored tensor (tied weights, ``format/aliases.py``) are one tensor
+    object in the result. On the CPU, views over the mappings where the format allows; on an accelerator,
+    through a staging pool of ``staging_buffers`` pinned buffers of ``staging_bytes`` made for this call."""
+    out: dict[str, torch.Tensor] = {}
+    if prefetch:
+        files = ckpt.backend
+        for n in names:
+            for c in ckpt.info(n).chunks:
+                files.advise(c, mmap.MADV_WILLNEED)
+    if device.type == "cpu":
+        with paused_gc():
+            files = ckpt.backend
+            # tensors stored whole in an object (no mapping to view): read into new tensors in one batch
+            fetched = []
+            for n in names:
+                info = ckpt.info(n)
+                if info.whole is not None and isinstance(files.mapped(info, info.whole), StoredFile):
+                    fetched.append((n, torch.empty(info.shape or (), dtype=info.dtype), info))
+            fill_targets(files, fetched)
+            out.update((n, t) for n, t, _ in fetched)
+            for n in names:
+                if n not in out:
+                    out[n] = read_tensor(files, ckpt.info(n))
+    else:
+        with StagingPool(device, staging_bytes=staging_bytes, staging_buffers=staging_buffers) as pool:
+            out.update(_load_to_device(ckpt, names, pool))
+        pool.close()
+    for alias, first in shared_names(ckpt._entries, names).items():  # tied weights: one tensor again
+        out[alias] = out[first]
+    return out
 
 
 def _load_to_device(ckpt: LazyCheckpoint, names: list[str], pool: StagingPool) -> dict[str, torch.Tensor]:

@@ -7,9 +7,13 @@ The counterpart of ``safetensors.torch.load_model``. A model built under
 filled in place (``load_into``'s direct reads). What ``load_state_dict`` leaves out is
 handled here:
 
-* tied weights: names sharing one Parameter (or buffer) are found on the model before
-  loading; a checkpoint holding one of them (``save`` and ``save_pretrained`` store a tie
-  once) fills them all, and after assignment they are one Parameter again;
+* tied weights follow the model: names sharing one Parameter (or buffer) are found on the
+  model before loading; a checkpoint holding one of them (``save`` and ``save_pretrained``
+  store a tie once) fills them all, and after assignment they are one Parameter again. Names
+  the model keeps apart get tensors sharing no memory, even where the checkpoint stores them
+  once (``mmapckpt.save`` of a tied model): an update of one never changes the other;
+* casts to the model's dtypes follow ``format/casts.py`` (refused beyond rounding unless
+  ``allow_cast``), checked, like names and shapes, before the model is changed;
 * non-persistent buffers (BERT's ``position_ids``, rotary ``inv_freq``): loaded when the
   checkpoint holds them; otherwise, on a meta model, computed by the model's own
   initialisation where it has one (the ``transformers`` ``initialize_weights`` protocol,
@@ -28,10 +32,14 @@ from torch import nn
 
 from .errors import ModelMismatchError, SizeMismatchError
 from .format.aliases import shared_names
-from .into import load_into
-from .lazy import LazyCheckpoint, load
+from .format.casts import check_cast
+from .into import fill_from
+from .io.staging import check_device
+from .lazy import LazyCheckpoint, read_tensors
 
 __all__ = ["load_model"]
+
+_CAST_FIX = "build the model with the checkpoint's dtype, or pass allow_cast=True to cast anyway"
 
 
 class _Slot(NamedTuple):
@@ -78,14 +86,17 @@ def _tie_groups(slots: dict[str, _Slot]) -> list[list[str]]:
 
 def load_model(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
                device: str | torch.device | None = None, strip_prefix: str | None = None,
-               storage_options: Mapping[str, Any] | None = None) -> tuple[list[str], list[str]]:
+               storage_options: Mapping[str, Any] | None = None,
+               allow_cast: bool = False) -> tuple[list[str], list[str]]:
     """Load a checkpoint into ``model``, also one built on the meta device, as
     ``safetensors.torch.load_model`` does for one safetensors file.
 
     Tensors on the meta device (or, with ``device``, on another device) are replaced by the
     checkpoint's, cast to the model's dtype (views over the file mappings on the CPU: no byte
-    is read until used); tensors already in memory are filled in place. Tied weights stored
-    once fill every name of the tie and stay one Parameter. Non-persistent buffers take the
+    is read until used); tensors already in memory are filled in place. The checkpoint is opened
+    once: everything comes from the one save it held then. Ties follow the model: tied weights
+    stored once fill every name of the tie and stay one Parameter, and names the model keeps
+    apart never share memory (one stored under both names is copied for the second). Non-persistent buffers take the
     checkpoint's value when it holds one; otherwise, on a meta model, the model's own
     initialisation computes them (``transformers`` models: ``initialize_weights``, as
     ``from_pretrained`` does). When ``load_model`` returns, nothing is left on the meta device.
@@ -98,10 +109,13 @@ def load_model(model: nn.Module, path: str | os.PathLike[str], *, strict: bool =
             they are returned, and missing tensors of a meta model are initialised by the model
             (or raise ModelMismatchError if it has no initialisation).
         device: where replaced tensors are created (default: the CPU); tensors of the model
-            already on another device are moved there.
+            already on another device are moved there. ``"meta"`` is refused (ValueError): it
+            holds no data to load into.
         strip_prefix: remove this prefix from the checkpoint's names that start with it first
             (a ``model.``-prefixed training checkpoint; see :func:`mmapckpt.open`).
         storage_options: settings of an object store's client (see :func:`mmapckpt.open`).
+        allow_cast: cast to the model's dtypes even where that changes values beyond rounding
+            (see :func:`mmapckpt.load_into`); refused by default.
 
     Returns:
         ``(missing, unexpected)``: sorted lists of names, as safetensors' ``load_model`` returns.
@@ -110,6 +124,7 @@ def load_model(model: nn.Module, path: str | os.PathLike[str], *, strict: bool =
         ModelMismatchError: ``strict`` and names missing or unexpected; tied names stored with
             different values; a tensor on the meta device that nothing can fill (named).
         SizeMismatchError: a stored shape other than the model's.
+        CastError: a cast to the model's dtype refused (see ``allow_cast``); the model is left unchanged.
         CheckpointError: a damaged checkpoint (see :func:`mmapckpt.open`).
 
     Example:
@@ -118,7 +133,9 @@ def load_model(model: nn.Module, path: str | os.PathLike[str], *, strict: bool =
         >>> mmapckpt.load_model(model, "model_dir")
         ([], [])
     """
-    slots, dev = _slots(model), None if device is None else torch.device(device)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    check_device(dev)
+    slots = _slots(model)
     groups = _tie_groups(slots)
     with LazyCheckpoint(path, strip_prefix=strip_prefix, storage_options=storage_options) as ckpt:
         where = ckpt.path
@@ -129,25 +146,29 @@ def load_model(model: nn.Module, path: str | os.PathLike[str], *, strict: bool =
             _check_tie(ckpt, present)
             for n in group if present else ():
                 source.setdefault(n, present[0])
-    expected = [n for n, s in slots.items() if s.persistent]
-    missing = sorted(n for n in expected if n not in source)
-    unexpected = sorted(n for n in stored if n not in slots)
-    if strict and (missing or unexpected):
-        raise ModelMismatchError(_mismatch(model, missing, unexpected), path=where)
-    for n, src in source.items():
-        shape = tuple(slots[n].get().shape)
-        if stored[src].shape != shape:
-            raise SizeMismatchError(f"stored tensor is {list(stored[src].shape or ())} but the model's {n!r} is "
-                                    f"{list(shape)}", path=where, entry=stored[src].name)
-    assign = [n for n in source if slots[n].get().is_meta or (dev is not None and slots[n].get().device != dev)]
-    _assign(model, slots, {n: source[n] for n in assign}, stored, path, dev or torch.device("cpu"), storage_options)
-    fill = {source[n]: slots[n].get() for n in source if n not in assign}
-    if fill:
-        load_into(fill, path, strip_prefix=strip_prefix, storage_options=storage_options)
+        expected = [n for n, s in slots.items() if s.persistent]
+        missing = sorted(n for n in expected if n not in source)
+        unexpected = sorted(n for n in stored if n not in slots)
+        if strict and (missing or unexpected):
+            raise ModelMismatchError(_mismatch(model, missing, unexpected), path=where)
+        for n, src in source.items():
+            shape, dtype = tuple(slots[n].get().shape), slots[n].get().dtype
+            if stored[src].shape != shape:
+                raise SizeMismatchError(f"stored tensor is {list(stored[src].shape or ())} but the model's {n!r} is "
+                                        f"{list(shape)}", path=where, entry=stored[src].name)
+            check_cast(None, stored[src].dtype, dtype, allow_cast=allow_cast, path=where, entry=stored[src].name,
+                       fix=_CAST_FIX)
+        assign = [n for n in source if slots[n].get().is_meta or (device is not None and slots[n].get().device != dev)]
+        # everything read and checked before the model is changed: a refused cast leaves it as it was
+        given = _assigned(ckpt, slots, {n: source[n] for n in assign}, groups, dev, allow_cast)
+        fill = {source[n]: slots[n].get() for n in source if n not in assign}
+        if fill:
+            fill_from(ckpt, fill, allow_cast=allow_cast)
+        _put(model, slots, given)
     for group in groups:  # assignment made one Parameter per name: one again
         for n in group[1:]:
             slots[n].put(slots[group[0]].get())
-    _materialise(model, slots, groups, dev or torch.device("cpu"), where)
+    _materialise(model, slots, groups, dev, where)
     return missing, unexpected
 
 
@@ -177,28 +198,64 @@ def _mismatch(model: nn.Module, missing: list[str], unexpected: list[str]) -> st
     return text + "\n(pass strict=False to load the rest and get these names back, or strip_prefix= for prefixed names)"
 
 
-def _assign(model: nn.Module, slots: dict[str, _Slot], sources: dict[str, str], stored: dict[str, Any],
-            path: str | os.PathLike[str], dev: torch.device, storage_options: Mapping[str, Any] | None) -> None:
-    """Replace the tensors of ``sources`` (model name -> checkpoint name) with the checkpoint's, in the
-    model's dtypes: persistent ones through ``load_state_dict(assign=True)`` (so modules' own load hooks
-    run), non-persistent buffers directly (``load_state_dict`` skips them)."""
+def _assigned(ckpt: LazyCheckpoint, slots: dict[str, _Slot], sources: dict[str, str], groups: list[list[str]],
+              dev: torch.device, allow_cast: bool) -> dict[str, torch.Tensor]:
+    """The tensors that replace those of ``sources`` (model name -> checkpoint name), read from the open ``ckpt``
+    on ``dev`` and cast to the model's dtypes (each cast checked first). Names the model ties share one tensor;
+    names it keeps apart get tensors that share no memory, even where the checkpoint stores them once."""
     if not sources:
-        return
-    wanted = {stored[src].name for src in sources.values()}  # stored (unstripped) names
-    loaded = load(path, device=dev, keys=wanted.__contains__, storage_options=storage_options)
-    cast: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # one tensor per stored name and dtype: ties share it
-    persistent: dict[str, torch.Tensor] = {}
+        return {}
+    loaded = read_tensors(ckpt, list(dict.fromkeys(sources.values())), dev)
+    cast: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # one tensor per stored tensor and dtype
+    out: dict[str, torch.Tensor] = {}
     for n, src in sources.items():
-        dtype = slots[n].get().dtype
-        key = (src, dtype)
+        t, dtype = loaded[src], slots[n].get().dtype
+        key = (id(t), dtype)
         if key not in cast:
-            t = loaded[stored[src].name]
+            check_cast(t, t.dtype, dtype, allow_cast=allow_cast, path=ckpt.path, entry=ckpt.info(src).name,
+                       fix=_CAST_FIX)
             cast[key] = t if t.dtype == dtype else t.to(dtype)
+        out[n] = cast[key]
+    _keep_apart(out, {n: g[0] for g in groups for n in g})
+    return out
+
+
+def _span(t: torch.Tensor) -> tuple[str, int, int]:
+    """The device and the byte range ``[start, end)`` that ``t``'s elements lie in."""
+    if t.numel() == 0:
+        return str(t.device), 0, 0
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    return str(t.device), t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _keep_apart(out: dict[str, torch.Tensor], tie_of: dict[str, str]) -> None:
+    """Give each name of ``out`` whose memory overlaps that of a name the model does not tie to it a copy of
+    its own: the checkpoint's aliases (``mmapckpt.save`` of a tied model, a torch.save file's shared storages)
+    would otherwise make an update of one (an optimizer step) change the other."""
+    spans = sorted((_span(t), n) for n, t in out.items())
+    active: list[tuple[str, int, str]] = []  # (device, end, tie) of the ranges that may still overlap
+    for (device, start, end), n in spans:
+        if end == start:
+            continue
+        active = [a for a in active if a[0] == device and a[1] > start]
+        tie = tie_of.get(n, n)
+        if any(a[2] != tie for a in active):
+            out[n] = out[n].clone()  # new memory: overlaps nothing
+            continue
+        active.append((device, end, tie))
+
+
+def _put(model: nn.Module, slots: dict[str, _Slot], tensors: dict[str, torch.Tensor]) -> None:
+    """Replace the model's tensors with ``tensors``: persistent ones through ``load_state_dict(assign=True)`` (so
+    modules' own load hooks run), non-persistent buffers directly (``load_state_dict`` skips them)."""
+    persistent: dict[str, torch.Tensor] = {}
+    for n, t in tensors.items():
         if slots[n].persistent:
-            persistent[n] = cast[key]
+            persistent[n] = t
         else:
-            slots[n].put(cast[key])
-    model.load_state_dict(persistent, strict=False, assign=True)
+            slots[n].put(t)
+    if persistent:
+        model.load_state_dict(persistent, strict=False, assign=True)
 
 
 def _materialise(model: nn.Module, slots: dict[str, _Slot], groups: list[list[str]], dev: torch.device,

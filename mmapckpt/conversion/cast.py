@@ -3,7 +3,10 @@
 Only the IEEE and bfloat16 dtypes are cast (float16, bfloat16, float32, float64): integer, bool
 and complex tensors keep their dtype, and so do float8 tensors, which hold quantized values
 whose scales live in other entries (casting them alone would change what they mean).
-Each chunk is cast as it is read, so memory stays at one chunk.
+Each chunk is cast as it is read, so memory stays at one chunk. A finite value outside the
+target's range (float32 ``1e30`` into float16, which would become inf) raises CastError naming
+the entry, as every load's cast does (``format/casts.py``), unless ``allow_cast``; the conversion
+then stops before its commit and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..format.casts import check_cast, range_can_shrink
 from .common import Source
 
 __all__ = ["CAST_DTYPES", "CASTABLE", "cast_dtype", "CastSource"]
@@ -57,10 +61,11 @@ def _cast_item(item: Any, dtype: torch.dtype) -> Any:
 
 
 class CastSource(Source):
-    """``inner`` with every float16/bfloat16/float32/float64 tensor read as ``dtype``."""
+    """``inner`` with every float16/bfloat16/float32/float64 tensor read as ``dtype`` (values outside its range
+    refused unless ``allow_cast``)."""
 
-    def __init__(self, inner: Source, dtype: torch.dtype) -> None:
-        self._inner, self.dtype = inner, dtype
+    def __init__(self, inner: Source, dtype: torch.dtype, *, allow_cast: bool = False) -> None:
+        self._inner, self.dtype, self.allow_cast = inner, dtype, allow_cast
         self.kind, self.path, self.version, self.files = inner.kind, inner.path, inner.version, inner.files
         self.layout = inner.layout
         md = inner.metadata
@@ -72,7 +77,12 @@ class CastSource(Source):
 
     def read_tensor(self, idx: MetadataIndex) -> torch.Tensor:
         t = self._inner.read_tensor(idx)
-        return t.to(self.dtype) if t.dtype in CASTABLE and t.dtype != self.dtype else t
+        if t.dtype not in CASTABLE or t.dtype == self.dtype:
+            return t
+        if not self.allow_cast and range_can_shrink(t.dtype, self.dtype):
+            check_cast(t, t.dtype, self.dtype, allow_cast=False, path=self.path, entry=idx.fqn,
+                       fix="pass allow_cast=True (--allow-cast) to cast anyway")
+        return t.to(self.dtype)
 
     def read_bytes(self, idx: MetadataIndex) -> bytes:
         return self._inner.read_bytes(idx)

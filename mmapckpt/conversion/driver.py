@@ -212,7 +212,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
             overwrite: bool = False, max_shard_size: int | str | None = None,
             progress: bool | ProgressCallback = False, keys: Sequence[str] | None = None,
             strip_prefix: str | None = None, exclude: Sequence[str] | None = None, dtype: Any = None,
-            storage_options: Mapping[str, Any] | None = None) -> ConvertResult:
+            storage_options: Mapping[str, Any] | None = None, allow_cast: bool = False) -> ConvertResult:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
     The source format is detected. DCP <-> mmapckpt keeps the chunk layout, the
@@ -261,12 +261,15 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
             e.g. ``["*.rotary_emb.inv_freq", "optim.*"]``.
         dtype: cast every float16, bfloat16, float32 and float64 tensor to this dtype (a torch
             dtype or a name: ``"bfloat16"``, ``"bf16"``, ``"fp16"``, ``"float32"``, ...); integer,
-            bool, complex and float8 tensors are kept as they are.
+            bool, complex and float8 tensors are kept as they are. A finite value outside
+            ``dtype``'s range (``1e30`` into float16) raises CastError naming the entry, unless
+            ``allow_cast`` (it then becomes inf, as ``Tensor.to`` makes it).
         strip_prefix: then remove this prefix from the selected names that start with it
             (others keep their names), e.g. ``"model."``. Filtering is on the stored name,
             stripping after it; no match, or two names made one by stripping, raises.
         storage_options: for the media of ``src`` and ``dst`` where they are URLs (credentials,
             endpoint, ...: ``storage/location.py`` ``storage_for``); a local path ignores them.
+        allow_cast: cast with ``dtype`` even values outside its range.
 
     Returns:
         A ConvertResult.
@@ -285,7 +288,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     to = target_format(dst) if to is None else to
     if to not in FORMATS:
         raise ValueError(f"unknown target format {to!r}; choose one of {', '.join(FORMATS)}")
-    shape = _Shaping(keys, exclude, strip_prefix, None if dtype is None else cast_dtype(dtype), progress)
+    shape = _Shaping(keys, exclude, strip_prefix, None if dtype is None else cast_dtype(dtype), progress, allow_cast)
     if max_shard_size is not None and to != "safetensors":
         raise ValueError("max_shard_size applies only to safetensors output")
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
@@ -318,6 +321,7 @@ class _Shaping:
     strip_prefix: str | None
     dtype: Any
     progress: bool | ProgressCallback
+    allow_cast: bool = False
 
 
 def _opened(opened: Source, shape: _Shaping,
@@ -325,7 +329,7 @@ def _opened(opened: Source, shape: _Shaping,
     """The source as selected and cast, its user metadata, its tensors, their bytes, and the progress bar."""
     source = _selected(opened, shape.keys, shape.strip_prefix, shape.exclude)
     if shape.dtype is not None:
-        source = CastSource(source, shape.dtype)
+        source = CastSource(source, shape.dtype, allow_cast=shape.allow_cast)
     tensors = [md for _, md in source.items() if isinstance(md, TensorStorageMetadata)]
     total = sum(md.properties.dtype.itemsize * _numel(md.size) for md in tensors)
     work = 2 * total if to == "torch" else total  # torch: assembled in a scratch file, then torch.save-d from it

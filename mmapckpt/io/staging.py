@@ -144,9 +144,15 @@ def plan_blocks(shape: tuple[int, ...], itemsize: int, cap: int) -> Iterator[Blo
 
 
 def check_device(device: torch.device) -> None:
-    """Raise a clear RuntimeError, before any work, for an accelerator this process cannot use."""
+    """Raise a clear RuntimeError, before any work, for an accelerator this process cannot use (ValueError for
+    the meta device, which no build can load onto)."""
     if device.type == "cpu":
         return
+    if device.type == "meta":  # torch has it in every build; it has no memory, so nothing can be loaded there
+        raise ValueError("device 'meta' holds no data, so nothing can be loaded onto it: load to a device with "
+                         "memory ('cpu', the default, or an accelerator). To load a model built on the meta "
+                         "device, pass it to mmapckpt.load_model, which replaces its meta tensors with the "
+                         "checkpoint's on the CPU (or on device=)")
     try:
         mod = torch.get_device_module(device)
         available = bool(mod.is_available())

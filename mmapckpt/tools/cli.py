@@ -139,7 +139,10 @@ def _args_convert(p: argparse.ArgumentParser) -> None:
                    help="then leave out entries whose stored name matches this glob (repeatable), e.g. 'optim.*'")
     p.add_argument("--dtype", metavar="DTYPE", type=_dtype_name,
                    help="cast float16/bfloat16/float32/float64 tensors to DTYPE (bfloat16, float16, float32, "
-                   "float64; or bf16, fp16, fp32, fp64); other dtypes are kept")
+                   "float64; or bf16, fp16, fp32, fp64); other dtypes are kept; a finite value outside DTYPE's "
+                   "range is refused")
+    p.add_argument("--allow-cast", action="store_true",
+                   help="with --dtype, cast even values outside DTYPE's range (they become inf)")
     p.add_argument("--strip-prefix", metavar="PREFIX",
                    help="then remove PREFIX from the selected names that start with it, e.g. 'model.'")
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
@@ -213,7 +216,7 @@ def _run_convert(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     r = convert(args.src, args.dst, to=to, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
                 progress=not args.quiet, keys=args.keys, exclude=args.exclude, strip_prefix=args.strip_prefix,
-                dtype=args.dtype)
+                dtype=args.dtype, allow_cast=args.allow_cast)
     if not args.quiet:
         _emit(f"converted {args.src} ({r.source_format}) -> {r.path} ({r.target_format}): {r.tensors} tensors, "
               f"{human_bytes(r.tensor_bytes)} in {time.monotonic() - t0:.2f} s")

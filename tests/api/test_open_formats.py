@@ -231,7 +231,8 @@ def test_the_metadata_file_opens_its_directory(sources) -> None:
 def test_load_options_across_formats(sources) -> None:
     want = _state()
     for kind in KINDS:
-        sd = mmapckpt.load(sources[kind], dtype=torch.float16, keys=lambda k: "float" in k)
+        # the stored floats are random bits, far outside float16's range: cast them as torch does
+        sd = mmapckpt.load(sources[kind], dtype=torch.float16, keys=lambda k: "float" in k, allow_cast=True)
         assert sorted(sd) == sorted(k for k in want if "float" in k), kind
         assert all(t.dtype == torch.float16 for t in sd.values()), kind
         sd = mmapckpt.load(sources[kind], keys=["empty"], verify=True)
