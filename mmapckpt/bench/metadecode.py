@@ -57,7 +57,8 @@ def operations(ck: str, st: str) -> dict[str, Callable[[], object]]:
     from safetensors import safe_open
 
     from ..format.metadata.framing import META_PREAMBLE, METADATA_NAME
-    from ..storage.commits import read_index_file, read_metadata_file
+    from ..dcp.metadata import read_metadata_file
+    from ..storage.commits import read_index_file
     from ..lazy import open as open_ckpt
 
     meta = os.path.join(ck, METADATA_NAME)
