@@ -1,11 +1,13 @@
 """The single-process load path needs no torch.distributed beyond what ``import torch`` loads.
 
 ``open``, ``load``, ``load_into`` and ``load_model`` of a local mmapckpt checkpoint, a
-safetensors file and a Hugging Face directory (sharded, with its index) read the format's
-own index: DCP's ``Metadata`` classes (``torch.distributed.checkpoint``) and DTensor
+safetensors file, a Hugging Face directory (sharded, with its index; and one of
+``pytorch_model.bin``) and a torch.save file read the format's own index: DCP's ``Metadata`` classes (``torch.distributed.checkpoint``) and DTensor
 (``torch.distributed.tensor``) are for ``dcp.load``/``dcp.save`` only. ``import torch``
 itself loads a few ``torch.distributed`` base modules (``distributed_c10d`` and such):
 whatever it loads is taken as given, and no further ``torch.distributed`` module may appear.
+(A stock DCP checkpoint does import ``torch.distributed.checkpoint``: its ``.metadata`` is a
+pickle of DCP's classes.)
 Each step runs in one fresh process, in order, and the modules it brought in are reported
 per step, so a failure names the call and the format that imported them.
 """
@@ -69,7 +71,13 @@ def _checkpoints(tmp_path: Path) -> dict[str, str]:
                                             "bias": "model-00002-of-00002.safetensors"}}
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     (hf / "config.json").write_text("{}")
-    return {"mmapckpt": str(tmp_path / "mm"), "safetensors": str(tmp_path / "file.safetensors"), "hf": str(hf)}
+    hf_bin = tmp_path / "hf_bin"
+    hf_bin.mkdir()
+    torch.save(sd, hf_bin / "pytorch_model.bin")
+    (hf_bin / "config.json").write_text("{}")
+    torch.save(sd, tmp_path / "file.pt")
+    return {"mmapckpt": str(tmp_path / "mm"), "safetensors": str(tmp_path / "file.safetensors"), "hf": str(hf),
+            "hf_bin": str(hf_bin), "torch_save": str(tmp_path / "file.pt")}
 
 
 def test_single_process_loads_import_no_torch_distributed_beyond_torch(tmp_path: Path) -> None:
