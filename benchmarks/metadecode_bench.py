@@ -57,7 +57,8 @@ def operations(ck: str, st: str) -> dict[str, Callable[[], object]]:
     from safetensors import safe_open
 
     from mmapckpt.format.metadata.framing import META_PREAMBLE, METADATA_NAME
-    from mmapckpt.storage.commits import read_index_file, read_metadata_file
+    from mmapckpt.dcp.metadata import read_metadata_file
+    from mmapckpt.storage.commits import read_index_file
     from mmapckpt.lazy import open as open_ckpt
 
     meta = os.path.join(ck, METADATA_NAME)

@@ -12,6 +12,7 @@ DCP items, torch.save tensors).
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Mapping
 
 import torch
@@ -140,9 +141,11 @@ def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, Entr
 
 
 def _refuse_dtensors(targets: dict[str, torch.Tensor]) -> None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
+    # A DTensor exists only once its module is imported: where it is not, no target is one, and the
+    # check imports nothing (importing torch.distributed.tensor costs about half a second).
+    api = sys.modules.get("torch.distributed.tensor")
+    DTensor = getattr(api, "DTensor", None)
+    if DTensor is None:
         return
     for n, t in targets.items():
         if isinstance(t, DTensor):

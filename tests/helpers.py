@@ -236,7 +236,8 @@ def shard_with_header(data: bytes, doc: Any, *, compact: bool = False) -> bytes:
 def as_metadata_v1(directory: Any) -> None:
     """Rewrite a checkpoint's ``.metadata`` in the version-1 form (one JSON object per item and record)."""
     from mmapckpt.format.metadata import encode_metadata
-    from mmapckpt.storage.commits import read_metadata_file, read_user_metadata_file
+    from mmapckpt.dcp.metadata import read_metadata_file
+    from mmapckpt.storage.commits import read_user_metadata_file
 
     path = os.path.join(os.fspath(directory), ".metadata")
     _, md = read_metadata_file(path)

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..format.metadata import KIND_MMAPCKPT
 from ..reading.locate import detect_format, indexed_files, locate_checkpoint, place_format, safetensors_files
-from ..storage.commits import read_metadata
+from ..dcp.metadata import read_metadata
 from .common import Source
 from .flat import SafetensorsSource, TorchSource
 from .sources import MmapckptSource, StockSource

@@ -8,7 +8,7 @@ its time on without its general machinery, producing the very same plans:
 - load: a plain tensor (or ``nn.Parameter``) stored as one whole chunk gets its one
   ``ReadItem`` directly (the default runs a sweep over the stored and local chunks and
   builds the item from lists), read from the entry index itself when the metadata is
-  MmapReader's (format/metadata/records.py: DCP's records are then never built for it); a DTensor
+  MmapReader's (records.py: DCP's records are then never built for it); a DTensor
   whose one local shard is exactly one stored
   chunk (saved and loaded with the same sharding) likewise; everything else (resharding,
   several chunks, size mismatches and their errors) goes through DCP's own code.
@@ -58,9 +58,9 @@ from torch.distributed.checkpoint.planner_helpers import _create_read_items, _cr
 from torch.distributed.tensor import DTensor
 
 from ..format.entries import paused_gc
-from ..format.metadata.records import StateDictRecords
 from .flatten import flatten_plain, fresh_lists
 from .plan_items import metadata_index, read_item, tensor_write_item, write_item, zeros
+from .records import StateDictRecords
 from .storable import check_storable
 
 __all__ = ["FastLoadPlanner", "FastSavePlanner"]

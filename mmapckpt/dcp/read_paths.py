@@ -32,7 +32,6 @@ from ..errors import (
     SizeMismatchError,
 )
 from ..format import layout as fmt
-from ..format.metadata.records import StorageRecords
 from ..format.metadata import KIND_MMAPCKPT
 from ..format.stock import load_tensor
 from ..format.transforms import StreamTransforms, decoded_limit
@@ -43,6 +42,7 @@ from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.commits import missing_shard_error
 from .bytes_read import BytesRead
 from .fast_planner import FastLoadPlanner
+from .records import StorageRecords
 from .safetensors_metadata import KIND_SAFETENSORS
 from .safetensors_reads import read_safetensors, safetensors_in
 
@@ -270,7 +270,7 @@ def _stock_decode_limit(reads: FileReads, req: ReadItem) -> int:
 
 def _stored_chunk(storage_data: Any, sdm: Any, idx: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]] | None:
     """(dtype, shape) of the stored tensor chunk ``idx`` names, or None: from MmapReader's index
-    (format/metadata/records.py, no DCP record built) or from DCP's records."""
+    (records.py, no DCP record built) or from DCP's records."""
     if type(storage_data) is StorageRecords:
         found = storage_data.chunk(idx)
         return None if found is None or found[0].kind != "tensor" else (found[0].dtype, found[1].sizes)

@@ -26,13 +26,13 @@ from ..errors import CheckpointError, CheckpointNotFoundError, FormatError
 from ..format.entries import paused_gc
 from ..format.metadata import METADATA_NAME
 from ..storage.base import CheckpointStorage
-from ..storage.commits import read_metadata
 from ..storage.credentials import StorageOptions
 from ..storage.location import storage_for
 from ..io.staging import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, StagingPool
 from .bytes_read import BytesRead
 from .compat import reader_compat
 from .deliver import load_plan
+from .metadata import read_metadata
 from .read_once import DEFAULT_MIN_SHARE, DEFAULT_PIECE_BYTES, ReadOnceOptions, local_info, plan_read_once
 from .read_paths import FileReads
 from .safetensors_metadata import KIND_SAFETENSORS, has_safetensors, safetensors_metadata

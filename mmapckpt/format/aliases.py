@@ -13,12 +13,14 @@ each is stored as its own logical values, as the format requires of every view.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .entries import EntryInfo
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
 __all__ = ["ALIASES_ATTR", "exact_aliases", "item_aliases", "shared_names"]
 

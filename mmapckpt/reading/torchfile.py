@@ -183,13 +183,17 @@ def flat_torch_file(src: TorchSource | Place) -> tuple[dict[str, Any], dict[str,
     Raises:
         FormatError: the file does not hold a dict.
     """
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
     if isinstance(src, Place):
         src = torch_source(src)
     obj = load_torch_file(src)
     if not isinstance(obj, dict):
         raise FormatError(f"torch.save file holds a {type(obj).__name__}, not a state dict", path=_path(src))
+    if all(type(k) is str and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        # a flat dict of tensors (pytorch_model.bin): DCP's flattening keeps every name and value as they
+        # are; saying so here spares a single-process load importing torch.distributed.checkpoint
+        return dict(obj), {k: (k,) for k in obj}
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # nested: DCP's walk is the rule
+
     return flatten_state_dict(obj)
 
 

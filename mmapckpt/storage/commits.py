@@ -10,9 +10,10 @@ more removed (:func:`remove_stale`): the old checkpoint's shards, and the leftov
 saves. Files of other names are never touched. A save holds the location's lock
 (:meth:`CheckpointStorage.lock`) from planning to commit.
 
-Reading: :func:`read_metadata` (DCP ``Metadata``), :func:`read_index` (the entry index the
-lazy loader uses), :func:`read_user_metadata`; each reads the commit through the storage and
-decodes it with ``format/metadata/`` (codec.py).
+Reading: :func:`read_index` (the entry index every reader uses), :func:`read_user_metadata`;
+each reads the commit through the storage and decodes it with ``format/metadata/`` (codec.py).
+DCP's ``Metadata`` of a commit is built by the DCP adapter (``dcp/metadata.py`` ``read_metadata``):
+nothing here imports ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -21,22 +22,19 @@ import os
 import re
 from collections.abc import Mapping
 
-from torch.distributed.checkpoint.metadata import Metadata
-
 from ..errors import CheckpointError, CheckpointWriteError, IncompleteCheckpointError
 from ..format.entries import EntryInfo
 from ..format.metadata import (
     METADATA_NAME,
     decode_index_file,
-    decode_metadata_file,
     decode_user_metadata,
 )
 from .base import CheckpointStorage
 from .local import LocalStorage
 
 __all__ = ["SHARD_SUFFIX", "metadata_name", "commit_files", "committed_files", "existing_shards", "shard_name",
-           "remove_stale", "read_metadata", "read_index", "read_user_metadata", "missing_shard_error",
-           "read_index_file", "read_metadata_file", "read_user_metadata_file"]
+           "remove_stale", "read_index", "read_user_metadata", "missing_shard_error",
+           "read_index_file", "read_user_metadata_file"]
 
 SHARD_SUFFIX = ".distcp"
 #: Files of a DCP checkpoint's own making, the only ones a save ever removes.
@@ -46,12 +44,6 @@ _TEMP = re.compile(r"\.(__\d+_\d+(\.[0-9a-f]{8})?\.distcp|(__\d+)?\.metadata)\.t
 
 
 # --------------------------------------------------------------------------- reading a commit
-def read_metadata(storage: CheckpointStorage, name: str = METADATA_NAME, *, lazy: bool = False) -> tuple[str, Metadata]:
-    """(kind, DCP Metadata) of commit file ``name`` (see ``format/metadata/codec.py`` ``decode_metadata_file``)."""
-    f = storage.read_metadata(name)
-    return f.kind, decode_metadata_file(f.kind, f.data, f.full, lazy=lazy)
-
-
 def read_index(storage: CheckpointStorage, name: str = METADATA_NAME) -> tuple[str, Mapping[str, EntryInfo], str | None]:
     """(kind, entries by name, save id) of commit file ``name``; every entry checked."""
     f = storage.read_metadata(name)
@@ -62,12 +54,6 @@ def read_user_metadata(storage: CheckpointStorage, name: str = METADATA_NAME) ->
     """The ``{str: str}`` user metadata commit file ``name`` carries, or None."""
     f = storage.read_metadata(name)
     return decode_user_metadata(f.kind, f.data, f.full)
-
-
-def read_metadata_file(path: str | os.PathLike[str], *, lazy: bool = False) -> tuple[str, Metadata]:
-    """:func:`read_metadata` of a local commit file's path."""
-    d, name = os.path.split(os.fspath(path))
-    return read_metadata(LocalStorage(d or "."), name, lazy=lazy)
 
 
 def read_index_file(path: str | os.PathLike[str]) -> tuple[str, Mapping[str, EntryInfo], str | None]:

@@ -47,7 +47,8 @@ from ..reading.safetensors_files import SafetensorsFile
 from ..reading.shard import Shard, check_size_unchanged, decode_entry
 from ..reading.torchfile import TorchSource, flat_torch_file, is_zip, torch_source
 from ..storage.base import CheckpointStorage
-from ..storage.commits import read_metadata, read_user_metadata
+from ..dcp.metadata import read_metadata
+from ..storage.commits import read_user_metadata
 from ..storage.location import is_url, storage_for
 from .wording import count
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import mmapckpt
 from helpers import assert_bitwise_equal, dcp_load, dcp_save
-from mmapckpt.storage.commits import read_metadata_file
+from mmapckpt.dcp.metadata import read_metadata_file
 from strategies import fresh_like, tensors
 
 SHARD = "__0_0.distcp"

@@ -27,7 +27,7 @@ from mmapckpt.format import layout as fmt
 from mmapckpt.io.staging import StagingPool
 from mmapckpt.lazy import _load_to_device
 from mmapckpt.format.metadata import encode_metadata
-from mmapckpt.storage.commits import read_metadata_file
+from mmapckpt.dcp.metadata import read_metadata_file
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

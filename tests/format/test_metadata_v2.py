@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 import mmapckpt
 from helpers import as_metadata_v1, assert_tree_equal, metadata_with_doc
-from mmapckpt.storage.commits import read_index_file, read_metadata_file
+from mmapckpt.dcp.metadata import read_metadata_file
+from mmapckpt.storage.commits import read_index_file
 from mmapckpt.errors import FormatError, UnknownDtypeError, UnsafePathError
 
 

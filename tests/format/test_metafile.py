@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import mmapckpt
-from mmapckpt.storage.commits import read_metadata_file
+from mmapckpt.dcp.metadata import decode_metadata, read_metadata_file
 from mmapckpt.format import metadata as mf
 from mmapckpt.format.entries import safe_relative_path
 from strategies import state_dicts
@@ -84,7 +84,7 @@ def test_round_trip_of_stock_writer_metadata(tmp_path) -> None:
     md = with_raw_lengths(stock_metadata(_sd(), str(tmp_path)))
     data = mf.encode_metadata(md)
     assert data[:8] == b"\xffMMAPMD\n"
-    back = mf.decode_metadata(data, "m")
+    back = decode_metadata(data, "m")
     assert_metadata_equal(md, back)
     assert back.state_dict_metadata["p"].properties.requires_grad is True
     assert back.state_dict_metadata["e"].properties.dtype == torch.float8_e4m3fn
@@ -106,7 +106,7 @@ def test_round_trip_property(sd: dict[str, Any]) -> None:
         assert kind == "mmapckpt"
         assert_metadata_equal(mine, on_disk)
         raw = with_raw_lengths(stock)
-        assert_metadata_equal(raw, mf.decode_metadata(mf.encode_metadata(raw), "m"))
+        assert_metadata_equal(raw, decode_metadata(mf.encode_metadata(raw), "m"))
 
 
 def test_stock_lengths_are_refused_by_the_json_decoder(tmp_path) -> None:
@@ -114,7 +114,7 @@ def test_stock_lengths_are_refused_by_the_json_decoder(tmp_path) -> None:
     md = stock_metadata({"w": torch.ones(4)}, str(tmp_path))
     md.storage_meta = None
     with pytest.raises(mmapckpt.FormatError, match="its chunk holds 16"):
-        mf.decode_metadata(mf.encode_metadata(md), "m")
+        decode_metadata(mf.encode_metadata(md), "m")
 
 
 def test_encode_refuses_what_json_cannot_hold() -> None:
@@ -153,7 +153,7 @@ def test_metadata_file_layout(tmp_path) -> None:
             assert (f, length, whole) == (0, 80, 1) and off % 64 == 0
         p += 4 + nd + 5 * t["rows"][p + 3 + nd]  # every chunk of this test's tensors is whole
     assert p == len(t["rows"])
-    v1 = json.loads(mf.encode_metadata(mf.decode_metadata(raw, "m"), major=1)[24:])  # the older form
+    v1 = json.loads(mf.encode_metadata(decode_metadata(raw, "m"), major=1)[24:])  # the older form
     assert v1["state_dict_metadata"]["w"] == {"type": "tensor", "dtype": "float32", "requires_grad": False,
                                               "size": [5, 4], "chunks": [{"offsets": [0, 0], "sizes": [5, 4]}]}
 
@@ -259,7 +259,7 @@ def test_malformed_metadata(tmp_path, make: Callable[[], bytes], error: type, wo
 
 def test_good_doc_decodes(tmp_path) -> None:
     """The malformed cases above are one change away from a valid file."""
-    md = mf.decode_metadata(encode_doc(good_doc()), "m")
+    md = decode_metadata(encode_doc(good_doc()), "m")
     assert set(md.state_dict_metadata) == {"w", "p", "e", "s", "txt", "nested.l.0", "nested.l.1.k"}
 
 

@@ -26,7 +26,7 @@ import mmapckpt
 from helpers import assert_bitwise_equal, dcp_load, save_chunked, shard_with_header
 from mmapckpt import CheckpointError, EntryBoundsError, FormatError, MmapReader, MmapWriter
 from mmapckpt.format.metadata import encode_metadata
-from mmapckpt.storage.commits import read_metadata_file
+from mmapckpt.dcp.metadata import read_metadata_file
 from mmapckpt.tools.verify import verify_checkpoint
 from strategies import layouts
 

@@ -8,21 +8,19 @@ One module a part, bottom to top (the layering is an import-linter contract, pyp
 - v2_columns.py: the version-2 table of the common shape, checked and built column by column
   (the v2 decoder's way of reading that shape);
 - v1.py, v2.py, stock.py: one decoder each (version 1, version 2 the entry table, stock DCP's
-  pickle), and the encoders of versions 1 and 2; records.py: DCP's ``Metadata`` of an index,
-  built at once or on demand;
+  pickle), and the encoders of versions 1 and 2;
 - codec.py: the entry points, which pick the encoder and decoder by kind and version.
+
+Every decoder returns the format's own index (``EntryInfo``/``ChunkInfo`` records), and importing
+this package imports no ``torch.distributed``: DCP's ``Metadata`` is built from the index by the
+DCP adapter (``dcp/records.py``, ``dcp/metadata.py``). Only a stock DCP ``.metadata`` (a pickle of
+DCP's classes) imports ``torch.distributed.checkpoint`` when it is read, since its restricted
+unpickler admits exactly those classes.
 
 docs/format.md, section 3, is the specification.
 """
 
-from .codec import (
-    decode_index,
-    decode_index_file,
-    decode_metadata,
-    decode_metadata_file,
-    decode_metadata_lazy,
-    encode_metadata,
-)
+from .codec import decode_built, decode_index, decode_index_file, encode_metadata
 from .framing import (
     KIND_MMAPCKPT,
     KIND_STOCK,
@@ -47,9 +45,7 @@ __all__ = [
     "decode_user_metadata",
     "MetaIndex",
     "decode_index",
-    "decode_metadata",
-    "decode_metadata_lazy",
-    "decode_metadata_file",
+    "decode_built",
     "decode_index_file",
     "metadata_kind",
     "MAX_METADATA_SIZE",

@@ -4,8 +4,10 @@ Encoding writes version 2 (the entry table, v2.py) or, asked for, version 1 (v1.
 inside the framing (framing.py). Decoding reads the framing, then hands the body to its
 version's one decoder (v1.decode, v2.decode), which validates it once into the index of
 entries (index.py) that the lazy loader uses as it is; DCP's ``Metadata`` objects are
-built from that index only for ``dcp.load`` (records.py). Stock DCP checkpoints keep a
-pickled ``Metadata``, read by stock.py without running code. Every defect raises
+built from that index only for ``dcp.load``, by the DCP adapter (``dcp/records.py``, through
+:func:`decode_built`): nothing here imports ``torch.distributed``. Stock DCP checkpoints keep a
+pickled ``Metadata``, read by stock.py without running code (its unpickler needs DCP's
+classes, imported when a stock file is read). Every defect raises
 FormatError (or a subclass) naming the file, and the entry where there is one.
 """
 
@@ -14,9 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any, Callable
-
-from torch.distributed.checkpoint.metadata import Metadata
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...errors import FormatError
 from ..entries import EntryInfo, paused_gc
@@ -34,11 +34,12 @@ from .framing import (
     parse_body,
 )
 from .index import InvalidMetadata, MetaIndex
-from .records import lazy_dcp, to_dcp
-from .stock import decode_stock, decode_stock_index
+from .stock import decode_stock_index
 
-__all__ = ["encode_metadata", "decode_index", "decode_metadata", "decode_metadata_lazy", "decode_metadata_file",
-           "decode_index_file"]
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+__all__ = ["encode_metadata", "decode_index", "decode_built", "decode_index_file"]
 
 
 def encode_metadata(md: Metadata, user_metadata: Mapping[str, str] | None = None, *, major: int = META_MAJOR) -> bytes:
@@ -98,26 +99,13 @@ def decode_index(data: bytes, path: str) -> MetaIndex:
     return _decoding(data, path, lambda ix, major: ix)
 
 
-def decode_metadata(data: bytes, path: str) -> Metadata:
-    """Decode an mmapckpt ``.metadata`` file's bytes into DCP ``Metadata``; every defect raises FormatError."""
-    return _decoding(data, path, lambda ix, major: to_dcp(ix, _planner_data(ix, major)))
-
-
-def decode_metadata_lazy(data: bytes, path: str) -> Metadata:
-    """As :func:`decode_metadata`, with the entries' records built on demand (records.py)."""
-    return _decoding(data, path, lambda ix, major: lazy_dcp(ix, _planner_data(ix, major)))
-
-
-def decode_metadata_file(kind: str, data: bytes, path: str, *, lazy: bool = False) -> Metadata:
-    """A ``.metadata`` file's bytes of either kind (``framing.metadata_kind``) as DCP Metadata.
-
-    ``lazy``: an mmapckpt file's ``state_dict_metadata`` and ``storage_data`` are read-only
-    mappings whose records are built on first access (records.py); every entry is
-    checked before this returns either way.
+def decode_built(data: bytes, path: str, build: Callable[[MetaIndex, Any], Any]) -> Any:
+    """``build(index, planner_data)`` of an mmapckpt ``.metadata`` file's bytes, with DCP's ``planner_data``
+    expanded from the form its version stores; ``build`` runs while the collector is paused (it may make
+    many objects) and its defects raise FormatError naming ``path``. The DCP adapter builds DCP's
+    ``Metadata`` this way (``dcp/metadata.py``); the format wing builds no DCP object itself.
     """
-    if kind != KIND_MMAPCKPT:
-        return decode_stock(data, path)
-    return decode_metadata_lazy(data, path) if lazy else decode_metadata(data, path)
+    return _decoding(data, path, lambda ix, major: build(ix, _planner_data(ix, major)))
 
 
 def decode_index_file(kind: str, data: bytes, path: str) -> tuple[Mapping[str, EntryInfo], str | None]:

@@ -4,28 +4,27 @@ The pickle is walked with pickletools first (the C unpickler allocates by number
 the file), then unpickled with an unpickler that admits only the DCP metadata
 classes, and the objects it built are checked field by field, since a pickle's
 BUILD can give any object any attributes. Never a plain ``pickle.load``.
+
+The pickle holds DCP's own classes, and the unpickler admits exactly those (their module and
+class names): reading a stock ``.metadata`` imports ``torch.distributed.checkpoint`` (on the
+first read, :func:`_dcp`), importing this module does not. Stand-ins of our own for DCP's
+classes were not chosen: each torch version pickles them its own way (dataclass state,
+``TensorProperties.__setstate__``, the legacy sharded-tensor classes), which DCP's own classes
+follow by construction.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pathlib
 import pickle
 import pickletools
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from ...errors import FormatError, UnsafePickleError
 from .. import layout as fmt
@@ -33,12 +32,26 @@ from ..entries import ChunkInfo, EntryInfo, safe_relative_path
 from ..stock import raw_record
 from ..tiling import check_entries
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
 __all__ = ["decode_stock", "decode_stock_index", "stock_index"]
 
 
-def _allowed_globals() -> dict[tuple[str, str], Any]:
+@functools.cache
+def _dcp() -> Any:
+    """DCP's metadata classes (a stock ``.metadata`` is a pickle of them), imported on the first stock read."""
+    import torch.distributed._shard.sharded_tensor.metadata as legacy
     import torch.distributed.checkpoint.metadata as m
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+    return SimpleNamespace(m=m, legacy=legacy, _StorageInfo=_StorageInfo)
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    d = _dcp()
+    m, legacy = d.m, d.legacy
     allowed: dict[tuple[str, str], Any] = {
         (m.__name__, c.__name__): c
         for c in (m.Metadata, m.MetadataIndex, m.TensorStorageMetadata, m.ChunkStorageMetadata,
@@ -46,11 +59,9 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     }
     # Written by older torch versions, which used the sharded-tensor module's TensorProperties;
     # torch still loads them (and its own compatibility tests cover them).
-    import torch.distributed._shard.sharded_tensor.metadata as legacy
-
     for c in (legacy.TensorProperties, legacy.MEM_FORMAT_ENCODING):
         allowed[(legacy.__name__, c.__name__)] = c
-    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = d._StorageInfo
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     for cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath):
@@ -164,20 +175,21 @@ def _is_int(v: Any) -> bool:
 
 def _check_stock(md: Any, path: str) -> None:
     """The unpickled objects have the types and fields DCP's own code expects of them."""
-    if not isinstance(md, Metadata):
+    m, info_cls = _dcp().m, _dcp()._StorageInfo
+    if not isinstance(md, m.Metadata):
         raise FormatError("stock DCP metadata does not hold a Metadata object", path=path)
     sdm = _get(md, "state_dict_metadata", lambda v: isinstance(v, dict), path, "Metadata")
     storage = _get(md, "storage_data", lambda v: isinstance(v, dict), path, "Metadata")
     _get(md, "planner_data", lambda v: v is None or isinstance(v, dict), path, "Metadata")
     _get(md, "version", lambda v: v is None or isinstance(v, str), path, "Metadata")
-    sm = _get(md, "storage_meta", lambda v: v is None or isinstance(v, StorageMeta), path, "Metadata")
+    sm = _get(md, "storage_meta", lambda v: v is None or isinstance(v, m.StorageMeta), path, "Metadata")
     if sm is not None:
         _get(sm, "save_id", lambda v: v is None or isinstance(v, str), path, "StorageMeta")
         _get(sm, "load_id", lambda v: v is None or isinstance(v, str), path, "StorageMeta")
         _get(sm, "modules", lambda v: isinstance(v, list), path, "StorageMeta")
         _get(sm, "checkpoint_id", lambda v: v is None or isinstance(v, (str, os.PathLike)), path, "StorageMeta")
     for idx, info in storage.items():
-        if not isinstance(idx, MetadataIndex) or not isinstance(info, _StorageInfo):
+        if not isinstance(idx, m.MetadataIndex) or not isinstance(info, info_cls):
             raise FormatError("stock DCP metadata has storage records of unexpected types", path=path)
         fqn = _get(idx, "fqn", lambda v: isinstance(v, str), path, "a storage index")
         _get(idx, "offset", lambda v: v is None or _is_dims(v), path, f"storage index of {fqn!r}")
@@ -200,33 +212,34 @@ def _is_dims(v: Any) -> bool:
 
 def _tensor_properties() -> tuple[type, ...]:
     """TensorProperties classes of DCP metadata: today's, and the sharded-tensor one older torch wrote."""
-    import torch.distributed._shard.sharded_tensor.metadata as legacy
-
-    return TensorProperties, legacy.TensorProperties
+    d = _dcp()
+    return d.m.TensorProperties, d.legacy.TensorProperties
 
 
 def _stock_item_ok(item: Any) -> bool:
-    if isinstance(item, BytesStorageMetadata):
+    m = _dcp().m
+    if isinstance(item, m.BytesStorageMetadata):
         return True
     props = getattr(item, "properties", None)
     chunks = getattr(item, "chunks", None)
-    if not (isinstance(item, TensorStorageMetadata) and isinstance(props, _tensor_properties())
+    if not (isinstance(item, m.TensorStorageMetadata) and isinstance(props, _tensor_properties())
             and isinstance(getattr(props, "dtype", None), torch.dtype) and _is_dims(getattr(item, "size", None))
             and isinstance(chunks, list)):
         return False
-    return all(isinstance(c, ChunkStorageMetadata) and _is_dims(getattr(c, "offsets", None))
+    return all(isinstance(c, m.ChunkStorageMetadata) and _is_dims(getattr(c, "offsets", None))
                and _is_dims(getattr(c, "sizes", None)) and len(c.offsets) == len(c.sizes) == len(item.size)
                and all(o + n <= g for o, n, g in zip(c.offsets, c.sizes, item.size)) for c in chunks)
 
 
 def _check_records(sdm: dict[str, Any], storage: dict[MetadataIndex, _StorageInfo], path: str) -> None:
     """Every storage record belongs to a described item (and, for a tensor, to one of its chunks)."""
+    bytes_item = _dcp().m.BytesStorageMetadata
     for idx in storage:
         md = sdm.get(idx.fqn)
         if md is None:
             raise FormatError(f"invalid stock DCP metadata: storage record of {idx.fqn!r} names no item of the "
                               "state dict", path=path)
-        if isinstance(md, BytesStorageMetadata):
+        if isinstance(md, bytes_item):
             if idx.offset is not None:
                 raise FormatError(f"invalid stock DCP metadata: storage record of bytes item {idx.fqn!r} has "
                                   "chunk offsets", path=path)
@@ -238,11 +251,12 @@ def _check_records(sdm: dict[str, Any], storage: dict[MetadataIndex, _StorageInf
 
 def stock_index(md: Metadata, path: str) -> dict[str, EntryInfo]:
     """Index checked stock metadata by name, joining each chunk with its storage record."""
+    bytes_item = _dcp().m.BytesStorageMetadata
     records = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): info
                for idx, info in (md.storage_data or {}).items()}
     out: dict[str, EntryInfo] = {}
     for name, item in md.state_dict_metadata.items():
-        if isinstance(item, BytesStorageMetadata):
+        if isinstance(item, bytes_item):
             pairs = [((name, None), None)]
         else:
             pairs = [((name, tuple(c.offsets)), c) for c in item.chunks]
@@ -254,7 +268,7 @@ def stock_index(md: Metadata, path: str) -> dict[str, EntryInfo]:
                 raise FormatError("metadata has no storage record for this entry", path=path, entry=label)
             sizes = () if c is None else tuple(c.sizes)
             chunks.append(ChunkInfo(key[1] or (), sizes, info.relative_path, info.offset, info.length))
-        if isinstance(item, BytesStorageMetadata):
+        if isinstance(item, bytes_item):
             out[name] = EntryInfo(name, "object", None, None, tuple(chunks))
         else:
             out[name] = EntryInfo(name, "tensor", item.properties.dtype, tuple(item.size), tuple(chunks))

@@ -15,15 +15,16 @@ What mmapckpt wrote before the entry table (v2.py); still read, and written by
 from __future__ import annotations
 
 import math
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+from typing import TYPE_CHECKING, Any
 
 from ...errors import FormatError
 from .. import layout as fmt
 from ..entries import ChunkInfo, EntryInfo, safe_relative_path
 from ..tiling import check_entries
 from .index import InvalidMetadata, MetaIndex, need, top_fields
+
+if TYPE_CHECKING:  # the encoder reads DCP objects a caller built; decoding needs none
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 __all__ = ["encode", "decode", "planner_data"]
 
@@ -45,6 +46,8 @@ def _enc_planner_data(pd: Any) -> Any:
 
 
 def _enc_item(md: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata  # loaded already: md is DCP's
+
     if isinstance(md, BytesStorageMetadata):
         return {"type": "bytes"}
     return {

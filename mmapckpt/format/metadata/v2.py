@@ -18,9 +18,7 @@ The decoder checks everything version 1's does, at a few microseconds an entry.
 from __future__ import annotations
 
 from itertools import repeat
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from typing import TYPE_CHECKING, Any
 
 from ...errors import FormatError
 from .. import layout as fmt
@@ -29,11 +27,16 @@ from ..tiling import check_entries
 from .index import InvalidMetadata, MetaIndex, top_fields
 from .v2_columns import bulk_index
 
+if TYPE_CHECKING:  # the encoder reads DCP objects a caller built; decoding needs none
+    from torch.distributed.checkpoint.metadata import Metadata
+
 __all__ = ["encode", "decode", "encode_table", "encode_planner_data", "planner_paths"]
 
 
 def encode_table(md: Metadata) -> dict[str, Any]:
     """The ``table`` of DCP ``Metadata`` whose storage_data values are ``_StorageInfo`` records."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # loaded already: md is DCP's
+
     recs = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): (idx.index, info)
             for idx, info in (md.storage_data or {}).items()}
     names, rows, transforms = [], [], {}

@@ -1,4 +1,8 @@
-"""DCP's ``Metadata`` of a validated index (index.py), built at once or on demand.
+"""DCP's ``Metadata`` of a validated index (``format/metadata/index.py``), built at once or on demand.
+
+The format wing decodes a ``.metadata`` file into its own index (``MetaIndex`` of
+``EntryInfo``/``ChunkInfo``) and never builds a DCP object: this module, in the DCP adapter,
+is where DCP's classes are built from it (metadata.py reads and decodes a commit into them).
 
 :func:`to_dcp` builds six DCP objects an entry (a ``TensorStorageMetadata`` with its
 properties, size and chunk list, a ``MetadataIndex`` and a ``_StorageInfo``): about
@@ -13,7 +17,8 @@ mmapckpt's own planners and reader ask the index instead (:meth:`StateDictRecord
 
 Both mappings hold the same records as ``to_dcp``'s dicts (``tests/format/test_records.py``
 compares them), compare equal to them, and pickle and copy as plain dicts. The index's
-``planner_data`` is each version's own form: the caller expands it (v1.py, v2.py).
+``planner_data`` is each version's own form: the caller expands it (``format/metadata/codec.py``
+``decode_built``).
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..entries import ChunkInfo, EntryInfo, paused_gc
-from .index import MetaIndex, need, opt_str
+from ..format.entries import ChunkInfo, EntryInfo, paused_gc
+from ..format.metadata.index import MetaIndex, need, opt_str
 
 __all__ = ["StateDictRecords", "StorageRecords", "dcp_record", "lazy_dcp", "to_dcp"]
 

@@ -1,4 +1,4 @@
-"""The on-demand DCP Metadata MmapReader plans with (format/metadata/records.py) against the eager one.
+"""The on-demand DCP Metadata MmapReader plans with (dcp/records.py) against the eager one.
 
 Every checkpoint's ``.metadata`` is decoded both ways: the lazy mappings must hold the
 very records ``to_dcp`` builds (index hints included), answer the reader's and the fast
@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.metadata import (
 import mmapckpt
 from helpers import Invert, assert_tree_equal
 from mmapckpt.format import metadata as mf
-from mmapckpt.format.metadata.records import StateDictRecords, StorageRecords
+from mmapckpt.dcp.metadata import decode_metadata, decode_metadata_lazy
+from mmapckpt.dcp.records import StateDictRecords, StorageRecords
 from strategies import fresh_like, state_dicts
 
 
@@ -41,7 +42,7 @@ def _state() -> dict[str, Any]:
 
 def _both(path: Any) -> tuple[Metadata, Metadata]:
     data = (path / ".metadata").read_bytes()
-    return mf.decode_metadata(data, "x"), mf.decode_metadata_lazy(data, "x")
+    return decode_metadata(data, "x"), decode_metadata_lazy(data, "x")
 
 
 def _keys(storage: Any) -> list[tuple[Any, ...]]:

@@ -1,0 +1,93 @@
+"""The single-process load path needs no torch.distributed beyond what ``import torch`` loads.
+
+``open``, ``load``, ``load_into`` and ``load_model`` of a local mmapckpt checkpoint, a
+safetensors file, a Hugging Face directory (sharded, with its index; and one of
+``pytorch_model.bin``) and a torch.save file read the format's own index: DCP's ``Metadata`` classes (``torch.distributed.checkpoint``) and DTensor
+(``torch.distributed.tensor``) are for ``dcp.load``/``dcp.save`` only. ``import torch``
+itself loads a few ``torch.distributed`` base modules (``distributed_c10d`` and such):
+whatever it loads is taken as given, and no further ``torch.distributed`` module may appear.
+(A stock DCP checkpoint does import ``torch.distributed.checkpoint``: its ``.metadata`` is a
+pickle of DCP's classes.)
+Each step runs in one fresh process, in order, and the modules it brought in are reported
+per step, so a failure names the call and the format that imported them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import mmapckpt
+
+_CHILD = r"""
+import json, sys, torch
+before = set(sys.modules)
+import mmapckpt
+
+paths = json.loads(sys.argv[1])
+report = []
+
+def step(what, fn):
+    fn()
+    new = sorted(m for m in set(sys.modules) - before if m.startswith("torch.distributed"))
+    report.append([what, new])
+
+def targets():
+    return {"weight": torch.empty(3, 4), "bias": torch.empty(3)}
+
+def opened(path):
+    with mmapckpt.open(path) as f:
+        f.keys(), f.get_tensor("weight"), f.get_slice("weight")[1:2], f.info("bias"), f.metadata()
+
+def model(path):
+    with torch.device("meta"):
+        m = torch.nn.Linear(4, 3)
+    mmapckpt.load_model(m, path)
+
+for kind, path in paths.items():
+    step(f"load_into {kind}", lambda: mmapckpt.load_into(targets(), path))
+    step(f"load {kind}", lambda: mmapckpt.load(path))
+    step(f"open {kind}", lambda: opened(path))
+    step(f"load_model {kind}", lambda: model(path))
+print(json.dumps(report))
+"""
+
+
+def _checkpoints(tmp_path: Path) -> dict[str, str]:
+    torch.manual_seed(0)
+    sd = torch.nn.Linear(4, 3).state_dict()
+    mmapckpt.save(sd, tmp_path / "mm")
+    save_file(sd, tmp_path / "file.safetensors")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"weight": sd["weight"]}, hf / "model-00001-of-00002.safetensors")
+    save_file({"bias": sd["bias"]}, hf / "model-00002-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"weight": "model-00001-of-00002.safetensors",
+                                            "bias": "model-00002-of-00002.safetensors"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    (hf / "config.json").write_text("{}")
+    hf_bin = tmp_path / "hf_bin"
+    hf_bin.mkdir()
+    torch.save(sd, hf_bin / "pytorch_model.bin")
+    (hf_bin / "config.json").write_text("{}")
+    torch.save(sd, tmp_path / "file.pt")
+    return {"mmapckpt": str(tmp_path / "mm"), "safetensors": str(tmp_path / "file.safetensors"), "hf": str(hf),
+            "hf_bin": str(hf_bin), "torch_save": str(tmp_path / "file.pt")}
+
+
+def test_single_process_loads_import_no_torch_distributed_beyond_torch(tmp_path: Path) -> None:
+    paths = _checkpoints(tmp_path)
+    # subprocess.run kills the child on the timeout (and waits for it) before raising
+    p = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(paths)], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [what for what, _ in report] == [f"{op} {kind}" for kind in paths
+                                            for op in ("load_into", "load", "open", "load_model")]
+    for what, new in report:
+        assert new == [], f"{what} imported {len(new)} torch.distributed modules beyond torch's own: {new[:8]}"
