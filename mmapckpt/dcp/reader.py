@@ -35,7 +35,7 @@ from .deliver import load_plan
 from .read_once import DEFAULT_MIN_SHARE, DEFAULT_PIECE_BYTES, ReadOnceOptions, local_info, plan_read_once
 from .read_paths import FileReads
 from ..reading.formats import recognise
-from ..reading.located import Place
+from ..reading.located import Place, locate
 from ..storage.location import is_url
 
 __all__ = ["MmapReader", "committed_metadata"]
@@ -48,7 +48,13 @@ def committed_metadata(storage: CheckpointStorage, path: str, rank: int | None =
 
 
 def _place_of(storage: CheckpointStorage, path: str) -> Place | None:
-    return Place(path, storage, None, not is_url(path)) if storage.is_location() else None
+    """The directory ``storage`` serves, or the file ``path`` names (None: nothing there)."""
+    if storage.is_location():
+        return Place(path, storage, None, not is_url(path))
+    try:
+        return locate(path)
+    except CheckpointError:
+        return None
 
 
 def _table_metadata(storage: CheckpointStorage, path: str, rank: int | None) -> tuple[str, Metadata]:

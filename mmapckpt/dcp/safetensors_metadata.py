@@ -96,7 +96,8 @@ def _build(storage: CheckpointStorage, path: str) -> Metadata:
                                   f"{list(e.shape)}", path=full, entry=name)
             idx = MetadataIndex(name, torch.Size(off))
             if idx in storage_data:
-                raise FormatError(f"{where[name]} holds this chunk too", path=full, entry=f"{name}@{list(off)}")
+                raise FormatError(f"two files hold this tensor: {where[name]} and {full} (a name may be in one file "
+                                  "only; remove or rename one of them)", path=full, entry=f"{name}@{list(off)}")
             storage_data[idx] = _StorageInfo(rel, header.data_start + e.begin, e.end - e.begin)
             where[name] = full
             _add_chunk(sdm, name, e.dtype, off, e.shape, full)
