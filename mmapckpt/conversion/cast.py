@@ -67,6 +67,7 @@ class CastSource(Source):
     def __init__(self, inner: Source, dtype: torch.dtype, *, allow_cast: bool = False) -> None:
         self._inner, self.dtype, self.allow_cast = inner, dtype, allow_cast
         self.kind, self.path, self.version, self.files = inner.kind, inner.path, inner.version, inner.files
+        self.side_files = inner.side_files
         self.layout = inner.layout
         md = inner.metadata
         # The storage records still name the source's bytes: the writers use them only to find chunks stored

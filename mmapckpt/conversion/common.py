@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..errors import CheckpointError, CheckpointWriteError
 from ..reading.keys import check_patterns, matches
 from ..reading.keys import select_names as keys_select
-from ..reading.locate import FORMATS, SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from ..reading.formats import FORMATS
+from ..reading.hf_dirs import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..format.safetensors import SAFETENSORS_DTYPES
 
 __all__ = ["FORMATS", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "SAFETENSORS_SINGLE", "SINGLE_FILE", "Source", "label",
@@ -52,7 +53,11 @@ class Source:
         metadata: DCP metadata; ``storage_data`` is None for non-DCP sources.
         layout: ``[(relative file name, [MetadataIndex, ...]), ...]`` in file order.
         files: number of files the checkpoint's data lives in.
+        side_files: whether the source is a Hugging Face directory whose side files (config, tokenizer)
+            go with its weights into a Hugging Face directory written from it.
     """
+
+    side_files: bool = False
 
     kind: str
     path: str
@@ -141,6 +146,7 @@ class SelectedSource(Source):
     def __init__(self, inner: Source, names: dict[str, str], strip_prefix: str | None) -> None:
         self._inner, self._old = inner, names
         self.kind, self.path, self.version, self.files = inner.kind, inner.path, inner.version, inner.files
+        self.side_files = inner.side_files
         md = inner.metadata
         new_of = {old: new for new, old in names.items()}
         pd = md.planner_data

@@ -1,5 +1,5 @@
-"""Which format a path or URL holds (``reading/locate.py``, shared with ``mmapckpt.open``), and the conversion
-source that reads it."""
+"""Which format a path or URL holds (the format table, reading/formats.py, shared with ``mmapckpt.open``), and
+the conversion source that reads it: for flat files a view over the backend ``open`` reads them through."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..format.metadata import KIND_MMAPCKPT
-from ..reading.locate import detect_format, indexed_files, locate_checkpoint, place_format, safetensors_files
+from ..reading.locate import detect_format, find_checkpoint
 from ..dcp.metadata import read_metadata
 from .common import Source
-from .flat import SafetensorsSource, TorchSource
+from .flat import BackendSource
 from .sources import MmapckptSource, StockSource
 
 __all__ = ["detect_format", "open_source"]
@@ -20,12 +20,10 @@ __all__ = ["detect_format", "open_source"]
 def open_source(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> Source:
     """Open the checkpoint at ``path`` (any format of FORMATS; a local path or a URL of a registered medium, whose
     storage gets ``storage_options``) for reading."""
-    place = locate_checkpoint(path, storage_options=storage_options)
-    kind = place_format(place)
-    if kind in ("mmapckpt", "dcp"):
+    place, fmt = find_checkpoint(path, storage_options=storage_options)
+    if fmt.files is None:  # a DCP directory: its metadata names the files
         storage = place.storage
         got, md = read_metadata(storage, storage.find_metadata())
         return (MmapckptSource if got == KIND_MMAPCKPT else StockSource)(place.path, md, storage)
-    if kind == "safetensors":  # a file, a Hugging Face index and its shards, or a directory with model.safetensors
-        return SafetensorsSource(place, safetensors_files(place))
-    return TorchSource(place, indexed_files(place, "torch"))  # a file, or pytorch_model.bin (and an index)
+    _, index = fmt.files(place)
+    return BackendSource(fmt.open(place), fmt, index)

@@ -27,6 +27,7 @@ from .progress import Progress, ProgressCallback
 from ..io.sizes import parse_size
 from ..io.replace import recover, remove_dead_temps, remove_stale_temps, replace_path, temp_sibling
 from .cast import CastSource, cast_dtype
+from ..reading.formats import target_family
 from .common import FORMATS, SAFETENSORS_SINGLE, SelectedSource, Source, select_names
 from ..storage.location import is_url, storage_for
 from .detect import open_source
@@ -64,10 +65,6 @@ class ConvertResult:
     dropped: tuple[str, ...]
 
 
-#: ``convert(to=None)``: the format a destination's extension names; any other destination is an mmapckpt directory.
-_BY_EXTENSION = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
-
-
 def target_format(dst: str | os.PathLike[str]) -> str:
     """The format ``convert`` writes at ``dst`` when ``to`` is not given: ``.safetensors`` -> safetensors,
     ``.pt``, ``.pth``, ``.bin`` -> torch, anything else (a directory) -> mmapckpt.
@@ -76,8 +73,7 @@ def target_format(dst: str | os.PathLike[str]) -> str:
         >>> target_format("model.safetensors"), target_format("out/model.bin"), target_format("ckpt")
         ('safetensors', 'torch', 'mmapckpt')
     """
-    name = os.fspath(dst).rstrip("/" + os.sep)
-    return _BY_EXTENSION.get(os.path.splitext(name)[1].lower(), "mmapckpt")
+    return target_family(dst)  # the format table's extensions (reading/formats.py)
 
 
 def _check_paths(src: str, dst: str, target: str, overwrite: bool, options: Mapping[str, Any] | None) -> None:
@@ -451,7 +447,7 @@ def _write(source: Source, tmp: str, to: str, limit: int | None, final: str, bar
     elif to == "safetensors":
         dropped = write_safetensors(source, tmp, max_shard_size=limit, progress=bar, user_metadata=user)
     if to == "safetensors" and as_dir:
-        if source.kind == "safetensors" and os.path.isdir(source.path):  # Hugging Face -> Hugging Face
+        if source.side_files and os.path.isdir(source.path):  # Hugging Face -> Hugging Face
             copy_side_files(source.path, tmp)
         fsync_dir(tmp)
     if to == "safetensors":

@@ -9,9 +9,7 @@ failure aborts it), and new names that take no name already there (:func:`fresh_
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
@@ -23,7 +21,8 @@ from ..errors import CheckpointWriteError
 from ..io.files import atomic_write
 from ..storage.base import CheckpointStorage, FileOutput
 from ..storage.local import LocalStorage
-from .common import SAFETENSORS_SINGLE, Writing
+from ..reading.formats import owned_files
+from .common import Writing
 
 __all__ = ["Put", "Appending", "raw_bytes", "nbytes", "fsync_file", "fresh_name", "storage_of", "commit_to",
            "write_stored", "checkpoint_files", "is_commit_file", "HF_SIDE_FILES", "copy_side_files"]
@@ -118,32 +117,16 @@ def write_stored(storage: CheckpointStorage, name: str, size: int | None, head: 
         raise
 
 
-#: A DCP checkpoint's own files (mmapckpt and stock alike), with the temp files of its writers.
-_DCP_FILES = (".metadata", "__*.metadata", "__*_*.distcp", "..metadata.tmp-*", ".__*.metadata.tmp-*",
-              ".__*_*.distcp.tmp-*")
-#: A Hugging Face safetensors checkpoint's own files, besides those its index names.
-_HF_FILES = ("*.safetensors.index.json", ".*.safetensors.index.json.tmp-*", SAFETENSORS_SINGLE)
-_HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}(\.[0-9a-f]{8})?\.safetensors$")  # tagged: fresh_name
-
-
 def checkpoint_files(names: Iterable[str], read: Callable[[str], bytes]) -> set[str]:
-    """Which of ``names`` (the files of a directory) belong to a checkpoint there; ``read(name)`` gives an
-    index's bytes (an unreadable index names nothing).
+    """Which of ``names`` (the files of a directory) belong to a checkpoint there: the format table's ``owns``
+    (reading/formats.py ``owned_files``); ``read(name)`` gives an index's bytes (an unreadable index names nothing).
 
     DCP (mmapckpt or stock): ``.metadata``, ``__*.metadata``, ``__*_*.distcp`` and their writers'
     temp files. Hugging Face safetensors: every ``*.safetensors.index.json``, the files their
     ``weight_map`` names, ``model.safetensors`` and ``model-NNNNN-of-NNNNN.safetensors`` (also with the
     tag a conversion at a URL gives a shard whose name was taken: ``model-NNNNN-of-NNNNN.TAG.safetensors``).
     """
-    names = set(names)
-    owned = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in _DCP_FILES + _HF_FILES) or _HF_SHARD.match(n)}
-    for idx in [n for n in owned if n.endswith(".safetensors.index.json")]:
-        try:
-            wm = json.loads(read(idx)).get("weight_map", {})
-            owned |= {v for v in wm.values() if isinstance(v, str) and v in names}
-        except Exception:  # noqa: BLE001 - an unreadable index names nothing; the file itself is still replaced
-            pass
-    return owned
+    return owned_files(names, read)
 
 
 def is_commit_file(name: str) -> bool:

@@ -35,9 +35,41 @@ from .deliver import load_plan
 from .metadata import read_metadata
 from .read_once import DEFAULT_MIN_SHARE, DEFAULT_PIECE_BYTES, ReadOnceOptions, local_info, plan_read_once
 from .read_paths import FileReads
-from .safetensors_metadata import KIND_SAFETENSORS, has_safetensors, safetensors_metadata
+from ..reading.formats import recognise
+from ..reading.located import Place, locate
+from ..storage.location import is_url
 
-__all__ = ["MmapReader"]
+__all__ = ["MmapReader", "committed_metadata"]
+
+
+def committed_metadata(storage: CheckpointStorage, path: str, rank: int | None = None) -> tuple[str, Metadata]:
+    """The DCP metadata of a DCP directory (mmapckpt or stock): its commit (``.metadata``, or the rank's
+    ``__{rank}.metadata``), decoded lazily; the format table's ``dcp_metadata`` of those formats."""
+    return read_metadata(storage, storage.find_metadata(rank), lazy=True)
+
+
+def _place_of(storage: CheckpointStorage, path: str) -> Place | None:
+    """The directory ``storage`` serves, or the file ``path`` names (None: nothing there)."""
+    if storage.is_location():
+        return Place(path, storage, None, not is_url(path))
+    try:
+        return locate(path)
+    except CheckpointError:
+        return None
+
+
+def _table_metadata(storage: CheckpointStorage, path: str, rank: int | None) -> tuple[str, Metadata]:
+    """The DCP metadata of a directory without a commit, as its format's record builds it (a Hugging Face
+    directory: from its safetensors headers, dcp/safetensors_metadata.py)."""
+    place = _place_of(storage, path)
+    if place is None:
+        storage.find_metadata(rank)  # raises what is missing
+    fmt = recognise(place)  # type: ignore[arg-type]
+    if fmt.dcp_metadata is None:
+        raise CheckpointNotFoundError(f"MmapReader (dcp.load) cannot read a {fmt.what}: open or load it with "
+                                      "mmapckpt.open/load/load_into, or convert it (`mmapckpt convert SRC DST`)",
+                                      path=path)
+    return fmt.resolved("dcp_metadata")(storage, path, rank)  # type: ignore[no-any-return]
 
 
 class MmapReader(StorageReader):
@@ -128,12 +160,9 @@ class MmapReader(StorageReader):
         try:
             storage = self.storage
             try:
-                kind, md = read_metadata(storage, storage.find_metadata(kwargs.get("rank")), lazy=True)
-            except CheckpointNotFoundError:
-                if not has_safetensors(storage):
-                    raise
-                # A Hugging Face directory: metadata made from its headers (dcp/safetensors_metadata.py)
-                kind, md = KIND_SAFETENSORS, safetensors_metadata(storage, self.path)
+                kind, md = committed_metadata(storage, self.path, kwargs.get("rank"))
+            except CheckpointNotFoundError:  # no commit: what the format table finds here (reading/formats.py)
+                kind, md = _table_metadata(storage, self.path, kwargs.get("rank"))
         except CheckpointError as e:
             # dcp.load turns this into an AssertionError holding only the message (then tries the
             # rank-local metadata): keep the typed error of the first attempt for checkpoint_error().
@@ -214,6 +243,7 @@ class MmapReader(StorageReader):
         s = os.fspath(checkpoint_id)
         try:
             storage = storage_for(s)
-            return storage.exists(METADATA_NAME) or has_safetensors(storage)  # or a Hugging Face directory
+            return storage.exists(METADATA_NAME) or _place_of(storage, s) is not None and \
+                recognise(_place_of(storage, s)).dcp_metadata is not None  # e.g. a Hugging Face directory
         except CheckpointError:
             return False

@@ -3,9 +3,11 @@
 Such a directory has no ``.metadata``: MmapReader makes one from the safetensors headers (read
 through the storage; no file is mapped), so ``dcp.load`` plans over it as over any checkpoint:
 
-- the files: those ``model.safetensors.index.json`` (or the directory's only
+- the files: those the format table (reading/formats.py, reading/hf_dirs.py) names for the directory,
+  as for every reader: those ``model.safetensors.index.json`` (or the directory's only
   ``*.safetensors.index.json``) names, else ``model.safetensors``, else every ``*.safetensors`` file of
-  the directory (what ``HuggingFaceStorageWriter(save_distributed=True)`` leaves: one file per rank, no index);
+  the directory (a PEFT adapter; what ``HuggingFaceStorageWriter(save_distributed=True)`` leaves: one
+  file per rank, no index);
 - one stored chunk per tensor of each file, at the offsets its ``__metadata__``'s
   ``DCP_SHARDING_INFO`` gives (whole tensors without it); a tensor's size spans its chunks;
 - ``TensorProperties`` with the dtype only, as torch's reader sets them;
@@ -37,35 +39,30 @@ from ..format.entries import paused_gc
 from ..format.tiling import tiling_problem
 from ..reading.dcp_safetensors import saved_offsets
 from ..reading.located import Place
-from ..reading.locate import safetensors_files
+from ..reading.formats import recognise
 from ..reading.safetensors_files import header_of
 from ..storage.base import CheckpointStorage
 from ..storage.location import is_url
 
-__all__ = ["KIND_SAFETENSORS", "has_safetensors", "safetensors_metadata"]
+__all__ = ["KIND_SAFETENSORS", "hf_metadata", "safetensors_metadata"]
 
 #: MmapReader's metadata kind for a Hugging Face directory.
 KIND_SAFETENSORS = "safetensors"
-SUFFIX = ".safetensors"
 
 
 def _files(storage: CheckpointStorage, path: str) -> dict[str, list[str] | None]:
-    """{file: the tensors the index puts there, or None for all} (see the module docstring)."""
+    """{file: the tensors the index puts there, or None for all}: the files the format table's record of the
+    directory names (reading/hf_dirs.py: the index's, ``model.safetensors``, else every ``*.safetensors``)."""
     place = Place(path, storage, None, not is_url(path))
-    try:
-        return safetensors_files(place)[0]
-    except CheckpointNotFoundError:
-        pass
-    names = sorted(n for n in storage.list() if n.endswith(SUFFIX))
-    if not names:
-        raise CheckpointNotFoundError("no checkpoint here: no .metadata (mmapckpt or DCP), safetensors index or "
-                                      "*.safetensors file", path=path)
-    return {n: None for n in names}
+    fmt = recognise(place)
+    if fmt.files is None or fmt.family != "safetensors":
+        raise CheckpointNotFoundError(f"not a directory of safetensors files but a {fmt.what}", path=path)
+    return fmt.files(place)[0]
 
 
-def has_safetensors(storage: CheckpointStorage) -> bool:
-    """Whether the directory holds safetensors files (a Hugging Face directory, when it has no ``.metadata``)."""
-    return any(n.endswith(SUFFIX) for n in storage.list())
+def hf_metadata(storage: CheckpointStorage, path: str, rank: int | None = None) -> tuple[str, Metadata]:
+    """The format table's ``dcp_metadata`` of safetensors directories: ``(KIND_SAFETENSORS, metadata)``."""
+    return KIND_SAFETENSORS, safetensors_metadata(storage, path)
 
 
 def safetensors_metadata(storage: CheckpointStorage, path: str) -> Metadata:
@@ -99,7 +96,8 @@ def _build(storage: CheckpointStorage, path: str) -> Metadata:
                                   f"{list(e.shape)}", path=full, entry=name)
             idx = MetadataIndex(name, torch.Size(off))
             if idx in storage_data:
-                raise FormatError(f"{where[name]} holds this chunk too", path=full, entry=f"{name}@{list(off)}")
+                raise FormatError(f"two files hold this tensor: {where[name]} and {full} (a name may be in one file "
+                                  "only; remove or rename one of them)", path=full, entry=f"{name}@{list(off)}")
             storage_data[idx] = _StorageInfo(rel, header.data_start + e.begin, e.end - e.begin)
             where[name] = full
             _add_chunk(sdm, name, e.dtype, off, e.shape, full)

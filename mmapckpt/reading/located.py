@@ -1,8 +1,8 @@
 """Where a path or URL names a checkpoint: a directory, or one file of a directory.
 
 A local path is what the file system says: a directory, or a file (links followed, as
-``open`` follows them); the root of a repository of a Hugging Face hub cache
-(``models--ORG--NAME``) names the snapshot its ``refs/main`` names (io/files.py ``hub_snapshot``). A URL (``scheme://...``, a medium registered with
+``open`` follows them); a place that leads to another (the root of a repository of a Hugging Face
+hub cache) is resolved by the format table (reading/formats.py). A URL (``scheme://...``, a medium registered with
 ``storage/location.py`` ``register_scheme``) names files and directories as object stores
 do: ``scheme://a/b`` is a directory where files exist under ``a/b/``
 (:meth:`CheckpointStorage.is_location`), else a file where ``a/b`` itself is one: file ``b``
@@ -21,8 +21,9 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ..errors import CheckpointNotFoundError
-from ..io.files import hub_snapshot, open_inside
+from ..io.files import open_inside
 from ..storage.base import CheckpointStorage, StoredFile
+from ..storage.hub import hub_blobs
 from ..storage.local import LocalFile, LocalStorage
 from ..storage.location import is_url, storage_for
 
@@ -76,9 +77,9 @@ class Place(NamedTuple):
     def inside(self, rel: str) -> str:
         """``rel`` (a name a directory's index gives), normalised. Locally it is refused (UnsafePathError) where
         it resolves outside the directory (links are followed only into the ``blobs/`` of a Hugging Face hub
-        cache: io/files.py ``open_inside``); a medium's storage refuses such a name itself when it is opened."""
+        cache: storage/hub.py); a medium's storage refuses such a name itself when it is opened."""
         if self.local:
-            open_inside(self.root, rel)
+            open_inside(self.root, rel, links_into=hub_blobs(os.path.realpath(self.root)))
             return os.path.normpath(rel)
         return posixpath.normpath(rel)
 
@@ -115,7 +116,6 @@ def locate(location: str | os.PathLike[str], *, options: Mapping[str, Any] | Non
     p = os.fspath(location)
     if not is_url(p):
         if os.path.isdir(p):
-            p = hub_snapshot(p) or p
             return Place(p, LocalStorage(p), None, True)
         if not os.path.exists(p):
             raise CheckpointNotFoundError("no such file or directory", path=p)

@@ -208,8 +208,10 @@ class TorchFiles:
 
     pickled_objects = False
 
-    def __init__(self, path: str, values: dict[str, Any]) -> None:
+    def __init__(self, path: str, values: dict[str, Any], nesting: dict[str, Any] | None = None) -> None:
         self.path, self.values = path, values
+        #: DCP's mapping of each flat name back to the state dict's nesting (planner_data)
+        self.nesting = nesting if nesting is not None else {k: (k,) for k in values}
 
     @classmethod
     def open(cls, place: Place, files: dict[str, list[str] | None] | None = None
@@ -218,7 +220,7 @@ class TorchFiles:
         backend and its index (one whole-tensor chunk per tensor)."""
         if files is None:
             files = {place.name or "": None}
-        flat, _ = flat_torch_files(place, files)
+        flat, nesting = flat_torch_files(place, files)
         where = {name: rel for rel, names in files.items() for name in (flat if names is None else names)}
         path = place.path
         values: dict[str, Any] = {}
@@ -237,7 +239,7 @@ class TorchFiles:
             else:
                 entries[name] = EntryInfo(name, "object", None, None, (ChunkInfo((), (), rel, 0, 0),))
                 values[name] = v
-        return cls(path, values), entries
+        return cls(path, values, nesting), entries
 
     def chunk(self, info: EntryInfo, c: ChunkInfo, *, lazy: bool = False) -> torch.Tensor:
         return self.values[info.name]  # in memory already (``mapped`` is None: never a placeholder)

@@ -9,7 +9,7 @@
   a new inode replaces the old file and readers that mapped the old one keep valid pages.
 - The commit is a temporary file, fsync, rename over the old one, fsync of the directory.
 - Names are resolved inside the directory (symlinks out of it are refused, except into the
-  ``blobs/`` of a Hugging Face hub cache snapshot: io/files.py ``open_inside``).
+  ``blobs/`` of a Hugging Face hub cache snapshot: storage/hub.py ``hub_blobs``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointWriteError, TruncatedFileError
 from ..io.files import atomic_write, fsync_dir, open_inside, pread_into, pwrite_all, unlink_quietly
+from .hub import hub_blobs
 from ..io.mapped import MappedFile, open_regular
 from ..io.odirect import DirectWriter, open_direct
 from .base import CheckpointStorage, FileOutput, Lock, StoredFile
@@ -150,7 +151,7 @@ class LocalStorage(CheckpointStorage):
         return os.path.isdir(self.location)
 
     def open_file(self, name: str) -> LocalFile:
-        return LocalFile(open_inside(self.location, name))
+        return LocalFile(open_inside(self.location, name, links_into=hub_blobs(os.path.realpath(self.location))))
 
     def list(self) -> list[str]:
         try:

@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..io.files import refuse_url
 from .base import CheckpointStorage
 from .local import LocalStorage
 
@@ -65,5 +64,9 @@ def storage_for(location: str | os.PathLike[str], *, error: type[CheckpointError
         factory = _SCHEMES.get(s.split("://", 1)[0])
         if factory is not None:
             return factory(s, dict(options or {}))
-        refuse_url(s, error)
+        served = ", ".join(f"{k}://" for k in sorted(_SCHEMES))
+        raise error(f"{s!r} is a URL of a scheme no storage serves: mmapckpt reads and writes local (or mounted) "
+                    f"paths and URLs of the registered media ({served}; storage/location.py register_scheme adds "
+                    "one). Copy the checkpoint to a local disk or one of those, or mount the storage and pass "
+                    "that path", path=s)
     return LocalStorage(s)

@@ -26,10 +26,11 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
+from ..reading.families import FORMATS
+
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 PROG = "mmapckpt"
-FORMATS = ("mmapckpt", "dcp", "safetensors", "torch")
 #: subcommand -> one-line help; the lazily imported ones map to their module.
 COMMANDS = {
     "demo": "save and load a small model with mmapckpt, side by side with stock DCP",

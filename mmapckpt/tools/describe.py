@@ -165,7 +165,7 @@ def _check_files(src: Any) -> None:
     would mislead; ``verify`` checks everything.
     """
     storage = getattr(src.metadata, "storage_data", None)
-    if not storage or src.kind not in ("mmapckpt", "dcp"):
+    if not storage or not hasattr(src, "storage"):  # DCP sources (conversion/sources.py) have storage records
         return
     for rel, indices in src.layout:
         end = max((storage[i].offset + storage[i].length for i in indices), default=0)

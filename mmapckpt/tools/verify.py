@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CheckpointError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 from ..format import layout as fmt
 from ..reading.located import Place, locate
-from ..reading.locate import directory_kind, indexed_files, place_format
+from ..reading.formats import Format, recognise, resolve
+from ..reading.opened import safetensors_union
 from ..format.metadata import KIND_MMAPCKPT
 from ..format.safetensors import entry_infos
 from ..format.transforms import StreamTransforms
@@ -142,19 +143,15 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False,
     """
     p = os.fspath(path)
     try:
-        place: Place | None = locate(p, options=storage_options)
+        place: Place | None = resolve(locate(p, options=storage_options))
     except CheckpointNotFoundError:
         if is_url(p) or not os.path.exists(p):
             raise
         place = None  # neither a file nor a directory: the metadata check reports it
     report = VerifyReport(p)
-    flat = _flat_kind(place) if place is not None else None
-    if flat == "safetensors":
-        with Progress(0, "verify", enabled=progress) as bar:
-            _verify_safetensors(place, report, bar)  # type: ignore[arg-type]
-        return report
-    if flat == "torch":
-        _verify_torch_files(place, report, progress)  # type: ignore[arg-type]
+    flat = _flat_format(place) if place is not None else None
+    if flat is not None:
+        _FLAT_CHECKS[flat.family](place, flat, report, progress)
         return report
     dir_place = place is not None and place.is_dir
     storage = place.storage if dir_place else storage_for(p, options=storage_options)  # type: ignore[union-attr]
@@ -173,19 +170,14 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False,
     return report
 
 
-def _flat_kind(place: Place) -> str | None:
-    """``"safetensors"`` or ``"torch"`` for a checkpoint of those formats at ``place``; None for anything else
-    (DCP directories, and places that hold no checkpoint: the metadata check reports those)."""
-    if place.is_dir:
-        storage = place.storage
-        if os.path.exists(os.path.join(place.path, ".metadata")) if place.local else storage.exists(".metadata"):
-            return None
-        return directory_kind(storage)
+def _flat_format(place: Place) -> Format | None:
+    """The format table's record of a checkpoint of flat files (safetensors, torch.save) at ``place``; None for
+    anything else (DCP directories, and places that hold no checkpoint: the metadata check reports those)."""
     try:
-        kind = place_format(place)
+        fmt = recognise(place)
     except CheckpointError:
         return None
-    return kind if kind in ("safetensors", "torch") else None
+    return fmt if fmt.files is not None else None
 
 
 def _flat_bytes(src: TorchSource) -> int:
@@ -205,11 +197,11 @@ _NO_CHECKSUMS = ("safetensors files carry no checksums: the tensors' bytes could
                  "checkpoints have a CRC-32 per entry: `mmapckpt convert SRC DST --to mmapckpt` makes one)")
 
 
-def _index_files(place: Place, kind: str, report: VerifyReport) -> dict[str, list[str] | None] | None:
-    """The files of the ``kind`` checkpoint at ``place`` (:func:`indexed_files`), its index reported as
-    checked; None, with the problem reported, where the index or a file it names is damaged or missing."""
+def _index_files(place: Place, fmt: Format, report: VerifyReport) -> dict[str, list[str] | None] | None:
+    """The files of the checkpoint at ``place`` (its record's ``files``), its index reported as checked; None,
+    with the problem reported, where the index or a file it names is damaged or missing."""
     try:
-        files, idx = indexed_files(place, kind)
+        files, idx = fmt.files(place)  # type: ignore[misc]
     except CheckpointError as e:
         report.problems.append(Problem.of(e, place.path))
         return None
@@ -219,10 +211,15 @@ def _index_files(place: Place, kind: str, report: VerifyReport) -> dict[str, lis
     return files
 
 
-def _verify_safetensors(place: Place, report: VerifyReport, bar: Progress) -> None:
-    files = _index_files(place, "safetensors", report)
-    if files is None:
-        return
+def _verify_safetensors(place: Place, fmt: Format, report: VerifyReport, progress: bool) -> None:
+    with Progress(0, "verify", enabled=progress):
+        files = _index_files(place, fmt, report)
+        if files is not None:
+            _check_safetensors_files(place, files, report)
+
+
+def _check_safetensors_files(place: Place, files: dict[str, list[str] | None], report: VerifyReport) -> None:
+    parts = []
     for rel, names in files.items():
         full = place.full(rel)
         try:
@@ -238,13 +235,19 @@ def _verify_safetensors(place: Place, report: VerifyReport, bar: Progress) -> No
                                 "(loaders that follow the index skip it)")
         report.checked.append(f"{full}: header valid ({count(len(header.entries), 'tensor')}: known dtypes, shapes match "
                               "their byte ranges, data tiled without overlap or gap to the end of the file)")
+        parts.append((rel, header, names))
+    if len(parts) == len(files) > 1:
+        try:  # the files read together: no name in two of them (but distinct DCP_SHARDING_INFO chunks)
+            safetensors_union(place, parts)
+        except CheckpointError as e:
+            report.problems.append(Problem.of(e, place.path))
     report.notes.append(_NO_CHECKSUMS)
 
 
-def _verify_torch_files(place: Place, report: VerifyReport, progress: bool) -> None:
+def _verify_torch_files(place: Place, fmt: Format, report: VerifyReport, progress: bool) -> None:
     """A torch.save file, or a Hugging Face directory of them (``pytorch_model.bin`` or an index and its
     shards): each file as :func:`_verify_torch` checks one, and every name the index puts in a shard there."""
-    files = _index_files(place, "torch", report)
+    files = _index_files(place, fmt, report)
     for rel, names in (files or {}).items():
         src = torch_source(place, None if place.name is not None else rel)  # at a URL: read once, for both checks
         full = place.path if place.name is not None else place.full(rel)
@@ -284,6 +287,10 @@ def _verify_torch(src: TorchSource, p: str, report: VerifyReport, bar: Progress)
         report.checked.append(f"{p}: zip archive: {count(members, 'member CRC-32')} match{'es' * (members == 1)} (torch.load itself does not "
                               "check them)")
     return flat
+
+
+#: The checks of each family of flat files.
+_FLAT_CHECKS = {"safetensors": _verify_safetensors, "torch": _verify_torch_files}
 
 
 def _check_metadata(storage: CheckpointStorage, report: VerifyReport) -> Metadata | None:

@@ -99,7 +99,7 @@ def _read_everywhere(path: str, tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize("kind", ["sharded", "single", "dcp"])
 def test_a_snapshot_reads_through_its_blob_links(tmp_path, capsys, kind):
-    from mmapckpt.io.files import hub_blobs
+    from mmapckpt.storage.hub import hub_blobs
 
     snap = hub_repo(str(tmp_path / "hub"), "org--model", _files(tmp_path, kind))
     assert all(os.path.islink(os.path.join(snap, n)) for n in os.listdir(snap))

@@ -195,7 +195,7 @@ def test_mmapckpt_load_of_hf_writer_output_matches(tmp_path: Path) -> None:
     assert_tree_equal(values(), mmapckpt.load(d))
 
 
-DAMAGE = {"two-files": "x.safetensors holds this chunk too", "bad-sharding-info": "entry 'DCP_SHARDING_INFO'",
+DAMAGE = {"two-files": "x.safetensors and ", "bad-sharding-info": "entry 'DCP_SHARDING_INFO'",
           "index-names-missing-tensor": "entry 'b': the index names this tensor", "hole": "do not make up its size",
           "overlap": "do not make up its size"}
 
