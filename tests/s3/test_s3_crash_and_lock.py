@@ -41,7 +41,8 @@ _CHILD = textwrap.dedent("""
     from s3_data import SMALL_PARTS, state_dict
     versions = [state_dict(salt=1), state_dict(salt=2)]
     options = {**SMALL_PARTS, "lock_wait": 0}
-    print("ready", flush=True)  # imports done: the parent's clock for the kill starts here
+    mmapckpt.MmapWriter(sys.argv[1], storage_options=options).storage  # boto3 imported, the shared client made
+    print("ready", flush=True)  # the parent's clock for the kill starts here, at the first save
     i = 0
     while True:
         mmapckpt.save(versions[i % 2], sys.argv[1], storage_options=options)  # a refused lock: a traceback

@@ -2,7 +2,7 @@
 
 - Seeded SIGSTOP/SIGCONT trials of real child processes: a save stops itself just before its
   commit (before the lock check, or between the check and the conditional PUT) for longer than
-  its 2 s lease; a second save takes the lock over and either commits before the first resumes,
+  its 2 s lease; a second save (its own lease 30 s) takes the lock over and either commits before the first resumes,
   or stops itself before its own commit and resumes after it. Each time exactly one of the two
   reports success, the other gets a CheckpointWriteError, and the checkpoint loads bitwise as
   the successful one's.
@@ -79,8 +79,8 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
 
 
-def _saver(url: str, salt: int, stop: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", _SAVER, url, HERE, str(salt), stop, str(_LEASE)],
+def _saver(url: str, salt: int, stop: str, lease: float = _LEASE) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", _SAVER, url, HERE, str(salt), stop, str(lease)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
 
 
@@ -130,7 +130,8 @@ def test_a_save_stalled_past_its_lease_never_commits_over_the_next(s3_env, s3_bu
             children.append(a)
             _wait_stopped(a)  # A holds the lock, its shards written, and stops before its commit
             time.sleep(rng.uniform(0, 1))
-            b = _saver(url, second, "none" if order == "resumes_after" else "before_check")
+            # B's own lease is long: it stops only while A resumes, and judges A by A's lease, not its own
+            b = _saver(url, second, "none" if order == "resumes_after" else "before_check", lease=30)
             children.append(b)
             if order == "resumes_after":
                 code_b, out_b, err_b = _finish(b)  # B waits out A's lease, takes over, commits, removes A's shards
