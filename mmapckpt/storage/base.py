@@ -128,11 +128,23 @@ class FileOutput(abc.ABC):
 
 
 class Lock(abc.ABC):
-    """A save's hold on a location, from planning to commit (released by the kernel when a process dies)."""
+    """A save's hold on a location, from planning to commit.
+
+    The contract a medium's lock keeps (docs/object-storage.md): while a save holds it, no other
+    save commits at the location, and a save that no longer holds it does not commit. A lock the
+    kernel holds for a live process (a local ``flock``) is fenced by construction: it cannot be
+    lost while its process runs, and it is gone with a dead one. A leased lock (an object store's)
+    can be lost by a holder that stalls past its lease: such a medium checks the lock in
+    :meth:`CheckpointStorage.commit` (:meth:`check`) and makes the commit conditional on what the
+    save saw when it took the lock, and removes nothing once the lock is lost.
+    """
+
+    def check(self, what: str = "commit") -> None:
+        """Raise CheckpointWriteError unless this lock is provably still held now (before the ``what``)."""
 
     @abc.abstractmethod
     def release(self) -> None:
-        """Let the next save in."""
+        """Let the next save in (removing only this save's own hold, never another's)."""
 
 
 class CommitFile(NamedTuple):
@@ -253,8 +265,11 @@ class CheckpointStorage(abc.ABC):
     def commit(self, name: str, data: bytes, *, sync: bool) -> None:
         """Replace file ``name`` by ``data`` atomically: readers see the old file or the whole new one.
 
+        Fenced: while this storage's :meth:`lock` is held, the commit happens only if the lock is
+        still held (see :class:`Lock`); a save that lost it gets a CheckpointWriteError and commits nothing.
+
         Raises:
-            CheckpointWriteError: the commit failed (the old file is still there).
+            CheckpointWriteError: the commit failed or was fenced off (the old file, or another save's, is there).
         """
 
     @abc.abstractmethod
@@ -266,7 +281,8 @@ class CheckpointStorage(abc.ABC):
         """Lock the location against a concurrent save (``shared``: the ranks of one per-rank save).
 
         Raises:
-            CheckpointWriteError: another save or conversion holds it.
+            CheckpointWriteError: another save or conversion holds it (a medium with leased locks first
+                waits a bounded time for it, and takes over at once a lock whose holder it can tell is dead).
         """
 
     @abc.abstractmethod

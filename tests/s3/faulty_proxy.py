@@ -4,12 +4,14 @@ Every client connection gets its own connection to the server and two threads co
 ``cut_after``: a response stream (server to client) that has passed this many bytes is cut
 (both sockets closed), on at most ``cuts`` connections: a body that breaks off mid-way.
 ``refuse``: the first ``refuse`` requests are answered by the proxy itself with ``503 Slow
-Down`` (S3's throttling answer) and never reach the server. The proxy's threads are daemon
+Down`` (S3's throttling answer) and never reach the server. ``strip_date``: every response's ``Date``
+header is renamed (same length, so nothing else moves): a store that sends no clock. The proxy's threads are daemon
 threads, and ``close()`` shuts the listening socket and every connection.
 """
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 
@@ -18,13 +20,17 @@ _SLOW_DOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConte
               b"</Message></Error>")
 
 
+_DATE = re.compile(rb"(\r\n)date:", re.IGNORECASE)
+
+
 class FaultyProxy:
     """``endpoint_url`` forwards to ``target`` (``host``, ``port``), breaking what it is told to."""
 
     def __init__(self, target: tuple[str, int], *, cut_after: int | None = None, cuts: int = 0,
-                 refuse: int = 0) -> None:
+                 refuse: int = 0, strip_date: bool = False) -> None:
         self.target, self.cut_after, self.cuts_left, self.refuse_left = target, cut_after, cuts, refuse
-        self.cut = self.refused = 0
+        self.strip_date = strip_date
+        self.cut = self.refused = self.dates_stripped = 0
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self._listen = socket.create_server(("127.0.0.1", 0))
@@ -50,7 +56,7 @@ class FaultyProxy:
                 self._socks += [client, server]
                 cut = self.cut_after if self.cuts_left > 0 else None
             threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, cut), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, cut, self.strip_date), daemon=True).start()
 
     def _slow_down(self, client: socket.socket) -> None:
         try:
@@ -61,13 +67,17 @@ class FaultyProxy:
         finally:
             client.close()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, cut_after: int | None) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, cut_after: int | None, strip_date: bool = False) -> None:
         passed = 0
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if strip_date:  # a header block starts a chunk here: responses are small and read whole
+                    data, n = _DATE.subn(rb"\1xdat:", data)
+                    with self._lock:
+                        self.dates_stripped += n
                 if cut_after is not None and passed + len(data) > cut_after:
                     with self._lock:
                         if self.cuts_left > 0:

@@ -15,7 +15,11 @@ Settings come, as boto3 and the AWS CLI take them, from the standard environment
   flight, default 16), ``upload_part_size`` (default 16 MiB; at least 5 MiB, as S3 requires),
   ``upload_concurrency`` (parts in flight per shard, default 4), ``retries`` (attempts per request
   after the first, default 5), ``connect_timeout`` and ``read_timeout`` (seconds, 5 and 60),
-  ``lock_lease`` (seconds a save's lock lives without renewal, default 120).
+  ``lock_lease`` (seconds a save's lock lives without renewal, default 30; renewed every quarter of it),
+  ``lock_wait`` (seconds a save waits for another live save's lock before it raises, default 60),
+  ``lock_job`` (this job's identity: a lock held by another process of the same job is an
+  earlier run's and is taken over at once; default ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID``,
+  ``""`` for none: storage/holders.py).
 
 An unknown key is refused (a misspelt option would otherwise be ignored silently).
 """
@@ -62,7 +66,9 @@ class S3Options:
     retries: int = 5
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
-    lock_lease: float = 120.0
+    lock_lease: float = 30.0
+    lock_wait: float = 60.0
+    lock_job: str | None = None
 
     @classmethod
     def of(cls, options: Mapping[str, Any] | None) -> S3Options:
@@ -84,6 +90,8 @@ class S3Options:
         if out.part_size < 1 or out.concurrency < 1 or out.upload_concurrency < 1 or out.retries < 0:
             raise CheckpointError("storage_options: part_size, concurrency and upload_concurrency must be positive, "
                                   "retries not negative")
+        if not out.lock_lease > 0 or not out.lock_wait >= 0:
+            raise CheckpointError("storage_options: lock_lease must be positive and lock_wait not negative (seconds)")
         out._check_credentials()
         if out.upload_part_size < MIN_PART:
             raise CheckpointError(f"storage_options: upload_part_size must be at least {MIN_PART} bytes (5 MiB), "

@@ -13,7 +13,11 @@ checkpoint here, and back).
   object or the new one); what no commit references is removed after it.
 - Removing: after a commit, what no commit references (``storage/commits.py`` ``remove_stale``);
   uploads left in progress by a killed save are listed as files and aborted as they are removed.
-- Locking: a leased lock object created with a conditional write (``lock.py``).
+- Locking: a leased lock object created with a conditional write (``lock.py``). The commit is
+  fenced by it: while this storage's lock is held, :meth:`S3Storage.commit` checks the lock first
+  and then PUTs conditionally on the version of the object the save saw when it took the lock
+  (``If-Match`` its ETag, ``If-None-Match: *`` where there was none), and :meth:`S3Storage.remove`
+  removes nothing once the lock is lost.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from ...errors import (
     UnsafePathError,
 )
 from ..base import CheckpointStorage, Lock, StoredFile
-from .failures import error_code, is_missing, storage_error, write_error
-from .lock import LOCK_NAME, S3Lock
+from ..holders import job_identity
+from .failures import error_code, is_missing, is_precondition_failed, storage_error, write_error
+from .lock import LOCK_NAME, S3Lock, put_if
 from .options import S3Options, client_for, parse_url
 from .reads import ObjectReads
 from .uploads import S3Output
@@ -106,6 +111,10 @@ class S3Storage(CheckpointStorage):
         # HEADs by name, dropped when this storage writes or removes the name; first bytes by (name, ETag)
         self._heads: dict[str, dict[str, Any]] = {}
         self._first_bytes: dict[tuple[str, str | None], bytearray] = {}
+        # the save lock this storage handed out and still holds, and the ETags of the objects under the
+        # prefix when it was taken: what a commit is conditional on (fencing)
+        self._held: S3Lock | None = None
+        self._versions: dict[str, str] = {}
 
     # ------------------------------------------------------------------ naming
     def key(self, name: str) -> str:
@@ -213,15 +222,37 @@ class S3Storage(CheckpointStorage):
 
     def commit(self, name: str, data: bytes, *, sync: bool) -> None:
         self._heads.pop(name, None)
+        held = self._holding()
         try:
-            self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=bytes(data))
+            if held is None:
+                self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=bytes(data))
+                return
+            held.check()
+            r = put_if(self.client, self.bucket, self.key(name), bytes(data), self._versions.get(name))
+            self._versions[name] = r.get("ETag", "")
+        except CheckpointError:
+            raise
         except Exception as e:
+            if is_precondition_failed(e):
+                raise CheckpointWriteError(
+                    "this save's commit was refused: the object changed since the save took the location's lock "
+                    "(another save committed after this one stalled past its lease); this save did not commit, the "
+                    "checkpoint is the other save's. Save again", path=self.full(name)) from None
             raise write_error(e, self.full(name), what="committing the metadata failed") from e
+
+    def _holding(self) -> S3Lock | None:
+        """The save lock this storage holds (None: none, or released)."""
+        if self._held is not None and self._held.released:
+            self._held = None
+        return self._held
 
     def remove(self, names: Iterable[str], *, sync: bool) -> None:
         """Delete these objects and abort the uploads in progress under these names (a killed save's);
         errors are ignored: what stays is removed next time."""
         names = list(names)
+        held = self._holding()
+        if names and held is not None and not held.holds():
+            return  # lost the lock: another save may own these names now (what stays is removed next time)
         for n in names:
             self._heads.pop(n, None)
         keys = [{"Key": self.key(n)} for n in names]
@@ -240,7 +271,26 @@ class S3Storage(CheckpointStorage):
     def lock(self, *, shared: bool = False) -> Lock:
         if shared:
             return _NoLock()
-        return S3Lock(self.client, self.bucket, self.key(LOCK_NAME), self.full(LOCK_NAME), lease=self.opts.lock_lease)
+        lock = S3Lock(self.client, self.bucket, self.key(LOCK_NAME), self.full(LOCK_NAME), lease=self.opts.lock_lease,
+                      wait=self.opts.lock_wait, job=job_identity(self.opts.lock_job))
+        try:
+            self._versions = self._etags()
+        except BaseException:
+            lock.release()
+            raise
+        self._held = lock
+        return lock
+
+    def _etags(self) -> dict[str, str]:
+        """The ETag of every object under the prefix (not below it), by name: one listing."""
+        d, out = self._dir(), {}
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=d,
+                                                                               Delimiter="/"):
+                out.update((o["Key"][len(d):], o["ETag"]) for o in page.get("Contents", ()))
+        except Exception as e:
+            raise write_error(e, self.location, what="listing the checkpoint") from e
+        return out
 
     def sync(self) -> None:
         """Nothing to do: an object is durable once its PUT or its upload's completion has answered."""
