@@ -1,13 +1,13 @@
 """Fixtures for the tests against a real S3 server: Ceph's radosgw on 127.0.0.1 (tests/s3server.py).
 
-Every test under tests/s3 is marked `s3` and needs the server: one for the whole session, started on
-the first s3 test that runs (a few seconds) and stopped at the end. Without Debian's radosgw packages
+Every test under tests/s3 is marked `s3` and needs the server: one for the whole session (the `s3_server`
+fixture of tests/conftest.py, shared with the storage contract tests), started on the first test that
+needs it (a few seconds) and stopped at the end. Without Debian's radosgw packages
 the tests are skipped, unless MMAPCKPT_REQUIRE_S3=1 (set by .ci/run), which makes them fail instead.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +16,6 @@ import pytest
 import s3server
 
 HERE = Path(__file__).resolve().parent
-REQUIRE_ENV = "MMAPCKPT_REQUIRE_S3"
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
@@ -24,28 +23,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if HERE in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.s3)
-
-
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.RadosGW]:
-    """The session's radosgw (endpoint_url, access_key, secret_key, region, client(), new_bucket())."""
-    missing = s3server.missing_binaries()
-    if missing:
-        reason = (f"no Ceph radosgw here (missing {', '.join(missing)}; "
-                  "apt-get install radosgw ceph-mon ceph-osd ceph-common)")
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
-    server = s3server.RadosGW(tmp_path_factory.mktemp("radosgw"))
-    atexit.register(server.stop)  # a session ended by Ctrl-C or an internal error still stops the daemons
-    try:
-        server.start()  # on failure it has stopped what it started and raises with the logs' tails
-        yield server
-    finally:
-        try:
-            server.stop(remove_data=True)
-        finally:
-            atexit.unregister(server.stop)
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,6 @@ empty locations of it).
 
 from __future__ import annotations
 
-import atexit
-import os
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -51,35 +49,15 @@ def unmapped_media(tmp_path) -> Iterator[Locations]:
         register_scheme(UNMAPPED, None)
 
 
-@pytest.fixture(scope="module")
-def _radosgw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.RadosGW]:
-    missing = s3server.missing_binaries()
-    if missing:
-        reason = f"no Ceph radosgw here (missing {', '.join(missing)})"
-        if os.environ.get("MMAPCKPT_REQUIRE_S3") == "1":
-            pytest.fail(f"MMAPCKPT_REQUIRE_S3=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
-    server = s3server.RadosGW(tmp_path_factory.mktemp("radosgw-contract"))
-    atexit.register(server.stop)  # a session ended by Ctrl-C still stops the daemons
-    try:
-        server.start()
-        yield server
-    finally:
-        try:
-            server.stop(remove_data=True)
-        finally:
-            atexit.unregister(server.stop)
-
-
 @pytest.fixture
-def s3_media(_radosgw: s3server.RadosGW) -> Iterator[Locations]:
-    bucket = _radosgw.new_bucket("contract")
-    options = {"endpoint_url": _radosgw.endpoint_url, "key": _radosgw.access_key, "secret": _radosgw.secret_key,
-               "region_name": _radosgw.region, "addressing_style": "path", "lock_lease": 30.0}
+def s3_media(s3_server: s3server.RadosGW) -> Iterator[Locations]:
+    bucket = s3_server.new_bucket("contract")
+    options = {"endpoint_url": s3_server.endpoint_url, "key": s3_server.access_key, "secret": s3_server.secret_key,
+               "region_name": s3_server.region, "addressing_style": "path", "lock_lease": 30.0}
     try:
         yield lambda: storage_for(f"s3://{bucket}/{uuid.uuid4().hex}", options=options)
     finally:
-        _radosgw.empty_and_delete_bucket(bucket)
+        s3_server.empty_and_delete_bucket(bucket)
 
 
 #: medium -> the fixture yielding its locations; a new medium adds its own here
