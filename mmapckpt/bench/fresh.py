@@ -118,10 +118,11 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _order(xs: list, r: int) -> list:
-    """Repetition ``r``'s order: rotated by ``r``, and reversed on odd ones, so no item always follows the same one."""
-    k = r % len(xs) if xs else 0
-    out = xs[k:] + xs[:k]
-    return out[::-1] if r % 2 else out
+    """Repetition ``r``'s order: reversed on odd ones, then rotated by ``r``, so that no item always follows the
+    same one and each repetition starts with another."""
+    base = xs[::-1] if r % 2 else list(xs)
+    k = r % len(base) if base else 0
+    return base[k:] + base[:k]
 
 
 def _write(work: str, sd: StateDict, formats: set[str]) -> None:
@@ -221,7 +222,7 @@ class _Fresh:
         for phase in ("first", "second"):
             got = run()
             if "error" in got:
-                (self.skipped if peer or got.get("missing") else self.failed)[key] = got["error"].splitlines()[0]
+                (self.skipped if peer else self.failed)[key] = got["error"].splitlines()[0]
                 return
             self.times.setdefault(key, {}).setdefault(phase, []).append(got["s"])
             self.ok[key] = self.ok.get(key, True) and bool(got["ok"])
