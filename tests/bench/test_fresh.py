@@ -121,3 +121,24 @@ def test_unknown_fresh_method_is_a_usage_error(tmp_path, capsys) -> None:
 
     assert main(["bench", "--fresh", "--methods", "load_into,nope", "--dir", str(tmp_path)]) == 2
     assert "unknown method(s) nope" in capsys.readouterr().err
+
+
+def test_a_peer_that_does_not_import_is_skipped_and_the_run_goes_on(tmp_path) -> None:
+    """tensorizer hidden from every process (None in sys.modules, as an uninstalled module fails): --fresh says why
+    in one line and measures the rest."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['tensorizer'] = None\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), _ROOT]),
+           "MMAPCKPT_READ_CHOICE": str(tmp_path / "read-choice.json")}
+    proc = subprocess.run([sys.executable, "-m", "mmapckpt", "bench", "--fresh", "--quick", "--size", "2MB",
+                           "--methods", "load_into,tensorizer", "--open-entries", "0", "--threads", "1",
+                           "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "out" / "bench_fresh.json").read_text())
+    why = doc["skipped"]["tensorizer"]
+    assert why.startswith("not installed: ") and "tensorizer" in why and "\n" not in why
+    assert f"skipped tensorizer: {why}" in proc.stdout
+    assert [r["method"] for r in doc["rows"]] == ["read", "load_into"] and doc["many"] == []
+    assert doc["ok"] is True and all(r["bitwise"] for r in doc["rows"])
