@@ -1,7 +1,7 @@
 """The ``mmapckpt`` command line: ``main(argv) -> int``.
 
 Subcommands: demo, inspect, verify, convert, bench. ``demo`` and ``bench`` live in
-their own modules (bench/demo.py, bench/runner.py: ``add_arguments(parser)`` and ``run(args)``),
+their own modules (bench/demo.py, bench/command.py: ``add_arguments(parser)`` and ``run(args)``),
 imported only when that subcommand is chosen, so a broken one affects only itself.
 Errors print one line, ``mmapckpt: error: ...``, on stderr and return non-zero;
 ``--debug`` shows the traceback instead. Nothing here imports torch until a command runs
@@ -40,7 +40,7 @@ COMMANDS = {
     "bench": "benchmark mmapckpt against stock DCP and safetensors",
 }
 # Imported by name when chosen: tools/ is the top wing, so these are imports downward (bench/).
-_LAZY = {"demo": "mmapckpt.bench.demo", "bench": "mmapckpt.bench.runner"}
+_LAZY = {"demo": "mmapckpt.bench.demo", "bench": "mmapckpt.bench.command"}
 
 
 #: 128 + SIGINT and 128 + SIGPIPE, what a shell reports for a tool those signals ended.
