@@ -139,10 +139,11 @@ def write_to(dest: Destination, source: Source, to: str, limit: int | None, chec
     with bar:  # a failure or Ctrl-C ends the bar's line where it was (Progress.abandon)
         repl: Replacement | None = None
         try:
+            owned = lambda: owned_files(dest.storage)  # noqa: E731 - what an old directory there owns
             if dest.as_dir:
-                repl = dest.storage.replacement(owned=lambda: owned_files(dest.storage), overwrite=overwrite)
-            else:
-                repl = dest.parent.replacement(dest.name, overwrite=overwrite)  # type: ignore[union-attr]
+                repl = dest.storage.replacement(owned=owned, overwrite=overwrite)
+            else:  # a file, maybe over a directory that holds only a checkpoint
+                repl = dest.parent.replacement(dest.name, owned=owned, overwrite=overwrite)  # type: ignore[union-attr]
             if to != "torch":  # write_torch names its own two phases
                 bar.phase("write", bar.total)
             dropped, commit = _write(source, repl, to, limit, checkpoint_id, bar, user, dest.as_dir)

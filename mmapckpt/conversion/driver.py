@@ -182,7 +182,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
 
     Either may be a URL of a registered medium (``scheme://...``: storage/location.py), naming a
     directory where files exist under it and a file where it is one. A destination at a URL is
-    written through its storage, in place (conversion/to_url.py): each data file appears only
+    written through its storage, in place (conversion/destination.py): each data file appears only
     once complete, the commit (``.metadata``, the index) is written last, and the old
     checkpoint's files are removed after it; a ``torch.save`` file goes through a local
     temporary file first.
@@ -295,7 +295,7 @@ def _opened(opened: Source, shape: _Shaping,
 
 def _convert_to_url(src: str, dst: str, to: str, limit: int | None, overwrite: bool, shape: _Shaping,
                     options: Mapping[str, Any] | None) -> ConvertResult:
-    """:func:`convert` into a destination at a URL (conversion/to_url.py)."""
+    """:func:`convert` into a destination at a URL (conversion/destination.py)."""
     storage_for(dst, error=CheckpointWriteError, options=options)  # a URL of no registered medium is refused
     if is_url(src) and same_location(src, dst):
         raise CheckpointError("the destination would replace the source; choose another destination", path=dst)

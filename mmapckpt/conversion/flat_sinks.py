@@ -204,7 +204,7 @@ def write_torch(src: Source, out: Replacement, name: str, *, progress: Progress)
         os.unlink(scratch)  # the mapping keeps the bytes; a kill from here on leaves only the output's temp file
         progress.phase("torch.save", total)
         try:
-            _save_from_scratch(src, mapping, places, out.storage, name, dropped, progress)
+            _save_from_scratch(src, mapping, places, out, name, dropped, progress)
         finally:  # the unlinked file's blocks go with the mapping: not kept by a failure's traceback
             del mapping
     finally:
@@ -232,7 +232,7 @@ class _Counted:
         return self.f.tell()
 
 
-def _save_from_scratch(src: Source, mapping: Any, places: dict[str, int], storage: CheckpointStorage, name: str,
+def _save_from_scratch(src: Source, mapping: Any, places: dict[str, int], out: Replacement, name: str,
                        dropped: list[str], progress: Progress) -> None:
     state = _scratch_state(src, mapping, places, dropped)
 
@@ -240,7 +240,7 @@ def _save_from_scratch(src: Source, mapping: Any, places: dict[str, int], storag
         torch.save(state, w.record(_Counted(Appending(o), progress)))  # Ctrl-C in the count is recorded too
 
     try:
-        write_stored(storage, name, None, 0, body)
+        write_stored(out.storage, name, None, 0, body)
     finally:  # the scratch file's pages go with the last view of them: also while a failure's traceback lives
         state.clear()
         del state, mapping
