@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from mmapckpt.storage import local, location
-from mmapckpt.storage.base import FileOutput, StoredFile
+from mmapckpt.storage.base import CheckpointStorage, FileOutput, StoredFile
 
 SCHEME = "unmapped"
 
@@ -66,6 +66,10 @@ class Unmapped(local.LocalStorage):
     reads: list[tuple[str, int, int]] = []
     #: the options each instance was made with
     options: list[Any] = []
+
+    # A conversion writes into it in place, as into an object store (no rename: storage/replacement.py InPlace).
+    replacement = CheckpointStorage.replacement
+    recover = CheckpointStorage.recover
 
     def __init__(self, url: str, options: Any = None) -> None:
         super().__init__(url.split("://", 1)[1])

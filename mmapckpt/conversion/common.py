@@ -238,4 +238,6 @@ class Writing:
         while inner is not None:  # torch.save's frames hold the tensors it was writing (mapped files):
             inner.__traceback__ = None  # a failure kept for a while must not keep their pages
             inner = inner.__cause__ or inner.__context__
+        reason.__traceback__ = None  # nor the frames of the write that failed, which hold its buffer
+        tb = None  # noqa: F841 - nor this frame, which the new error's traceback keeps
         raise CheckpointWriteError(f"writing failed: {reason}", path=self.path, entry=self.entry) from reason

@@ -1,40 +1,35 @@
 """Conversions between checkpoint formats: mmapckpt, stock DCP, safetensors, torch.save.
 
 ``convert(src, dst, to=...)`` reads the source one item at a time and streams it
-into a writer for the target format (sinks.py), under a temporary sibling of ``dst``
-that replaces ``dst`` only when complete (io/replace.py): ``dst`` holds the old or the
-new checkpoint at every instant, and an old directory's files that are not its
-checkpoint's (see :func:`previous_checkpoint_files`) are kept.
+into a writer for the target format (sinks.py, flat_sinks.py), through the storage of
+``dst``'s medium as a new version that replaces ``dst`` only when complete
+(destination.py): ``dst`` holds the old or the new checkpoint at every instant, and an old
+directory's files that are not its checkpoint's (see :func:`previous_checkpoint_files`) are kept.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import shutil
 import warnings
 from dataclasses import dataclass
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..storage.lock import SaveLock
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
-from ..io.files import fsync_dir
 from .progress import Progress, ProgressCallback
 from ..io.sizes import parse_size
-from ..io.replace import recover, remove_dead_temps, remove_stale_temps, replace_path, temp_sibling
+from ..storage.base import CheckpointStorage, Lock
 from .cast import CastSource, cast_dtype
 from ..reading.formats import target_family
-from .common import FORMATS, SAFETENSORS_SINGLE, SelectedSource, Source, select_names
+from .common import FORMATS, SelectedSource, Source, select_names
 from ..storage.location import is_url, storage_for
 from .detect import open_source
-from .flat_sinks import write_safetensors, write_torch
-from .outputs import checkpoint_files, copy_side_files
-from .sinks import write_dcp, write_mmapckpt
-from .to_url import convert_to_url, same_location
+from .destination import (Destination, local_destination, same_location, url_destination, write_to,
+                          writes_directory)
+from .outputs import owned_files
 
 __all__ = ["convert", "ConvertResult", "ConversionWarning", "parse_size", "previous_checkpoint_files", "FORMATS",
            "target_format"]
@@ -102,22 +97,19 @@ def _through_link(path: str) -> str:
 
 
 @contextlib.contextmanager
-def _directory_locks() -> Iterator[Callable[[str], None]]:
-    """``lock(path)`` takes the save lock (storage/lock.py SaveLock) of the directory ``path`` until the block ends.
+def _locks() -> Iterator[Any]:
+    """``lock(storage)`` takes the lock of the destination ``storage`` (``storage.lock()``, as a save takes it)
+    where it is a location, until the block ends; a location is locked once.
 
-    A conversion holds it on the directory it replaces and on the new one it swaps in, so that
-    no save commits into either while the conversion writes and replaces; a save or conversion
-    already holding it makes ``lock`` raise CheckpointWriteError.
+    A conversion holds it on the directory it replaces (and, storage/local.py ``Swap``, on the
+    new one it swaps in), so that no save commits into either while the conversion writes and
+    replaces; a save or conversion already holding it makes ``lock`` raise CheckpointWriteError.
     """
-    held: dict[tuple[int, int], SaveLock] = {}
+    held: dict[str, Lock] = {}
 
-    def lock(path: str) -> None:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if os.path.isdir(path) and not os.path.islink(path) and (st.st_dev, st.st_ino) not in held:
-            held[(st.st_dev, st.st_ino)] = SaveLock(path)
+    def lock(storage: CheckpointStorage) -> None:
+        if storage.location not in held and storage.is_location():
+            held[storage.location] = storage.lock()
 
     try:
         yield lock
@@ -133,28 +125,15 @@ def previous_checkpoint_files(directory: str) -> set[str]:
     temp files. Hugging Face safetensors: every ``*.safetensors.index.json``, the files their
     ``weight_map`` names, ``model.safetensors`` and ``model-NNNNN-of-NNNNN.safetensors`` (or
     ``model-NNNNN-of-NNNNN.TAG.safetensors``, as a conversion at a URL names a shard whose name is
-    taken). Only regular files and links directly in ``directory``; everything else (config.json, tokenizers,
-    notes, other ``*.safetensors`` such as adapters, subdirectories) is not the checkpoint's.
+    taken). Everything else (config.json, tokenizers, notes, other ``*.safetensors`` such as
+    adapters, subdirectories) is not the checkpoint's.
     """
-    names = {n for n in os.listdir(directory)
-             if os.path.islink(os.path.join(directory, n)) or os.path.isfile(os.path.join(directory, n))}
-
-    def read(name: str) -> bytes:
-        with open(os.path.join(directory, name), "rb") as f:
-            return f.read()
-
-    return checkpoint_files(names, read)
-
-
-def _writes_directory(dst: str, to: str, limit: int | None) -> bool:
-    """mmapckpt, dcp and sharded safetensors are directories; so is safetensors into an existing directory."""
-    return to in ("mmapckpt", "dcp") or (to == "safetensors" and (
-        limit is not None or (os.path.isdir(dst) and not os.path.islink(dst))))
+    return owned_files(storage_for(directory))
 
 
 def _check_replaceable(dst: str, to: str, limit: int | None) -> None:
     """A file output may not replace a directory that holds files of no checkpoint."""
-    if _writes_directory(dst, to, limit):
+    if writes_directory(storage_for(dst), to, limit):
         return
     if os.path.isdir(dst) and not os.path.islink(dst):
         foreign = sorted(set(os.listdir(dst)) - previous_checkpoint_files(dst))
@@ -166,42 +145,19 @@ def _check_replaceable(dst: str, to: str, limit: int | None) -> None:
                                         path=dst)
 
 
-def _recover(path: str) -> None:
-    """Finish or undo an interrupted replacement of ``path``, and drop temp files of dead conversions."""
-    done = recover(path)
+def _recover(storage: CheckpointStorage) -> None:
+    """Finish or undo an interrupted replacement of ``storage``'s location, and drop temp files of dead
+    conversions (CheckpointWriteError where the medium refuses)."""
+    done = storage.recover()
     if done:
-        warnings.warn(f"{path}: an interrupted `convert --overwrite` was found: {done}", ConversionWarning,
-                      stacklevel=3)
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(parent):
-        remove_stale_temps(path)
-        remove_dead_temps(parent)  # a killed conversion to another name here left its unfinished output
+        warnings.warn(f"{storage.location}: an interrupted `convert --overwrite` was found: {done}",
+                      ConversionWarning, stacklevel=3)
 
 
-def _abandon(tmp: str, dst: str) -> None:
-    """After a failure: undo or finish a replacement already under way, else drop the unfinished ``tmp``."""
-    try:
-        if recover(dst) is None and os.path.lexists(tmp):
-            if os.path.isdir(tmp) and not os.path.islink(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                os.unlink(tmp)
-    except OSError:
-        pass  # the journal stays: the next conversion into dst recovers
-
-
-def _commit(tmp: str, dst: str, overwrite: bool) -> None:
-    """Put the finished ``tmp`` at ``dst``: old or new at every instant, the old directory's other files kept."""
-    if os.path.lexists(dst) and not overwrite:
-        raise CheckpointExistsError("destination appeared during the conversion", path=dst)
-    is_dir = os.path.isdir(dst) and not os.path.islink(dst)
-    try:
-        kept = replace_path(tmp, dst, owned=previous_checkpoint_files(dst) if is_dir else ())
-    except FileExistsError as e:
-        raise CheckpointExistsError("destination appeared during the conversion", path=dst) from e
+def _warn_kept(kept: list[str], dst: str) -> None:
     if kept:
         warnings.warn(f"{dst}: files that appeared in the old destination during the conversion and could not "
-                      f"be placed were kept in {kept[0]}", ConversionWarning, stacklevel=4)
+                      f"be placed were kept in {kept[0]}", ConversionWarning, stacklevel=3)
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str | None = None,
@@ -222,7 +178,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
 
     Either may be a URL of a registered medium (``scheme://...``: storage/location.py), naming a
     directory where files exist under it and a file where it is one. A destination at a URL is
-    written through its storage, in place (conversion/to_url.py): each data file appears only
+    written through its storage, in place (conversion/destination.py): each data file appears only
     once complete, the commit (``.metadata``, the index) is written last, and the old
     checkpoint's files are removed after it; a ``torch.save`` file goes through a local
     temporary file first.
@@ -293,17 +249,20 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         return _convert_to_url(src_s, dst_s, to, limit, overwrite, shape, storage_options)
     dst_s = dst_s.rstrip("/" + os.sep) or dst_s  # "out/" names the entry "out" (its temp sibling is ".out.tmp-*")
     target = _through_link(dst_s)  # a link is kept: what it names is replaced
-    with _directory_locks() as lock:
-        lock(target)  # before recovery: a conversion still replacing it keeps its journal
-        _recover(target)
+    storage = storage_for(target, error=CheckpointWriteError)
+    with _locks() as lock:
+        lock(storage)  # before recovery: a conversion still replacing it keeps its journal
+        _recover(storage)
         if not is_url(src_s) and not os.path.exists(src_s):
-            _recover(_through_link(src_s))  # a source caught mid-replacement by a killed conversion comes back
+            _recover(storage_for(_through_link(src_s)))  # a source caught mid-replacement by a killed conversion
         _check_paths(src_s, dst_s, target, overwrite, storage_options)
         _check_replaceable(target, to, limit)
-        lock(target)  # where the recovery put it back
+        lock(storage)  # where the recovery put it back
         with open_source(src_s, storage_options=storage_options) as opened:
             source, user, tensors, total, bar = _opened(opened, shape, to)
-            dropped = _convert(source, target, to, limit, os.path.abspath(dst_s), overwrite, bar, user, lock)
+            dest = local_destination(target, to, limit)
+            dropped, kept = write_to(dest, source, to, limit, os.path.abspath(dst_s), overwrite, bar, user)
+    _warn_kept(kept, target)
     _warn_lost(dropped, to, user)
     return ConvertResult(source.kind, to, dst_s, len(tensors), total, tuple(dropped))
 
@@ -336,69 +295,20 @@ def _opened(opened: Source, shape: _Shaping,
 
 def _convert_to_url(src: str, dst: str, to: str, limit: int | None, overwrite: bool, shape: _Shaping,
                     options: Mapping[str, Any] | None) -> ConvertResult:
-    """:func:`convert` into a destination at a URL (conversion/to_url.py)."""
+    """:func:`convert` into a destination at a URL (conversion/destination.py)."""
     storage_for(dst, error=CheckpointWriteError, options=options)  # a URL of no registered medium is refused
     if is_url(src) and same_location(src, dst):
         raise CheckpointError("the destination would replace the source; choose another destination", path=dst)
-    with open_source(src, storage_options=options) as opened:
-        source, user, tensors, total, bar = _opened(opened, shape, to)
-        with bar:
-            if to != "torch":  # write_torch names its own two phases
-                bar.phase("write", bar.total)
-            dropped = convert_to_url(source, dst, to, limit, overwrite, bar, user, options)
+    dest: Destination = url_destination(dst, to, limit, overwrite, options)
+    try:
+        with open_source(src, storage_options=options) as opened:
+            source, user, tensors, total, bar = _opened(opened, shape, to)
+            dropped, kept = write_to(dest, source, to, limit, dst, overwrite, bar, user)
+    finally:
+        dest.release()
+    _warn_kept(kept, dst)
     _warn_lost(dropped, to, user)
     return ConvertResult(source.kind, to, dst, len(tensors), total, tuple(dropped))
-
-
-def _convert(source: Source, target: str, to: str, limit: int | None, final: str, overwrite: bool,
-             bar: Progress, user: dict[str, str] | None, lock: Callable[[str], None]) -> list[str]:
-    """Write ``source`` beside ``target``, then put it at ``target``; returns the entries left out."""
-    tmp = temp_sibling(target)
-    as_dir = _writes_directory(target, to, limit)
-    with bar:  # a failure or Ctrl-C ends the bar's line where it was (Progress.abandon)
-        try:
-            dropped = _write(source, tmp, to, limit, final, bar, as_dir, user)
-        except OSError as e:  # CheckpointNotFoundError and the like (a source file gone) are OSErrors too
-            _abandon(tmp, target)
-            failed = _write_failed(e, tmp, target)
-            if failed is e:
-                raise
-            raise failed from e
-        except BaseException:
-            _abandon(tmp, target)
-            raise
-        try:
-            bar.phase("commit")
-            lock(tmp)  # the new directory is locked before it is swapped in: no save slips in before we are done
-            _commit(tmp, target, overwrite)
-        except OSError as e:
-            _abandon(tmp, target)
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointWriteError(f"conversion failed: {e}", path=target) from e
-        except BaseException:
-            _abandon(tmp, target)
-            raise
-    return dropped
-
-
-def _write_failed(e: OSError, tmp: str, target: str) -> OSError:
-    """A failed write of the new checkpoint (at ``tmp``) as the user should see it: which file of it, what the
-    system said, and that ``target`` was left as it was. Other errors (a source file missing) are returned as
-    they are."""
-    if isinstance(e, CheckpointError) and not isinstance(e, CheckpointWriteError):
-        return e
-    where = e.path if isinstance(e, CheckpointError) else e.filename
-    reason = (e.message.removeprefix("writing failed: ").removeprefix("writing shard failed: ")  # the sinks' words
-              if isinstance(e, CheckpointError) else str(e))
-    inside = isinstance(where, str) and where.startswith(tmp + os.sep)
-    cause = e.__cause__ if isinstance(e, CheckpointError) else e
-    state = "was left as it was" if os.path.lexists(target) else "was not created"
-    if getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-        state += " (the new checkpoint is written beside it before it is replaced: free room for both)"
-    what = f" writing {os.path.relpath(where, tmp)}" if inside else ""  # type: ignore[arg-type]
-    return CheckpointWriteError(f"conversion failed{what}: {reason}; {target} {state}", path=target,
-                                entry=e.entry if isinstance(e, CheckpointError) else None)
 
 
 def _warn_lost(dropped: list[str], to: str, user: dict[str, str] | None) -> None:
@@ -428,28 +338,3 @@ def _numel(size: tuple[int, ...]) -> int:
     for s in size:
         n *= s
     return n
-
-
-def _write(source: Source, tmp: str, to: str, limit: int | None, final: str, bar: Progress,
-           as_dir: bool, user: dict[str, str] | None) -> list[str]:
-    if to != "torch":  # write_torch names its own two phases
-        bar.phase("write", bar.total)
-    if to == "mmapckpt":
-        write_mmapckpt(source, tmp, checkpoint_id=final, progress=bar, user_metadata=user)
-        return []
-    if to == "dcp":
-        write_dcp(source, tmp, checkpoint_id=final, progress=bar)
-        return []
-    if to == "safetensors" and as_dir and limit is None:  # into a directory, as Hugging Face names one file
-        os.makedirs(tmp)
-        dropped = write_safetensors(source, os.path.join(tmp, SAFETENSORS_SINGLE), max_shard_size=None, progress=bar,
-                                    user_metadata=user)
-    elif to == "safetensors":
-        dropped = write_safetensors(source, tmp, max_shard_size=limit, progress=bar, user_metadata=user)
-    if to == "safetensors" and as_dir:
-        if source.side_files and os.path.isdir(source.path):  # Hugging Face -> Hugging Face
-            copy_side_files(source.path, tmp)
-        fsync_dir(tmp)
-    if to == "safetensors":
-        return dropped
-    return write_torch(source, tmp, progress=bar)

@@ -4,10 +4,10 @@ and ``torch.save``.
 Each tensor is assembled from its chunks: a chunk that is a contiguous run of the tensor's
 bytes (every single-chunk tensor, and row-wise shards) is written straight from the source;
 only chunks split along inner dimensions are gathered in a buffer of one tensor. Memory
-therefore stays at most one tensor plus one chunk, whatever the checkpoint's size. A
-safetensors file is written to a new local path, or into a storage at a URL through a
-``FileOutput`` (the tensors' bytes in order, the header, known before them, as its head last),
-byte for byte the same.
+therefore stays at most one tensor plus one chunk, whatever the checkpoint's size. Every
+file goes into a new version of the destination (storage/replacement.py) through a
+``FileOutput``: a safetensors file as the tensors' bytes in order, then the header, known
+before them, as its head; a ``torch.save`` archive as the stream torch writes.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Collection
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointError
-from ..io.files import fsync_dir, map_file, pwrite_all
+from ..io.files import map_file, pwrite_all
 from .progress import Progress
 from ..storage.base import CheckpointStorage, FileOutput
+from ..storage.replacement import Replacement
 from .common import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, Source, Writing
-from .outputs import Put, commit_to, fresh_name, fsync_file, nbytes, raw_bytes, storage_of, write_stored
+from .outputs import Appending, Put, fresh_name, nbytes, raw_bytes, write_stored
 
 __all__ = ["write_safetensors", "write_safetensors_file", "write_torch", "safetensors_shards"]
 
@@ -122,23 +122,6 @@ def _safetensors_layout(tensors: list[tuple[str, TensorStorageMetadata]],
     return placed, len(hb).to_bytes(8, "little") + hb, start + pos
 
 
-def _write_safetensors_file(path: str, tensors: list[tuple[str, TensorStorageMetadata]], src: Source,
-                            progress: Progress, user_metadata: dict[str, str] | None = None) -> None:
-    placed, head, size = _safetensors_layout(tensors, user_metadata)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with Writing(path) as w:
-            os.ftruncate(fd, size)
-            pwrite_all(fd, head, 0)
-            for fqn, md, at in placed:
-                w.entry = fqn
-                _write_full_tensor(lambda o, b: pwrite_all(fd, b, o), at, fqn, md, src, progress)
-            w.entry = None
-            fsync_file(fd)
-    finally:
-        os.close(fd)
-
-
 def write_safetensors_file(storage: CheckpointStorage, name: str, tensors: list[tuple[str, TensorStorageMetadata]],
                            src: Source, progress: Progress, user_metadata: dict[str, str] | None = None) -> None:
     """The safetensors file of ``tensors`` as file ``name`` of ``storage`` (a ``FileOutput``: the tensors' bytes
@@ -155,63 +138,51 @@ def write_safetensors_file(storage: CheckpointStorage, name: str, tensors: list[
     write_stored(storage, name, size, len(head), body)
 
 
-def write_safetensors(src: Source, out: str | CheckpointStorage, *, max_shard_size: int | None, progress: Progress,
-                      user_metadata: dict[str, str] | None = None, name: str = "", avoid: Collection[str] = (),
-                      created: list[str] | None = None) -> list[str]:
-    """Write the tensors of ``src`` as one safetensors file, or as HF-style shards with an index.
+def write_safetensors(src: Source, out: Replacement, name: str, *, max_shard_size: int | None, progress: Progress,
+                      user_metadata: dict[str, str] | None = None) -> list[str]:
+    """Write the tensors of ``src`` into the new version ``out``: as one safetensors file ``name``, or (with
+    ``max_shard_size``) as HF-style shards with an index.
 
-    ``out`` is a new local path (the file, or the shards' directory), or a storage: the file
-    ``name`` of it, or the shards and the index, committed last; there a shard whose name a file
-    has (``avoid``) is named with a tag in it (outputs.py ``fresh_name``: the index names it, so no
-    file an old index names is overwritten before the new index replaces it), and each shard is
-    appended to ``created`` once written. ``user_metadata`` goes into every file's
-    ``__metadata__`` (after ``"format": "pt"``); the index's ``metadata`` holds only
-    ``total_size``, as Hugging Face writes it. Returns the names of the non-tensor entries, which
-    safetensors cannot hold.
+    A shard whose name a file there has (``out.avoid``) is named with a tag in it (outputs.py
+    ``fresh_name``: the index names it, so no file an old index names is overwritten before the
+    new index replaces it); every file is recorded (``out.add``) once written, and the index is
+    committed last. ``user_metadata`` goes into every file's ``__metadata__`` (after
+    ``"format": "pt"``); the index's ``metadata`` holds only ``total_size``, as Hugging Face
+    writes it. Returns the names of the non-tensor entries, which safetensors cannot hold.
     """
     tensors, dropped = _split_entries(src)
     _check_safetensors_dtypes(src, tensors)
     if max_shard_size is None:
-        if isinstance(out, str):
-            _write_safetensors_file(out, tensors, src, progress, user_metadata)
-        else:
-            write_safetensors_file(out, name, tensors, src, progress, user_metadata)
-            if created is not None:
-                created.append(name)
+        write_safetensors_file(out.storage, name, tensors, src, progress, user_metadata)
+        out.add(name)
         return dropped
-    storage = storage_of(out)
     tag = str(uuid.uuid4())
     weight_map = {}
     for shard, group in safetensors_shards(src, max_shard_size):
-        if isinstance(out, str):
-            _write_safetensors_file(os.path.join(out, shard), group, src, progress, user_metadata)
-        else:
-            shard = fresh_name(shard, tag, avoid)
-            write_safetensors_file(storage, shard, group, src, progress, user_metadata)
-            if created is not None:
-                created.append(shard)
+        shard = fresh_name(shard, tag, out.avoid)
+        write_safetensors_file(out.storage, shard, group, src, progress, user_metadata)
+        out.add(shard)
         weight_map.update({fqn: shard for fqn, _ in group})
     index = {"metadata": {"total_size": sum(nbytes(md) for _, md in tensors)},
              "weight_map": dict(sorted(weight_map.items()))}
-    commit_to(out, storage, SAFETENSORS_INDEX, (json.dumps(index, indent=2) + "\n").encode("utf-8"))
-    if isinstance(out, str):
-        fsync_dir(out)
+    out.storage.commit(SAFETENSORS_INDEX, (json.dumps(index, indent=2) + "\n").encode("utf-8"), sync=True)
     return dropped
 
 
 # --------------------------------------------------------------------------- torch.save
-def write_torch(src: Source, out: str, *, progress: Progress) -> list[str]:
-    """Write ``src`` as one ``torch.save`` file of a flat state dict (fqn -> tensor or object).
+def write_torch(src: Source, out: Replacement, name: str, *, progress: Progress) -> list[str]:
+    """Write ``src`` as one ``torch.save`` file ``name`` of the new version ``out``: a flat state dict
+    (fqn -> tensor or object).
 
-    Tensors are assembled into a scratch file first (progress phase ``"assemble"``) and saved
-    from a mapping of it (phase ``"torch.save"``), so torch.save never needs the whole state dict
-    in memory. The scratch file is unlinked once mapped, before ``out`` is created: a process
-    killed at any moment leaves at most one file behind (the scratch or ``out``), and the mapping
-    frees its blocks when the process ends. Returns the non-tensor entries that could not be
-    unpickled safely (``weights_only=True``) and were left out.
+    Tensors are assembled into a local scratch file first (``out.scratch()``; progress phase
+    ``"assemble"``) and saved from a mapping of it (phase ``"torch.save"``) through a
+    ``FileOutput``, so torch.save never needs the whole state dict in memory. The scratch file is
+    unlinked once mapped: a process killed at any moment leaves at most one file behind, and the
+    mapping frees its blocks when the process ends. Returns the non-tensor entries that could not
+    be unpickled safely (``weights_only=True``) and were left out.
     """
     tensors, _ = _split_entries(src)
-    scratch = f"{out}.scratch-{uuid.uuid4().hex[:8]}"
+    scratch = out.scratch()
     places, pos = {}, 0
     for fqn, md in tensors:
         places[fqn] = pos
@@ -230,15 +201,16 @@ def write_torch(src: Source, out: str, *, progress: Progress) -> list[str]:
         finally:
             os.close(fd)
         mapping = map_file(scratch, pos)
-        os.unlink(scratch)  # the mapping keeps the bytes; a kill from here on leaves only ``out``
+        os.unlink(scratch)  # the mapping keeps the bytes; a kill from here on leaves only the output's temp file
         progress.phase("torch.save", total)
         try:
-            _save_from_scratch(src, mapping, places, out, dropped, progress)
+            _save_from_scratch(src, mapping, places, out, name, dropped, progress)
         finally:  # the unlinked file's blocks go with the mapping: not kept by a failure's traceback
             del mapping
     finally:
         if os.path.exists(scratch):
             os.unlink(scratch)
+    out.add(name)
     return dropped
 
 
@@ -260,17 +232,18 @@ class _Counted:
         return self.f.tell()
 
 
-def _save_from_scratch(src: Source, mapping: Any, places: dict[str, int], out: str, dropped: list[str],
-                       progress: Progress) -> None:
+def _save_from_scratch(src: Source, mapping: Any, places: dict[str, int], out: Replacement, name: str,
+                       dropped: list[str], progress: Progress) -> None:
     state = _scratch_state(src, mapping, places, dropped)
+
+    def body(o: FileOutput, w: Writing) -> None:
+        torch.save(state, w.record(_Counted(Appending(o), progress)))  # Ctrl-C in the count is recorded too
+
     try:
-        with Writing(out) as w, open(out, "xb") as f:
-            torch.save(state, w.record(_Counted(f, progress)))  # Ctrl-C in the count is recorded too
-            f.flush()
-            fsync_file(f.fileno())
+        write_stored(out.storage, name, None, 0, body)
     finally:  # the scratch file's pages go with the last view of them: also while a failure's traceback lives
         state.clear()
-        del state, mapping
+        state = mapping = None  # noqa: F841 - the last references, dropped here (the closure's included)
 
 
 def _scratch_state(src: Source, mapping: Any, places: dict[str, int], dropped: list[str]) -> dict[str, Any]:

@@ -1,16 +1,16 @@
-"""Where a conversion's files go: a new local path (the driver swaps it in), or a storage at a URL.
+"""Where a conversion's files go: a new version of its destination (storage/replacement.py), on any medium.
 
-What every sink shares: a tensor's bytes (:func:`raw_bytes`), the storage a sink writes into
-(:func:`storage_of`), its small files committed (:func:`commit_to`), a data file written through a
+What every sink shares: a tensor's bytes (:func:`raw_bytes`), a data file written through a
 ``FileOutput`` (:func:`write_stored`: it appears under its name only once complete, and any
-failure aborts it), and new names that take no name already there (:func:`fresh_name`).
+failure aborts it), new names that take no name already there (:func:`fresh_name`), which files
+an old checkpoint owns (:func:`owned_files`), and the files of a Hugging Face directory that go
+with its weights (:func:`copy_side_files`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
-import shutil
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
@@ -18,14 +18,13 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointWriteError
-from ..io.files import atomic_write
 from ..storage.base import CheckpointStorage, FileOutput
-from ..storage.local import LocalStorage
-from ..reading.formats import owned_files
+from ..reading.formats import owned_files as format_owned_files
+from ..storage.replacement import Replacement
 from .common import Writing
 
-__all__ = ["Put", "Appending", "raw_bytes", "nbytes", "fsync_file", "fresh_name", "storage_of", "commit_to",
-           "write_stored", "checkpoint_files", "is_commit_file", "HF_SIDE_FILES", "copy_side_files"]
+__all__ = ["Put", "Appending", "raw_bytes", "nbytes", "fresh_name", "write_stored", "checkpoint_files",
+           "owned_files", "is_commit_file", "HF_SIDE_FILES", "copy_side_files"]
 
 #: Where tensor bytes go: ``put(offset, data)`` (a ``pwrite`` into a local file, a ``FileOutput.put``).
 Put = Callable[[int, Any], None]
@@ -48,10 +47,6 @@ def nbytes(md: TensorStorageMetadata) -> int:
     return n * md.properties.dtype.itemsize
 
 
-def fsync_file(fd: int) -> None:
-    os.fsync(fd)
-
-
 def fresh_name(rel: str, save_id: str, avoid: Collection[str]) -> str:
     """``rel``, or, where a file of that name is there (``avoid``), ``rel`` with the save id in it (as a save
     names a shard whose name is taken: storage/commits.py ``shard_name``), so no file a committed checkpoint
@@ -64,23 +59,6 @@ def fresh_name(rel: str, save_id: str, avoid: Collection[str]) -> str:
     if name in avoid:
         raise CheckpointWriteError("no free file name (both candidates exist)", path=name)
     return name
-
-
-def storage_of(out: str | CheckpointStorage) -> CheckpointStorage:
-    """A new local directory (created), or a storage made ready to be written."""
-    if isinstance(out, str):
-        os.makedirs(out)
-        return LocalStorage(out)
-    out.prepare()
-    return out
-
-
-def commit_to(out: str | CheckpointStorage, storage: CheckpointStorage, name: str, data: bytes) -> None:
-    """A small file (the metadata, an index) put in place atomically and durably."""
-    if isinstance(out, str):
-        atomic_write(os.path.join(out, name), data)
-    else:
-        storage.commit(name, data, sync=True)
 
 
 class Appending:
@@ -126,7 +104,16 @@ def checkpoint_files(names: Iterable[str], read: Callable[[str], bytes]) -> set[
     ``weight_map`` names, ``model.safetensors`` and ``model-NNNNN-of-NNNNN.safetensors`` (also with the
     tag a conversion at a URL gives a shard whose name was taken: ``model-NNNNN-of-NNNNN.TAG.safetensors``).
     """
-    return owned_files(names, read)
+    return format_owned_files(names, read)
+
+
+def owned_files(storage: CheckpointStorage) -> set[str]:
+    """The files of the checkpoint at ``storage`` (:func:`checkpoint_files`), which a new version replaces."""
+    return checkpoint_files(storage.list(), lambda n: bytes(storage.read_file(n, _MAX_INDEX)))
+
+
+#: The largest index read to learn which files an old checkpoint owns.
+_MAX_INDEX = 64 << 20
 
 
 def is_commit_file(name: str) -> bool:
@@ -143,23 +130,24 @@ HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
                  "chat_template.json", "preprocessor_config.json", "processor_config.json")
 
 
-def copy_side_files(src_dir: str, out_dir: str) -> list[str]:
-    """Copy the :data:`HF_SIDE_FILES` that are regular files in ``src_dir`` into the new directory ``out_dir``
-    (fsynced; ``out_dir``'s own fsync is the caller's); returns their names."""
+def copy_side_files(src_dir: str, out: Replacement) -> list[str]:
+    """Write the :data:`HF_SIDE_FILES` that are regular files in the local directory ``src_dir`` into the new
+    version ``out`` (each through a ``FileOutput``, durable); returns their names."""
     copied = []
     for name in HF_SIDE_FILES:
         src = os.path.join(src_dir, name)
         if not os.path.isfile(src):  # a link to a file counts: hub snapshots link every file into blobs/
             continue
-        dst = os.path.join(out_dir, name)
-        try:
-            shutil.copyfile(src, dst)
-            fd = os.open(dst, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise CheckpointWriteError(f"copying {name} from the source directory failed: {e}", path=dst) from e
+        with open(src, "rb") as f:
+            data = f.read()
+
+        def body(o: FileOutput, w: Writing, data: bytes = data) -> bytes:
+            if data:
+                o.put(0, data)
+            return b""
+
+        write_stored(out.storage, name, len(data), 0, body)
+        if name not in out.avoid:  # one written over in place is not removed again by a failure
+            out.add(name)
         copied.append(name)
     return copied

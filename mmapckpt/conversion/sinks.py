@@ -4,19 +4,15 @@ Both keep the source's file layout, metadata and non-tensor entries, re-pointing
 storage records; memory stays at about one item. (The full-tensor outputs, safetensors and
 torch.save, are flat_sinks.py.)
 
-Each writer writes a new local directory (which the driver swaps in), or, for a destination
-at a URL (to_url.py), into a storage (storage/base.py): shard files through ``create_file`` (a
-``FileOutput``: it appears under its name only once complete) under names no file there has,
-then ``.metadata`` through ``commit``, the one commit point, with the same bytes as the local
-files.
+Each writer writes a new version of its destination (storage/replacement.py), whatever the
+medium: shard files through ``create_file`` (a ``FileOutput``: it appears under its name only
+once complete) under names no file there has, then ``.metadata`` through ``commit``.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import uuid
-from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -27,10 +23,10 @@ from ..errors import CheckpointError, FormatError
 from ..format import layout as fmt
 from ..format.metadata import METADATA_NAME, encode_metadata
 from .progress import Progress
-from ..storage.base import CheckpointStorage
+from ..storage.replacement import Replacement
 from ..writing.shard import ShardEntry, ShardOptions, write_shard
 from .common import Source, Writing, label, tensor_chunk_sizes
-from .outputs import Appending, commit_to, fresh_name, fsync_file, raw_bytes, storage_of, write_stored
+from .outputs import Appending, fresh_name, raw_bytes, write_stored
 
 __all__ = ["write_mmapckpt", "write_dcp", "raw_bytes"]
 
@@ -50,31 +46,28 @@ def _out_metadata(src: Source, storage: dict[MetadataIndex, _StorageInfo], check
 _SHARD = ShardOptions(alignment=4096, direct=False, sync=True)
 
 
-def write_mmapckpt(src: Source, out_dir: str | CheckpointStorage, *, checkpoint_id: str, progress: Progress,
-                   user_metadata: dict[str, str] | None = None, avoid: Collection[str] = (),
-                   created: list[str] | None = None) -> list[str]:
-    """Write ``src`` as an mmapckpt checkpoint in ``out_dir`` (a new local directory, or a storage), one shard
-    per source file, with the shard writer ``MmapWriter`` uses (writing/shard.py); return the shards' names.
+def write_mmapckpt(src: Source, out: Replacement, *, checkpoint_id: str, progress: Progress,
+                   user_metadata: dict[str, str] | None = None) -> list[str]:
+    """Write ``src`` as an mmapckpt checkpoint into the new version ``out``, one shard per source file, with the
+    shard writer ``MmapWriter`` uses (writing/shard.py); return the shards' names.
 
     Chunks the source stores at one place (tied weights of an mmapckpt checkpoint) are
-    written once, under each name (format/aliases.py). In a storage, shards take names not in
-    ``avoid`` (:func:`fresh_name`), each appended to ``created`` once written, and ``.metadata``
-    is committed last.
+    written once, under each name (format/aliases.py). Shards take names not in ``out.avoid``
+    (:func:`fresh_name`), each recorded (``out.add``) once written, and ``.metadata`` is
+    committed last.
     """
-    out = storage_of(out_dir)
     sizes = tensor_chunk_sizes(src.metadata)
     save_id = str(uuid.uuid4())  # a new checkpoint: its shards and metadata name the same new save
     storage: dict[MetadataIndex, _StorageInfo] = {}
     names = []
     for rel, items in src.layout:
-        name = fresh_name(rel, save_id, avoid)
+        name = fresh_name(rel, save_id, out.avoid)
         entries = _mmapckpt_entries(src, items, sizes)
-        done, _ = write_shard(out, name, entries, src.read_tensor, save_id=save_id, options=_SHARD,
+        done, _ = write_shard(out.storage, name, entries, src.read_tensor, save_id=save_id, options=_SHARD,
                               aliases=_stored_aliases(src, items, entries), advance=progress.advance,
                               one_at_a_time=True)
         names.append(name)
-        if created is not None:
-            created.append(name)
+        out.add(name)
         for e, idx in zip(done, items):
             storage[idx] = _StorageInfo(name, e.offset, e.length)
     md = _out_metadata(src, storage, checkpoint_id, save_id)
@@ -82,7 +75,7 @@ def write_mmapckpt(src: Source, out_dir: str | CheckpointStorage, *, checkpoint_
         data = encode_metadata(md, user_metadata)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"the source metadata cannot be stored as mmapckpt metadata: {e}", path=src.path) from e
-    commit_to(out_dir, out, METADATA_NAME, data)
+    out.storage.commit(METADATA_NAME, data, sync=True)
     return names
 
 
@@ -164,29 +157,19 @@ def _dcp_items(src: Source, rel: str, items: list[MetadataIndex], f: Any, w: Wri
     w.entry = None
 
 
-def write_dcp(src: Source, out_dir: str | CheckpointStorage, *, checkpoint_id: str, progress: Progress,
-              avoid: Collection[str] = (), created: list[str] | None = None) -> list[str]:
-    """Write ``src`` as a stock DCP checkpoint (what ``FileSystemWriter`` writes) in ``out_dir`` (a new local
-    directory, or a storage: files named, recorded and committed as :func:`write_mmapckpt` does)."""
-    out = storage_of(out_dir)
+def write_dcp(src: Source, out: Replacement, *, checkpoint_id: str, progress: Progress) -> list[str]:
+    """Write ``src`` as a stock DCP checkpoint (what ``FileSystemWriter`` writes) into the new version ``out``
+    (files named, recorded and committed as :func:`write_mmapckpt` does)."""
     save_id = str(uuid.uuid4())
     storage: dict[MetadataIndex, _StorageInfo] = {}
     names = []
     for rel, items in src.layout:
-        if isinstance(out_dir, str):
-            path = os.path.join(out_dir, rel)
-            with Writing(path) as w, open(path, "xb") as f:
-                _dcp_items(src, rel, items, f, w, storage, progress)
-                f.flush()
-                fsync_file(f.fileno())
-            names.append(rel)
-            continue
-        name = fresh_name(rel, save_id, avoid)
-        write_stored(out, name, None, 0, lambda o, w: _dcp_items(src, name, items, Appending(o), w, storage,
-                                                                   progress))
+        name = fresh_name(rel, save_id, out.avoid)
+        write_stored(out.storage, name, None, 0,
+                     lambda o, w, name=name, items=items: _dcp_items(src, name, items, Appending(o), w, storage,
+                                                                     progress))
         names.append(name)
-        if created is not None:
-            created.append(name)
+        out.add(name)
     md = _out_metadata(src, storage, checkpoint_id, save_id)
-    commit_to(out_dir, out, METADATA_NAME, pickle.dumps(md))
+    out.storage.commit(METADATA_NAME, pickle.dumps(md), sync=True)
     return names

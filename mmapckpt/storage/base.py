@@ -33,12 +33,15 @@ gives the name used in messages (a path, a URL).
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Collection, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import BadMagicError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError, TruncatedFileError
 from ..format.metadata import MAX_METADATA_SIZE, METADATA_NAME, metadata_kind
 from ..io.mapped import MappedFile
+
+if TYPE_CHECKING:
+    from .replacement import Replacement
 
 __all__ = ["CheckpointStorage", "StoredFile", "FileOutput", "Lock", "CommitFile"]
 
@@ -288,3 +291,21 @@ class CheckpointStorage(abc.ABC):
     @abc.abstractmethod
     def sync(self) -> None:
         """Make the names of files written, renamed or removed durable (CheckpointWriteError if that fails)."""
+
+    # ------------------------------------------------------------------ a new version (conversions)
+    def replacement(self, name: str = "", *, owned: Callable[[], Collection[str]] = frozenset,
+                    overwrite: bool = True) -> Replacement:
+        """A new version of this location's checkpoint (``name`` ""), or of its file ``name``, to be written
+        and then put in place by :meth:`Replacement.commit`: old or new at every instant (storage/replacement.py).
+        ``owned()`` names the old version's own files, which the new one replaces; no other file is removed.
+        ``overwrite`` False: a destination that appears meanwhile is not replaced (CheckpointExistsError).
+        The default writes in place (new names, the commit, then the old files removed); a medium with
+        renames may write beside the location and swap."""
+        from .replacement import InPlace
+        return InPlace(self, name, owned)
+
+    def recover(self) -> str | None:
+        """Finish or undo a replacement of this location that a killed process left; say what was done
+        (None: nothing to do). In-place replacements leave nothing to recover."""
+        return None
+

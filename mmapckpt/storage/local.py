@@ -8,6 +8,9 @@
   positional writes where it does not, its head last; then fsync and rename into place, so
   a new inode replaces the old file and readers that mapped the old one keep valid pages.
 - The commit is a temporary file, fsync, rename over the old one, fsync of the directory.
+- A new version of a whole checkpoint or file (a conversion: :class:`Swap`) is written beside
+  the old one under a temporary name and swapped in by one exchange (storage/replace.py), its
+  journal finished or undone by the next conversion's :meth:`LocalStorage.recover`.
 - Names are resolved inside the directory (symlinks out of it are refused, except into the
   ``blobs/`` of a Hugging Face hub cache snapshot: storage/hub.py ``hub_blobs``).
 """
@@ -15,19 +18,22 @@
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointWriteError, TruncatedFileError
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, TruncatedFileError
 from ..io.files import atomic_write, fsync_dir, open_inside, pread_into, pwrite_all, unlink_quietly
 from .hub import hub_blobs
 from ..io.mapped import MappedFile, open_regular
 from ..io.odirect import DirectWriter, open_direct
+from . import replace
 from .base import CheckpointStorage, FileOutput, Lock, StoredFile
 from .lock import SaveLock
+from .replacement import Owned, Replacement
 
-__all__ = ["LocalStorage", "LocalFile", "LocalOutput", "writable_local_path"]
+__all__ = ["LocalStorage", "LocalFile", "LocalOutput", "Swap", "writable_local_path"]
 
 
 class LocalFile(StoredFile):
@@ -192,6 +198,82 @@ class LocalStorage(CheckpointStorage):
             fsync_dir(self.location)
         except OSError as e:
             raise CheckpointWriteError(f"syncing the checkpoint directory failed: {e}", path=self.location) from e
+
+    def replacement(self, name: str = "", *, owned: Owned = frozenset, overwrite: bool = True) -> Swap:
+        return Swap(self.location, name, owned, overwrite)
+
+    def recover(self) -> str | None:
+        """Finish or undo an interrupted replacement of this path (storage/replace.py ``recover``), and remove
+        the temporary files of conversions whose process is gone, beside it."""
+        parent = os.path.dirname(os.path.abspath(self.location))
+        try:
+            done = replace.recover(self.location)
+            if os.path.isdir(parent):
+                replace.remove_stale_temps(self.location)
+                replace.remove_dead_temps(parent)  # a killed conversion to another name here left its output
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot look for an interrupted conversion beside it ({e.strerror or e}): "
+                                       f"a conversion needs permission to list and write {parent}",
+                                       path=self.location) from e
+        return done
+
+
+class Swap(Replacement):
+    """A new version of a local directory or file, written beside it and swapped in (storage/replacement.py).
+
+    A directory output is written into a new temporary directory ``.NAME.tmp-...`` beside the
+    destination, a file output as the temporary file of that name; :meth:`commit` locks the new
+    directory (no save slips in before the conversion is done) and puts it at the destination with
+    storage/replace.py ``replace_path``: the old version's own files (``owned()``) are replaced,
+    every other entry of an old directory is carried over. The lock is held until :meth:`close`.
+    """
+
+    def __init__(self, location: str, name: str, owned: Owned, overwrite: bool) -> None:
+        super().__init__()
+        self.target = os.path.join(location, name) if name else location
+        self._owned, self._overwrite, self._lock = owned, overwrite, None
+        self._tmp = replace.temp_sibling(self.target)
+        self.avoid = frozenset()
+        if name:
+            self.storage, self.name = LocalStorage(location), os.path.basename(self._tmp)
+        else:
+            self.storage, self.name = LocalStorage(self._tmp), ""
+            os.mkdir(self._tmp)
+
+    def commit(self, commit: str) -> list[str]:
+        if os.path.lexists(self.target) and not self._overwrite:
+            raise CheckpointExistsError("destination appeared during the conversion", path=self.target)
+        if not self.name:
+            self.storage.sync()
+            self._lock = self.storage.lock()  # the new directory is locked before it is swapped in
+        owned: list[str] = []
+        if os.path.isdir(self.target) and not os.path.islink(self.target):
+            owned = [n for n in self._owned() if os.path.islink(os.path.join(self.target, n))
+                     or not os.path.isdir(os.path.join(self.target, n))]  # never a subdirectory
+        try:
+            return replace.replace_path(self._tmp, self.target, owned=owned)
+        except FileExistsError as e:
+            raise CheckpointExistsError("destination appeared during the conversion", path=self.target) from e
+
+    def scratch(self) -> str:
+        return f"{self._tmp}.scratch-{uuid.uuid4().hex[:8]}"  # a temp sibling's name: removed once its writer is gone
+
+    def abort(self) -> None:
+        try:  # undo or finish a swap already under way, else drop the unfinished new version
+            if replace.recover(self.target) is None and os.path.lexists(self._tmp):
+                if os.path.isdir(self._tmp) and not os.path.islink(self._tmp):
+                    shutil.rmtree(self._tmp, ignore_errors=True)
+                else:
+                    os.unlink(self._tmp)
+        except OSError:
+            pass  # the journal stays: the next conversion here recovers
+
+    def close(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
 
 def writable_local_path(s: str) -> bool:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import mmapckpt
 from mmapckpt import CheckpointExistsError, CheckpointWriteError, ConversionWarning, convert
-from mmapckpt.io import replace
+from mmapckpt.storage import replace
 from mmapckpt.tools.cli import main
 
 
@@ -139,7 +139,7 @@ def test_the_cli_keeps_the_link(tmp_path, capsys):
 
 _CHILD = textwrap.dedent("""
     import os, sys
-    from mmapckpt.io import replace
+    from mmapckpt.storage import replace
     from mmapckpt.tools.cli import main
     replace.EXCHANGE = False  # the fallback: the old directory renamed aside, then the new one in
 

@@ -66,8 +66,8 @@ _CHILD = textwrap.dedent("""
 #: where a child pauses: (module, owner attributes, name)
 SAVE_BEFORE_COMMIT = ("mmapckpt.dcp.writer", ["MmapWriter"], "finish")  # every shard written, nothing committed
 SAVE_BEFORE_WRITE = ("mmapckpt.dcp.writer", ["MmapWriter"], "write_data")  # planned, the lock taken
-CONVERT_BEFORE_SWAP = ("mmapckpt.conversion.driver", [], "_commit")  # the new checkpoint written beside dst
-CONVERT_AFTER_SWAP = ("mmapckpt.io.replace", [], "_retire")  # dst is the new tree, the old one not yet retired
+CONVERT_BEFORE_SWAP = ("mmapckpt.storage.local", ["Swap"], "commit")  # the new checkpoint written beside dst
+CONVERT_AFTER_SWAP = ("mmapckpt.storage.replace", [], "_retire")  # dst is the new tree, the old one not yet retired
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

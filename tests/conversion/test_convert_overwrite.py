@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import mmapckpt
 from mmapckpt import CheckpointExistsError, ConversionWarning, convert
-from mmapckpt.io import replace
+from mmapckpt.storage import replace
 
 HF_SHARD = 40_000  # max_shard_size of the sharded outputs below
 
@@ -206,7 +206,7 @@ def test_exchange_swaps_two_directories_in_one_step(tmp_path) -> None:
 # --------------------------------------------------------------------------- interrupted replacements
 _CHILD = textwrap.dedent("""
     import importlib, os, sys
-    from mmapckpt.io import replace
+    from mmapckpt.storage import replace
     from mmapckpt.tools.cli import main
     where, exchange = sys.argv[1], sys.argv[2] == "1"
     replace.EXCHANGE = exchange
@@ -234,7 +234,7 @@ def _old_dir(tmp_path, kind: str = "mmapckpt") -> str:
 def test_fallback_killed_between_its_two_renames_is_restored_by_the_next_convert(tmp_path, kind) -> None:
     dst = _old_dir(tmp_path, kind)
     to = ["--to", "safetensors", "--max-shard-size", str(HF_SHARD)] if kind == "hf" else ["--to", kind]
-    assert _child("mmapckpt.io.replace._rename_in", False, "convert", _source(tmp_path, 2), dst, *to, "--overwrite", "-q") == 9
+    assert _child("mmapckpt.storage.replace._rename_in", False, "convert", _source(tmp_path, 2), dst, *to, "--overwrite", "-q") == 9
     assert not os.path.exists(dst)  # the window the fallback has: the old one is aside, the new not yet in
     assert os.path.isfile(replace.journal_path(dst))
     with pytest.warns(ConversionWarning, match="restored the previous version"):
@@ -251,7 +251,7 @@ def test_fallback_killed_between_its_two_renames_is_restored_by_the_next_convert
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "fallback"])
 def test_killed_after_the_swap_the_next_convert_retires_the_old_one(tmp_path, exchange) -> None:
     dst = _old_dir(tmp_path)
-    assert _child("mmapckpt.io.replace._retire", exchange, "convert", _source(tmp_path, 2), dst, "--to", "mmapckpt", "--overwrite",
+    assert _child("mmapckpt.storage.replace._retire", exchange, "convert", _source(tmp_path, 2), dst, "--to", "mmapckpt", "--overwrite",
                   "-q") == 9
     assert which(dst, _state(1), _state(2)) == "new"
     assert_foreign_kept(dst)
@@ -268,7 +268,7 @@ def test_the_exchange_leaves_no_instant_without_the_destination(tmp_path) -> Non
     dst = _old_dir(tmp_path)
     if not _exchange_available(tmp_path):
         pytest.skip("renameat2(RENAME_EXCHANGE) is unavailable on this file system")
-    assert _child("mmapckpt.io.replace._aside", True, "convert", _source(tmp_path, 2), dst, "--to", "mmapckpt", "--overwrite", "-q") == 0
+    assert _child("mmapckpt.storage.replace._aside", True, "convert", _source(tmp_path, 2), dst, "--to", "mmapckpt", "--overwrite", "-q") == 0
     assert which(dst, _state(1), _state(2)) == "new"
     assert_foreign_kept(dst)
     assert hidden_siblings(dst) == []
@@ -276,7 +276,7 @@ def test_the_exchange_leaves_no_instant_without_the_destination(tmp_path) -> Non
 
 def test_temp_files_of_a_killed_conversion_are_removed_by_the_next(tmp_path) -> None:
     dst = _old_dir(tmp_path)
-    assert _child("mmapckpt.conversion.driver.replace_path", True, "convert", _source(tmp_path, 2), dst, "--to", "mmapckpt", "--overwrite",
+    assert _child("mmapckpt.storage.replace.replace_path", True, "convert", _source(tmp_path, 2), dst, "--to", "mmapckpt", "--overwrite",
                   "-q") == 9
     assert len(hidden_siblings(dst)) == 1  # the finished but never swapped-in new checkpoint
     assert which(dst, _state(1), _state(2)) == "old"
@@ -288,7 +288,7 @@ def test_temp_files_of_a_killed_conversion_are_removed_by_the_next(tmp_path) -> 
 _ZYGOTE = textwrap.dedent("""
     import json, os, sys
     import mmapckpt, mmapckpt.conversion.driver, safetensors.torch  # imported once, before the forks
-    from mmapckpt.io import replace
+    from mmapckpt.storage import replace
     from mmapckpt.tools.cli import main
     while line := sys.stdin.readline():   # one conversion per line, each in a forked child the test kills
         cmd = json.loads(line)

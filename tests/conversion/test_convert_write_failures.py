@@ -16,8 +16,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -187,3 +190,76 @@ def test_the_reason_under_torch_saves_runtime_error_is_kept(tmp_path):
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
     assert isinstance(info.value.__context__, RuntimeError)  # torch's, its frames dropped
     assert info.value.__context__.__traceback__ is None
+
+
+# --------------------------------------------------------------------------- no permission (issue 42, 7b)
+_NOBODY = textwrap.dedent("""
+    import json, os, sys, tempfile, warnings
+    warnings.simplefilter("ignore")
+    import mmapckpt
+    from mmapckpt.tools.cli import main
+    cases = json.loads(sys.argv[1])
+    with tempfile.TemporaryDirectory() as d:  # every module a conversion imports, imported while we may read it
+        for case in cases[:3]:
+            mmapckpt.convert(case["src"], os.path.join(d, case["to"]), to=case["to"])
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)  # nobody: permission bits stop it (they do not stop root)
+    out = []
+    for case in cases:
+        try:
+            mmapckpt.convert(case["src"], case["dst"], to=case["to"], overwrite=True)
+            got = {"raised": None}
+        except BaseException as e:
+            got = {"raised": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+        got["cli"] = main(["convert", case["src"], case["dst"], "--to", case["to"], "--overwrite", "-q"])
+        out.append(got)
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the conversion as another user (nobody)")
+def test_convert_overwrite_where_the_process_may_not_write_is_a_checkpoint_write_error():
+    """``convert --overwrite`` run as nobody into root's directories: one whose parent nobody may not list
+    (the recovery of an interrupted conversion looks there: a raw PermissionError before), one whose parent
+    nobody may list but not write, one that is itself unreadable. Each is a CheckpointWriteError naming the
+    destination (the CLI exits 1 with it), and the old checkpoint is untouched."""
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="mmapckpt-nobody-", dir="/tmp"))  # pytest's is root's alone
+    try:
+        _as_nobody(tmp_path)
+    finally:
+        for root, dirs, _ in os.walk(tmp_path):
+            for n in dirs:
+                os.chmod(os.path.join(root, n), 0o755)
+        shutil.rmtree(tmp_path)
+
+
+def _as_nobody(tmp_path: pathlib.Path) -> None:
+    os.chmod(tmp_path, 0o755)
+    src = str(tmp_path / "src")
+    mmapckpt.save(_state(2, 2, 1000), src)
+    for root, _, files in os.walk(src):
+        os.chmod(root, 0o755)
+        for n in files:
+            os.chmod(os.path.join(root, n), 0o644)
+    cases, modes = [], [("unlisted-parent", 0o711, 0o755), ("read-only-parent", 0o555, 0o755),
+                        ("unreadable-dst", 0o777, 0o700)]
+    for name, parent_mode, dst_mode in modes:
+        for to in ("mmapckpt", "safetensors", "torch"):
+            parent = tmp_path / f"{to}-{name}"
+            parent.mkdir()
+            dst = str(parent / "dst")
+            mmapckpt.save(_state(1, 2, 1000), dst)
+            os.chmod(dst, dst_mode)
+            os.chmod(parent, parent_mode)
+            cases.append({"src": src, "dst": dst, "to": to, "name": f"{to}, {name}"})
+    r = subprocess.run([sys.executable, "-c", _NOBODY, json.dumps(cases)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    for case, got in zip(cases, json.loads(r.stdout.splitlines()[-1])):
+        assert got["raised"] and "CheckpointWriteError" in got["raised"], f"{case['name']}: {got}"
+        assert case["dst"] in got["message"] and os.strerror(errno.EACCES) in got["message"], f"{case['name']}: {got}"
+        assert got["cli"] == 1, f"{case['name']}: {got}"
+        os.chmod(os.path.dirname(case["dst"]), 0o755)
+        os.chmod(case["dst"], 0o755)
+        got_back = mmapckpt.load(case["dst"])
+        want = _state(1, 2, 1000)
+        assert all(tensor_bytes(got_back[k]) == tensor_bytes(want[k]) for k in want), case["name"]

@@ -32,7 +32,7 @@ import uuid
 from typing import Any, Iterable
 
 from ..errors import CheckpointWriteError
-from .files import atomic_write, fsync_dir, unlink_quietly
+from ..io.files import atomic_write, fsync_dir, unlink_quietly
 
 __all__ = ["EXCHANGE", "rename_exchange", "temp_sibling", "replace_path", "recover", "remove_stale_temps",
            "remove_dead_temps", "journal_path"]
