@@ -26,8 +26,10 @@ import os
 import tempfile
 import uuid
 from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
 
-from .base import CheckpointStorage
+if TYPE_CHECKING:  # base.py makes the default replacement (InPlace): only annotations name it here
+    from .base import CheckpointStorage
 
 __all__ = ["Replacement", "InPlace", "Owned"]
 
