@@ -63,10 +63,11 @@ class Problem:
     path: str
     entry: str | None
     message: str
+    error: str = "CheckpointError"
 
     @classmethod
     def of(cls, e: CheckpointError, path: str) -> "Problem":
-        return cls(e.path or path, e.entry, e.message)
+        return cls(e.path or path, e.entry, e.message, type(e).__name__)
 
     def __str__(self) -> str:
         where = self.path + (f": entry {self.entry!r}" if self.entry else "")
@@ -80,6 +81,7 @@ class FileWarning:
     path: str
     size: int
     message: str
+    error: str = "CheckpointError"
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message} ({human_bytes(self.size)})"
