@@ -19,8 +19,7 @@ from ..format.entries import ChunkInfo, EntryInfo
 from ..format.stock import load_tensor
 from ..io.mapped import MappedFile
 from ..storage.base import CheckpointStorage, StoredFile
-from .dcp_safetensors import SafetensorsChunks, raw_record
-from .safetensors_files import is_safetensors_file
+from .dcp_safetensors import SafetensorsChunks, raw_record, stock_safetensors
 from .shard import Shard, check_reach, check_size_unchanged, open_named, shard_of
 
 __all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles"]
@@ -141,12 +140,11 @@ class ChunkFiles:
         """The safetensors data a stock shard holds its tensors in, where chunk ``c`` is recorded (else None:
         a torch.save item, whose bytes are not probed: reading/dcp_safetensors.py ``raw_record``)."""
         if not raw_record(c.length, info.dtype, c.sizes):  # type: ignore[arg-type]
-            return None
+            return None  # a torch.save item: not probed, not cached (the records of one data start share a key)
         key = (c.file, c.file_offset)
         if key not in self._safetensors:
-            f = self.stock[c.file]
-            self._safetensors[key] = SafetensorsChunks(f, c.file_offset) if is_safetensors_file(
-                f, c.file_offset) else None
+            self._safetensors[key] = stock_safetensors(self.stock[c.file], c.file_offset, c.length,
+                                                       info.dtype, c.sizes)  # type: ignore[arg-type]
         return self._safetensors[key]
 
     def object_bytes(self, info: EntryInfo) -> bytes:
