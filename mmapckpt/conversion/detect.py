@@ -7,12 +7,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..format.metadata import KIND_MMAPCKPT
 from ..reading.locate import detect_format, find_checkpoint
-from ..dcp.metadata import read_metadata
 from .common import Source
 from .flat import BackendSource
-from .sources import MmapckptSource, StockSource
+from .sources import DcpSource
 
 __all__ = ["detect_format", "open_source"]
 
@@ -22,8 +20,6 @@ def open_source(path: str | os.PathLike[str], *, storage_options: Mapping[str, A
     storage gets ``storage_options``) for reading."""
     place, fmt = find_checkpoint(path, storage_options=storage_options)
     if fmt.files is None:  # a DCP directory: its metadata names the files
-        storage = place.storage
-        got, md = read_metadata(storage, storage.find_metadata())
-        return (MmapckptSource if got == KIND_MMAPCKPT else StockSource)(place.path, md, storage)
-    _, index = fmt.files(place)
-    return BackendSource(fmt.open(place), fmt, index)
+        return DcpSource(place)
+    files, index = fmt.files(place)  # the index read once: for the files to open and for the version
+    return BackendSource(fmt.opener(place, files, False), fmt, index)  # type: ignore[misc]

@@ -25,21 +25,15 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 
-from ..errors import (
-    CheckpointError,
-    FormatError,
-    IncompleteCheckpointError,
-    SizeMismatchError,
-)
+from ..errors import CheckpointError, FormatError, SizeMismatchError
 from ..format import layout as fmt
 from ..format.metadata import KIND_MMAPCKPT
 from ..format.stock import load_tensor
 from ..format.transforms import StreamTransforms, decoded_limit
 from ..io.staging import StagingPool
 from ..reading.moves import Moves
-from ..reading.shard import Shard, check_size_unchanged, encoded_bytes, is_mmapckpt_shard
+from ..reading.shard import Shard, check_size_unchanged, encoded_bytes, open_named, shard_of
 from ..storage.base import CheckpointStorage, StoredFile
-from ..storage.commits import missing_shard_error
 from .bytes_read import BytesRead
 from .fast_planner import FastLoadPlanner
 from .records import StorageRecords
@@ -82,23 +76,14 @@ class FileReads:
         return found
 
     def open_file(self, rel: str, entry: str | None = None) -> StoredFile:
-        """Shard file ``rel``, opened through the storage; a file the metadata names but the location
-        lacks raises IncompleteCheckpointError (saying so where the checkpoint was replaced meanwhile)."""
-        try:
-            return self.storage.open_file(rel)
-        except IncompleteCheckpointError:
-            raise missing_shard_error(self.storage, self.storage.full(rel), self.save_id, entry) from None
+        """Shard file ``rel``, opened as every reader opens it (reading/shard.py ``open_named``): a file the
+        metadata names but the location lacks raises IncompleteCheckpointError."""
+        return open_named(self.storage, rel, self.save_id, entry)
 
     def open_shard(self, f: StoredFile) -> Shard | None:
-        """The mmapckpt shard ``f`` holds (its header read, not yet every entry checked), or None for a stock file."""
-        if self.metadata_kind != KIND_MMAPCKPT and not is_mmapckpt_shard(f):
-            return None
-        shard = Shard(f, check_entries=False)
-        if shard.save_id is not None and self.save_id not in (None, shard.save_id):
-            raise IncompleteCheckpointError(
-                f"shard was written by save {shard.save_id}, but the metadata read belongs to save "
-                f"{self.save_id}: the checkpoint was replaced while it was being loaded", path=shard.path)
-        return shard
+        """The mmapckpt shard ``f`` holds (its header read, not yet every entry checked; a shard of another save
+        refused), or None for a stock file (reading/shard.py ``shard_of``)."""
+        return shard_of(f, self.save_id, stock=self.metadata_kind != KIND_MMAPCKPT)
 
     def read_file(self, rel: str, reqs: list[Job], planner: LoadPlanner) -> None:
         """Read the items of one shard file, each with its storage record (resolved once, by read_plan)."""

@@ -35,7 +35,7 @@ from .deliver import load_plan
 from .metadata import read_metadata
 from .read_once import DEFAULT_MIN_SHARE, DEFAULT_PIECE_BYTES, ReadOnceOptions, local_info, plan_read_once
 from .read_paths import FileReads
-from ..reading.formats import recognise
+from ..reading.formats import recognise, resolve
 from ..reading.located import Place, locate
 from ..storage.location import is_url
 
@@ -126,7 +126,7 @@ class MmapReader(StorageReader):
         self.metadata_error: CheckpointError | None = None
         self.path = os.fspath(path)
         self.storage_options = StorageOptions(storage_options)  # shown redacted (storage/credentials.py)
-        self._storage: tuple[str, CheckpointStorage] | None = None
+        self._storage: tuple[str, CheckpointStorage, str] | None = None
         self.thread_count = thread_count
         self.verify = verify
         self.direct_reads = direct_reads
@@ -139,10 +139,19 @@ class MmapReader(StorageReader):
     @property
     def storage(self) -> CheckpointStorage:
         """Where the checkpoint read lives (storage/base.py)."""
+        return self._resolved()[1]
+
+    def _resolved(self) -> tuple[str, CheckpointStorage]:
+        """(where the checkpoint is, its storage): the path, or the place the format table resolves it to (a hub
+        cache repository root: the snapshot ``refs/main`` names, as ``open``/``load`` read it)."""
         # one per checkpoint and load or save (reset() starts another): what it found of the files is kept
         if self._storage is None or self._storage[0] != self.path:
-            self._storage = (self.path, storage_for(self.path, options=self.storage_options))
-        return self._storage[1]
+            path, storage = self.path, storage_for(self.path, options=self.storage_options)
+            if not is_url(path) and storage.is_location():
+                place = resolve(Place(path, storage, None, True))
+                path, storage = place.path, place.storage
+            self._storage = (self.path, storage, path)
+        return self._storage[2], self._storage[1]
 
     def __repr__(self) -> str:
         options = f", storage_options={self.storage_options!r}" if self.storage_options else ""
@@ -158,11 +167,11 @@ class MmapReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
-            storage = self.storage
+            path, storage = self._resolved()
             try:
-                kind, md = committed_metadata(storage, self.path, kwargs.get("rank"))
+                kind, md = committed_metadata(storage, path, kwargs.get("rank"))
             except CheckpointNotFoundError:  # no commit: what the format table finds here (reading/formats.py)
-                kind, md = _table_metadata(storage, self.path, kwargs.get("rank"))
+                kind, md = _table_metadata(storage, path, kwargs.get("rank"))
         except CheckpointError as e:
             # dcp.load turns this into an AssertionError holding only the message (then tries the
             # rank-local metadata): keep the typed error of the first attempt for checkpoint_error().

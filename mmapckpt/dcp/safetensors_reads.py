@@ -20,9 +20,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..errors import FormatError, IncompleteCheckpointError
-from ..reading.dcp_safetensors import SafetensorsChunks, raw_record
+from ..reading.dcp_safetensors import SafetensorsChunks, stock_safetensors
 from ..reading.moves import Moves
-from ..reading.safetensors_files import is_safetensors_file
 from ..storage.base import StoredFile
 
 __all__ = ["chunk_bytes", "label", "locate", "read_safetensors", "safetensors_in"]
@@ -40,10 +39,7 @@ def safetensors_in(reads: Any, f: StoredFile, first: tuple[MetadataIndex, _Stora
     if first is None or first[0].offset is None:
         return None
     dtype, sizes = reads.chunk_layout(first[0], f.path)
-    base = first[1].offset
-    if raw_record(first[1].length, dtype, tuple(sizes)) and is_safetensors_file(f, base):
-        return SafetensorsChunks(f, base)
-    return None
+    return stock_safetensors(f, first[1].offset, first[1].length, dtype, tuple(sizes))
 
 
 def label(idx: MetadataIndex) -> str:

@@ -13,16 +13,14 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..errors import CheckpointError, IncompleteCheckpointError, SizeMismatchError
+from ..errors import CheckpointError, SizeMismatchError
 from ..format.dtypes import dtype_name
 from ..format.entries import ChunkInfo, EntryInfo
 from ..format.stock import load_tensor
 from ..io.mapped import MappedFile
 from ..storage.base import CheckpointStorage, StoredFile
-from ..storage.commits import missing_shard_error
-from .dcp_safetensors import SafetensorsChunks, raw_record
-from .safetensors_files import is_safetensors_file
-from .shard import Shard, check_size_unchanged, is_mmapckpt_shard
+from .dcp_safetensors import SafetensorsChunks, raw_record, stock_safetensors
+from .shard import Shard, check_reach, check_size_unchanged, open_named, shard_of
 
 __all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles"]
 
@@ -61,7 +59,8 @@ class ChunkFiles:
     pickled_objects = True
 
     def __init__(self, storage: CheckpointStorage, entries: Mapping[str, EntryInfo], save_id: str | None, *,
-                 verify: bool = False) -> None:
+                 verify: bool = False, stock: bool = True) -> None:
+        """``stock``: the metadata is a stock DCP one (its files may be mmapckpt shards or stock files)."""
         self.storage = storage
         self.root = storage.location
         #: check each mmapckpt chunk's CRC-32 the first time it is read (stock items have none)
@@ -74,32 +73,26 @@ class ChunkFiles:
         files = _records_by_file(entries)
         try:
             for rel in sorted(files):
-                self._open(rel, files[rel], save_id)
+                self._open(rel, files[rel], save_id, stock)
         except BaseException:
             self.close()
             raise
 
-    def _open(self, rel: str, records: list[tuple[Any, ...]], save_id: str | None) -> None:
+    def _open(self, rel: str, records: list[tuple[Any, ...]], save_id: str | None, stock: bool) -> None:
+        """Open data file ``rel`` the one way every reader does (reading/shard.py): present, of this save, and
+        reaching the end of its last record (a cut file is refused at open, before any view of it)."""
+        f = open_named(self.storage, rel, save_id)
         try:
-            f = self.storage.open_file(rel)
-        except IncompleteCheckpointError:
-            raise missing_shard_error(self.storage, self.storage.full(rel), save_id) from None
-        try:
-            if not is_mmapckpt_shard(f):
-                self.stock[rel] = f
-                return
-            shard = Shard(f, check_entries=False)  # chunks are placed by the metadata: see chunk()
+            last = max(records, key=lambda r: r[5] + r[6])
+            check_reach(f, last[5] + last[6], last[0] if last[1] is None else f"{last[0]}@{list(last[1])}")
+            shard = shard_of(f, save_id, stock=stock, records=records)
         except BaseException:
             f.close()
             raise
-        self.shards[rel] = shard
-        if shard.agrees(save_id, records):  # the usual case: no entry of the header to decode
-            return
-        sid = shard.save_id
-        if None not in (sid, save_id) and sid != save_id:
-            raise IncompleteCheckpointError(
-                f"shard was written by save {sid}, but the metadata belongs to save {save_id}: "
-                "the checkpoint was replaced while it was being opened", path=shard.path)
+        if shard is None:
+            self.stock[rel] = f
+        else:
+            self.shards[rel] = shard
 
     def chunk(self, info: EntryInfo, c: ChunkInfo, *, lazy: bool = False) -> torch.Tensor:
         """The chunk as a CPU tensor: a view over the mapping (or read, or a placeholder: ``lazy``), or a stock
@@ -147,12 +140,11 @@ class ChunkFiles:
         """The safetensors data a stock shard holds its tensors in, where chunk ``c`` is recorded (else None:
         a torch.save item, whose bytes are not probed: reading/dcp_safetensors.py ``raw_record``)."""
         if not raw_record(c.length, info.dtype, c.sizes):  # type: ignore[arg-type]
-            return None
+            return None  # a torch.save item: not probed, not cached (the records of one data start share a key)
         key = (c.file, c.file_offset)
         if key not in self._safetensors:
-            f = self.stock[c.file]
-            self._safetensors[key] = SafetensorsChunks(f, c.file_offset) if is_safetensors_file(
-                f, c.file_offset) else None
+            self._safetensors[key] = stock_safetensors(self.stock[c.file], c.file_offset, c.length,
+                                                       info.dtype, c.sizes)  # type: ignore[arg-type]
         return self._safetensors[key]
 
     def object_bytes(self, info: EntryInfo) -> bytes:

@@ -28,9 +28,9 @@ from ..errors import FormatError, SizeMismatchError
 from ..format.stock import raw_record
 from ..storage.base import StoredFile
 from .fetches import placeholder
-from .safetensors_files import SafetensorsFile
+from .safetensors_files import SafetensorsFile, is_safetensors_file
 
-__all__ = ["SHARDING_KEY", "SafetensorsChunks", "raw_record", "saved_offsets"]
+__all__ = ["SHARDING_KEY", "SafetensorsChunks", "raw_record", "saved_offsets", "stock_safetensors"]
 
 #: The ``__metadata__`` key of the chunks' offsets (torch's ``_hf_utils.CUSTOM_METADATA_KEY``).
 SHARDING_KEY = "DCP_SHARDING_INFO"
@@ -106,3 +106,14 @@ class SafetensorsChunks:
     def aligned(self, offset: int, dtype: torch.dtype) -> bool:
         """Whether :meth:`view` at ``offset`` is a view of the mapping (or a placeholder), not a copy."""
         return self.st.file is None or not offset % dtype.itemsize
+
+
+def stock_safetensors(f: StoredFile, offset: int, length: int, dtype: torch.dtype,
+                      sizes: tuple[int, ...]) -> SafetensorsChunks | None:
+    """The one probe of a stock DCP shard's tensors (``open``/``load``/``convert``/``inspect`` through
+    reading/chunks.py, ``dcp.load`` through dcp/safetensors_reads.py): the safetensors data that starts where a
+    tensor record of ``length`` bytes of ``dtype`` and ``sizes`` is placed (``offset``), or None for a
+    ``torch.save`` item (a record that cannot be raw bytes is not probed: :func:`raw_record`)."""
+    if raw_record(length, dtype, sizes) and is_safetensors_file(f, offset):
+        return SafetensorsChunks(f, offset)
+    return None

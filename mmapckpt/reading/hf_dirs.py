@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFoundError, FormatError
+from ..errors import CheckpointError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 from ..storage.base import CheckpointStorage
 from .located import Place
 
@@ -125,7 +125,8 @@ def indexed_files(place: Place, kind: str, *, listing: bool = False) -> tuple[Fi
 
     Raises:
         CheckpointNotFoundError: a directory without an index or the one file (or, ``listing``, any).
-        FormatError, CheckpointError: a damaged index, or a file it names that is missing or outside the directory.
+        FormatError, CheckpointError: a damaged index, or a file it names outside the directory.
+        IncompleteCheckpointError: a file it names is missing.
     """
     if place.name is not None:
         return {place.name: None}, None
@@ -146,7 +147,8 @@ def indexed_files(place: Place, kind: str, *, listing: bool = False) -> tuple[Fi
         if rel is None:
             rel = place.inside(given)
             if not place.exists(rel):
-                raise CheckpointError("shard file named in the index is missing", path=place.full(rel), entry=name)
+                raise IncompleteCheckpointError("shard file named in the index is missing", path=place.full(rel),
+                                                entry=name)
             checked[given] = rel
         files.setdefault(rel, []).append(name)  # type: ignore[union-attr]
     _no_unnamed_shards(place, files)

@@ -12,9 +12,10 @@ from typing import NamedTuple
 
 from ..errors import FormatError
 from ..format.entries import EntryInfo
+from ..format.metadata import KIND_MMAPCKPT, decode_index_file, decode_user_metadata
 from ..format.safetensors import SafetensorsHeader, entry_infos
 from ..format.tiling import tiling_problem
-from ..storage.commits import read_index, read_user_metadata
+from ..storage.base import CommitFile
 from .backend import ChunkBackend
 from .chunks import ChunkFiles
 from .dcp_safetensors import saved_offsets
@@ -54,20 +55,22 @@ def _no_metadata() -> None:
     return None
 
 
-def open_dcp(place: Place, files: Files | None, verify: bool) -> Opened:
-    """An mmapckpt or stock DCP directory: its committed index, read through ``ChunkFiles``."""
+def open_dcp(place: Place, files: Files | None, verify: bool, commit: CommitFile | None = None) -> Opened:
+    """An mmapckpt or stock DCP directory: its committed index, read through ``ChunkFiles``. ``commit``: the commit
+    file, where the caller has read it (``convert`` decodes DCP's metadata from the same bytes)."""
     storage = place.storage
-    meta = storage.find_metadata()
-    kind, entries, save_id = read_index(storage, meta)
+    if commit is None:
+        commit = storage.read_metadata(storage.find_metadata())
+    entries, save_id = decode_index_file(commit.kind, commit.data, commit.full)
     read: list[dict[str, str] | None] = []
 
-    def user_metadata() -> dict[str, str] | None:  # read on first use: open() itself decodes the index only
+    def user_metadata() -> dict[str, str] | None:  # decoded on first use: open() itself decodes the index only
         if not read:
-            read.append(read_user_metadata(storage, meta))
+            read.append(decode_user_metadata(commit.kind, commit.data, commit.full))
         return None if read[0] is None else dict(read[0])
 
-    return Opened(kind, place.path, entries, ChunkFiles(storage, entries, save_id, verify=verify), user_metadata,
-                  place, None, save_id)
+    backend = ChunkFiles(storage, entries, save_id, verify=verify, stock=commit.kind != KIND_MMAPCKPT)
+    return Opened(commit.kind, place.path, entries, backend, user_metadata, place, None, save_id)
 
 
 def safetensors_union(place: Place, parts: list[tuple[str, SafetensorsHeader, list[str] | None]]

@@ -23,23 +23,71 @@ from ..errors import (
     ChecksumError,
     EntryBoundsError,
     FormatError,
+    IncompleteCheckpointError,
     SizeMismatchError,
     TruncatedFileError,
 )
 from ..format import layout as fmt
 from ..format.transforms import StreamTransforms
 from ..io.mapped import MappedFile
-from ..storage.base import StoredFile
+from ..storage.base import CheckpointStorage, StoredFile
+from ..storage.commits import missing_shard_error
 from ..storage.local import LocalFile
 from .fetches import placeholder
 from .regions import read_region
 
-__all__ = ["Shard", "is_mmapckpt_shard", "encoded_bytes", "decode_entry"]
+__all__ = ["Shard", "is_mmapckpt_shard", "encoded_bytes", "decode_entry", "open_named", "shard_of", "check_reach"]
 
 
 def is_mmapckpt_shard(file: StoredFile) -> bool:
     """Whether the file starts with an mmapckpt shard's magic (else: a stock DCP shard)."""
     return file.size >= len(fmt.MAGIC) and bytes(file.read(0, len(fmt.MAGIC))) == fmt.MAGIC
+
+
+# --------------------------------------------------------------------------- the one way to open a DCP data file
+# Every reader of a DCP directory (ChunkFiles for open/load/convert/inspect, dcp/read_paths.FileReads for
+# MmapReader, tools/verify.py) opens its data files with these, so that the same damage is the same error.
+def open_named(storage: CheckpointStorage, rel: str, save_id: str | None, entry: str | None = None) -> StoredFile:
+    """Data file ``rel``, which the metadata of save ``save_id`` names, opened through ``storage``.
+
+    Raises:
+        IncompleteCheckpointError: the location lacks it (saying so where the checkpoint was replaced meanwhile).
+    """
+    try:
+        return storage.open_file(rel)
+    except IncompleteCheckpointError:
+        raise missing_shard_error(storage, storage.full(rel), save_id, entry) from None
+
+
+def shard_of(f: StoredFile, save_id: str | None, *, stock: bool = True, records: list[tuple[Any, ...]] | None = None,
+             check_entries: bool = False) -> "Shard | None":
+    """The mmapckpt shard ``f`` holds, written by save ``save_id``; None for a stock DCP file (``stock``: the
+    metadata is a stock one, whose files may be either). ``records``: the file's entries as the metadata places
+    them (see :meth:`Shard.agrees`), which spares decoding the header where it agrees. ``f`` is not closed here.
+
+    Raises:
+        IncompleteCheckpointError: a shard of another save (replaced meanwhile, or copied in from another).
+        FormatError: no valid shard (also a stock file where the metadata is mmapckpt's).
+    """
+    if stock and not is_mmapckpt_shard(f):
+        return None
+    shard = Shard(f, check_entries=check_entries)
+    if records is not None and shard.agrees(save_id, records):  # the usual case: no entry of the header decoded
+        return shard
+    sid = shard.save_id
+    if None not in (sid, save_id) and sid != save_id:
+        raise IncompleteCheckpointError(
+            f"shard was written by save {sid}, but the metadata belongs to save {save_id}: the checkpoint was "
+            "replaced while it was being loaded (load it again), or the file was copied in from another save",
+            path=shard.path)
+    return shard
+
+
+def check_reach(f: StoredFile, end: int, entry: str) -> None:
+    """Refuse a file that ends before byte ``end``, where the metadata's last record of it (``entry``) ends."""
+    if end > f.size:
+        raise TruncatedFileError(f"data runs past the end of the {f.size}-byte file: its records reach byte {end}",
+                                 path=f.path, entry=entry)
 
 
 class Shard:

@@ -12,9 +12,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from ..conversion.common import label, select_names
+from ..conversion.common import select_names
 from ..conversion.detect import open_source
-from ..errors import CheckpointError, IncompleteCheckpointError, TruncatedFileError
+from ..errors import CheckpointError
 from ..format import layout as fmt
 from ..conversion.progress import human_bytes
 from ..reading.shard import Shard
@@ -94,7 +94,8 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, keys: Sequence[str] | No
     """Describe the checkpoint at ``path`` (mmapckpt, stock DCP, safetensors or torch.save).
 
     Reads metadata and headers only (a local torch.save file is mapped, not read; one at a URL
-    is read whole, as its format has no index to read by).
+    is read whole, as its format has no index to read by), through the backend ``open`` reads the
+    checkpoint through: a missing, cut or foreign data file raises as it does there.
 
     Args:
         path: a checkpoint directory or file in any supported format, or a URL of a registered medium.
@@ -129,7 +130,6 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, keys: Sequence[str] | No
                                          len(item.chunks), n))
             else:
                 entries.append(EntrySummary(name, "bytes", None, None, 1, src.bytes_length(MetadataIndex(name))))
-        _check_files(src)
         return CheckpointInfo(os.fspath(path), src.kind, src.version, src.files, tuple(entries), src.user_metadata())
 
 
@@ -156,28 +156,6 @@ def _refuse_shard_file(path: str) -> None:
                           f"the other shards are in the directory's .metadata: inspect the checkpoint directory, "
                           f"`mmapckpt inspect {directory}` (or check it with `mmapckpt verify {directory}`)",
                           path=path)
-
-
-def _check_files(src: Any) -> None:
-    """A DCP checkpoint's files must exist and reach the end of every record they hold (sizes only).
-
-    ``inspect`` reads no data, but reporting a checkpoint with a missing or cut shard as whole
-    would mislead; ``verify`` checks everything.
-    """
-    storage = getattr(src.metadata, "storage_data", None)
-    if not storage or not hasattr(src, "storage"):  # DCP sources (conversion/sources.py) have storage records
-        return
-    for rel, indices in src.layout:
-        end = max((storage[i].offset + storage[i].length for i in indices), default=0)
-        try:
-            with src.storage.open_file(rel) as f:
-                size, full = f.size, f.path
-        except IncompleteCheckpointError as e:
-            raise IncompleteCheckpointError("shard file named in the metadata is missing; run `mmapckpt verify` "
-                                            "for every problem", path=e.path, entry=label(indices[0])) from None
-        if size < end:
-            raise TruncatedFileError(f"file is {size} bytes but its records reach byte {end}; run `mmapckpt verify` "
-                                     "for every problem", path=full)
 
 
 def format_table(info: CheckpointInfo) -> str:

@@ -21,6 +21,7 @@ warnings: they do not make the checkpoint unsound.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import re
@@ -45,7 +46,7 @@ from ..format.safetensors import entry_infos
 from ..format.transforms import StreamTransforms
 from ..conversion.progress import Progress, human_bytes
 from ..reading.safetensors_files import SafetensorsFile
-from ..reading.shard import Shard, check_size_unchanged, decode_entry
+from ..reading.shard import Shard, check_size_unchanged, decode_entry, open_named, shard_of
 from ..reading.torchfile import TorchSource, flat_torch_file, is_zip, torch_source
 from ..storage.base import CheckpointStorage
 from ..dcp.metadata import read_metadata
@@ -58,15 +59,21 @@ __all__ = ["Problem", "FileWarning", "VerifyReport", "verify_checkpoint"]
 
 @dataclass(frozen=True)
 class Problem:
-    """One defect: the file and entry concerned and what is wrong."""
+    """One defect: the file and entry concerned and what is wrong.
+
+    Attributes:
+        error: the name of the CheckpointError subclass that reading the checkpoint raises for it (``open``,
+            ``load``, ``dcp.load`` and ``convert`` raise the same class for the same damage).
+    """
 
     path: str
     entry: str | None
     message: str
+    error: str = "CheckpointError"
 
     @classmethod
     def of(cls, e: CheckpointError, path: str) -> "Problem":
-        return cls(e.path or path, e.entry, e.message)
+        return cls(e.path or path, e.entry, e.message, type(e).__name__)
 
     def __str__(self) -> str:
         where = self.path + (f": entry {self.entry!r}" if self.entry else "")
@@ -113,7 +120,8 @@ class VerifyReport:
         return {"path": self.path, "ok": self.ok, "checked": self.checked, "notes": self.notes,
                 "bytes_checked": self.bytes_checked,
                 "warnings": [{"path": w.path, "bytes": w.size, "message": w.message} for w in self.warnings],
-                "problems": [{"path": p.path, "entry": p.entry, "message": p.message} for p in self.problems]}
+                "problems": [{"path": p.path, "entry": p.entry, "message": p.message, "error": p.error}
+                             for p in self.problems]}
 
 
 def _label(idx: MetadataIndex) -> str:
@@ -255,7 +263,8 @@ def _verify_torch_files(place: Place, fmt: Format, report: VerifyReport, progres
             flat = _verify_torch(src, full, report, bar)
         for name in sorted(set(names or ()) - set(flat or ())) if flat is not None else ():
             report.problems.append(Problem(full, name, "the index puts this tensor in this file, but the file does "
-                                                       "not hold it (re-download or re-save the checkpoint)"))
+                                                       "not hold it (re-download or re-save the checkpoint)",
+                                           "FormatError"))
 
 
 def _verify_torch(src: TorchSource, p: str, report: VerifyReport, bar: Progress) -> dict[str, Any] | None:
@@ -282,7 +291,8 @@ def _verify_torch(src: TorchSource, p: str, report: VerifyReport, bar: Progress)
                         bar.advance(len(chunk))
                         report.bytes_checked += len(chunk)
             except Exception as e:  # noqa: BLE001 - zipfile's CRC, zlib and format errors: all a damaged member
-                report.problems.append(Problem(p, info.filename, f"zip member does not read back intact: {e}"))
+                report.problems.append(Problem(p, info.filename, f"zip member does not read back intact: {e}",
+                                           "ChecksumError"))
     if len(report.problems) == before:
         report.checked.append(f"{p}: zip archive: {count(members, 'member CRC-32')} match{'es' * (members == 1)} (torch.load itself does not "
                               "check them)")
@@ -320,14 +330,16 @@ def _check_coverage(p: str, md: Metadata, report: VerifyReport) -> None:
     for fqn, item in md.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             if MetadataIndex(fqn) not in md.storage_data:
-                report.problems.append(Problem(p, fqn, "non-tensor entry has no storage record (its data is missing)"))
+                report.problems.append(Problem(p, fqn, "non-tensor entry has no storage record (its data is missing)",
+                                               "FormatError"))
             continue
         for c in item.chunks:
             if MetadataIndex(fqn, c.offsets) not in md.storage_data:
-                report.problems.append(Problem(p, f"{fqn}@{list(c.offsets)}", "chunk has no storage record"))
+                report.problems.append(Problem(p, f"{fqn}@{list(c.offsets)}", "chunk has no storage record", "FormatError"))
     for idx in md.storage_data:
         if idx.fqn not in md.state_dict_metadata:
-            report.problems.append(Problem(p, _label(idx), "storage record for an entry the metadata does not list"))
+            report.problems.append(Problem(p, _label(idx), "storage record for an entry the metadata does not list",
+                                          "FormatError"))
     if len(report.problems) == before:
         report.checked.append("metadata: every chunk and non-tensor entry has a storage record; "
                               "chunks tile every tensor exactly, stored byte ranges shared only by tied weights")
@@ -348,40 +360,38 @@ def _expect(md: Metadata, idx: MetadataIndex,
 
 def _check_shard(storage: CheckpointStorage, rel: str, records: list[MetadataIndex], md: Metadata,
                  report: VerifyReport, bar: Progress) -> None:
+    """One shard file, opened as every reader opens it (reading/shard.py: present, of this save), every entry of
+    its header checked against the file and the metadata, and every checksum."""
     before = len(report.problems)
     full = storage.full(rel)
+    save_id = getattr(md.storage_meta, "save_id", None)
     try:
-        f = storage.open_file(rel)
-    except IncompleteCheckpointError:
+        f = open_named(storage, rel, save_id)
+    except CheckpointError as e:
         names = ", ".join(sorted(_label(i) for i in records)[:5]) + (", ..." if len(records) > 5 else "")
-        report.problems.append(Problem(full, None, f"shard file is missing; {count(len(records), 'entry')} lost ({names})"))
-        return
-    except CheckpointError as e:
-        report.problems.append(Problem.of(e, full))
-        return
-    try:
-        shard = Shard(f)
-    except CheckpointError as e:
-        f.close()
-        report.problems.append(Problem.of(e, full))
+        lost = f"; {count(len(records), 'entry')} lost ({names})" if isinstance(e, IncompleteCheckpointError) else ""
+        report.problems.append(dataclasses.replace(Problem.of(e, full), message=e.message + lost))
         return
     with f:
+        try:
+            shard = shard_of(f, save_id, stock=False, check_entries=True)
+        except CheckpointError as e:
+            report.problems.append(Problem.of(e, full))
+            return
+        assert shard is not None
         _check_entries(shard, full, rel, records, md, report, bar, before)
 
 
 def _check_entries(shard: Shard, full: str, rel: str, records: list[MetadataIndex], md: Metadata,
                    report: VerifyReport, bar: Progress, before: int) -> None:
-    save_id = getattr(md.storage_meta, "save_id", None)
-    if shard.header.save_id is not None and save_id is not None and shard.header.save_id != save_id:
-        report.problems.append(Problem(full, None, f"shard was written by save {shard.header.save_id}, the metadata "
-                                       f"by save {save_id}: a shard of another checkpoint was mixed in"))
     used, keys, sizes = set(), shard.header.by_key(), {}  # type: ignore[var-annotated]
     for idx in records:
         kind, dtype, shape = _expect(md, idx, sizes)
         info = md.storage_data[idx]
         e = keys.get((idx.fqn, None if kind == fmt.KIND_BYTES else tuple(idx.offset or ())))
         if e is None:
-            report.problems.append(Problem(full, _label(idx), "metadata names this entry but the shard header lacks it"))
+            report.problems.append(Problem(full, _label(idx), "metadata names this entry but the shard header lacks it",
+                                           "FormatError"))
             continue
         used.add(e.key)
         diffs = []
@@ -396,7 +406,7 @@ def _check_entries(shard: Shard, full: str, rel: str, records: list[MetadataInde
                          f"header says {list(e.transforms)}")
         elif kind == fmt.KIND_TENSOR and (e.dtype != dtype or e.shape != shape):
             diffs.append(f"metadata says {dtype} {list(shape or ())}, header says {e.dtype} {list(e.shape)}")
-        report.problems.extend(Problem(full, e.label, d) for d in diffs)
+        report.problems.extend(Problem(full, e.label, d, "FormatError") for d in diffs)
     for e in shard.header.entries:
         try:
             shard.verify(e)

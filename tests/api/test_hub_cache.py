@@ -230,3 +230,17 @@ def test_a_dcp_snapshot_refuses_a_shard_linked_to_another_repositorys_blob(tmp_p
         mmapckpt.load(snap)
     with pytest.raises(CheckpointError):
         convert(snap, str(tmp_path / "never"), to="safetensors")
+
+
+@pytest.mark.parametrize("kind", ["sharded", "dcp"])
+def test_mmapreader_reads_a_repository_root_as_its_snapshot(tmp_path, kind):
+    """``MmapReader(models--ORG--NAME)`` reads the snapshot ``refs/main`` names, as ``open``/``load`` do."""
+    import torch.distributed.checkpoint as dcp
+
+    snap = hub_repo(str(tmp_path / "hub"), "org--model", _files(tmp_path, kind))
+    root = os.path.dirname(os.path.dirname(snap))
+    want = _state()
+    _equal(mmapckpt.load(root), want)
+    targets = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(targets, storage_reader=mmapckpt.MmapReader(root), no_dist=True)
+    _equal(targets, want)

@@ -126,12 +126,13 @@ def test_saves_write_through_the_seam(medium, tmp_path) -> None:
 
 
 def test_open_reads_the_commit_once_and_the_shard_headers_only(medium, tmp_path) -> None:
-    """``open`` reads the metadata once (its kind from the first 8 bytes), each shard's magic and header, and
-    no tensor byte: what it reads through the seam is exactly that."""
+    """``open`` reads the metadata once (its kind from the first 8 bytes), each shard's preamble and header (the
+    shards of an mmapckpt commit are not probed for their magic first), and no tensor byte: what it reads through
+    the seam is exactly that."""
     path = str(tmp_path / "c")
     mmapckpt.save(_sd(), path)
     meta = os.path.getsize(os.path.join(path, ".metadata"))
-    headers = sum(8 + Shard(os.path.join(path, n)).data_start for n in os.listdir(path) if n.endswith(".distcp"))
+    headers = sum(Shard(os.path.join(path, n)).data_start for n in os.listdir(path) if n.endswith(".distcp"))
     with mmapckpt.open("unmapped://" + path) as f:
         assert medium[0] == 8 + meta + headers
         assert f.keys() == list(_sd())
