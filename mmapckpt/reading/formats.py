@@ -31,7 +31,7 @@ from ..storage.hub import hub_snapshot, is_hub_repository
 from ..storage.local import LocalStorage
 from .families import FORMATS
 from .hf_dirs import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, SAFETENSORS_SUFFIX, TORCH_INDEX, TORCH_SINGLE, Files,
-                      index_name, indexed_files, listed_safetensors)
+                      index_name, indexed_files)
 from .located import Place
 from .opened import Opened, open_dcp, open_safetensors, open_torch
 from .safetensors_files import is_safetensors_file
