@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..format.metadata import KIND_MMAPCKPT, METADATA_NAME, decode_built
 from ..format.metadata.stock import decode_stock
 from ..storage.base import CheckpointStorage
-from ..storage.local import LocalStorage
+from ..storage.location import storage_for
 from .records import lazy_dcp, to_dcp
 
 __all__ = ["decode_metadata", "decode_metadata_lazy", "decode_metadata_file", "read_metadata", "read_metadata_file"]
@@ -55,4 +55,4 @@ def read_metadata(storage: CheckpointStorage, name: str = METADATA_NAME, *, lazy
 def read_metadata_file(path: str | os.PathLike[str], *, lazy: bool = False) -> tuple[str, Metadata]:
     """:func:`read_metadata` of a local commit file's path."""
     d, name = os.path.split(os.fspath(path))
-    return read_metadata(LocalStorage(d or "."), name, lazy=lazy)
+    return read_metadata(storage_for(d or "."), name, lazy=lazy)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import CheckpointError, TruncatedFileError, UnsafePathError
 
-__all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "open_inside",
+__all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "open_inside", "opened_inside",
            "within", "is_cached", "unlink_quietly"]
 
 
@@ -91,6 +91,21 @@ def open_inside(directory: str, rel: str, *, links_into: str | None = None) -> s
         return full
     raise UnsafePathError(f"{rel!r} resolves to {full}, outside the checkpoint directory"
                           + (f" and outside its hub cache's {blobs}" if blobs else ""), path=directory)
+
+
+def opened_inside(fd: int, directory: str, rel: str, *, links_into: str | None = None) -> None:
+    """Check the file open on ``fd`` (opened by a path :func:`open_inside` gave) against the same rule, by
+    what the descriptor itself is (``/proc/self/fd``): a link swapped into the path between the check and
+    the open is refused, not followed. Where the kernel does not say, the path's check stands."""
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return
+    root = os.path.realpath(directory)
+    if within(root, real) or (links_into is not None and within(links_into, real)):
+        return
+    raise UnsafePathError(f"{rel!r} was opened as {real}, outside the checkpoint directory (a link changed while "
+                          "it was opened)", path=directory)
 
 
 def within(root: str, path: str) -> bool:

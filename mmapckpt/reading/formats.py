@@ -28,10 +28,10 @@ from typing import Any
 from ..errors import CheckpointNotFoundError
 from ..format.metadata import KIND_MMAPCKPT, METADATA_NAME
 from ..storage.hub import hub_snapshot, is_hub_repository
-from ..storage.local import LocalStorage
 from .families import FORMATS
 from .hf_dirs import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, SAFETENSORS_SUFFIX, TORCH_INDEX, TORCH_SINGLE, Files,
                       index_name, indexed_files)
+from ..storage.location import storage_for
 from .located import Place
 from .opened import Opened, open_dcp, open_safetensors, open_torch
 from .safetensors_files import is_safetensors_file
@@ -141,7 +141,7 @@ class Format:
 def _hub_snapshot(place: Place) -> Place:
     snap = hub_snapshot(place.path)
     assert snap is not None
-    return Place(snap, LocalStorage(snap), None, True)
+    return Place(snap, storage_for(snap), None, True)
 
 
 def _safetensors_dir_files(place: Place) -> tuple[Files, str | None]:

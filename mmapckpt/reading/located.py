@@ -24,7 +24,7 @@ from ..errors import CheckpointNotFoundError
 from ..io.files import open_inside
 from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.hub import hub_blobs
-from ..storage.local import LocalFile, LocalStorage
+from ..storage.local import LocalFile
 from ..storage.location import is_url, storage_for
 
 __all__ = ["Place", "locate", "split_url"]
@@ -99,9 +99,9 @@ class Place(NamedTuple):
             rel = self.name
             if rel is None:
                 raise IsADirectoryError(self.path)
-        if self.local:
+        if self.local and rel == self.name:  # a file named by the caller: opened as the file system resolves it
             return LocalFile(self.full(rel))
-        return self.storage.open_file(rel)
+        return self.storage.open_file(rel)  # a name inside the directory: the storage keeps it inside
 
 
 def locate(location: str | os.PathLike[str], *, options: Mapping[str, Any] | None = None) -> Place:
@@ -116,13 +116,13 @@ def locate(location: str | os.PathLike[str], *, options: Mapping[str, Any] | Non
     p = os.fspath(location)
     if not is_url(p):
         if os.path.isdir(p):
-            return Place(p, LocalStorage(p), None, True)
+            return Place(p, storage_for(p), None, True)
         if not os.path.exists(p):
             raise CheckpointNotFoundError("no such file or directory", path=p)
         if not os.path.isfile(p):
             raise CheckpointNotFoundError("not a checkpoint file or directory", path=p)
         parent = os.path.dirname(p) or "."
-        return Place(p, LocalStorage(parent), os.path.basename(p), True, parent)
+        return Place(p, storage_for(parent), os.path.basename(p), True, parent)
     storage = storage_for(p, options=options)
     if storage.is_location():
         return Place(p, storage, None, False)

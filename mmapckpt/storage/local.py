@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, TruncatedFileError
-from ..io.files import atomic_write, fsync_dir, open_inside, pread_into, pwrite_all, unlink_quietly
+from ..io.files import atomic_write, fsync_dir, open_inside, opened_inside, pread_into, pwrite_all, unlink_quietly
 from .hub import hub_blobs
 from ..io.mapped import MappedFile, open_regular
 from ..io.odirect import DirectWriter, open_direct
@@ -157,7 +157,14 @@ class LocalStorage(CheckpointStorage):
         return os.path.isdir(self.location)
 
     def open_file(self, name: str) -> LocalFile:
-        return LocalFile(open_inside(self.location, name, links_into=hub_blobs(os.path.realpath(self.location))))
+        blobs = hub_blobs(os.path.realpath(self.location))
+        f = LocalFile(open_inside(self.location, name, links_into=blobs))
+        try:
+            opened_inside(f.fd, self.location, name, links_into=blobs)  # the file opened, not only its path
+        except BaseException:
+            f.close()
+            raise
+        return f
 
     def list(self) -> list[str]:
         try:
