@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import mmapckpt
+from mmapckpt.bench.system import evict
 from mmapckpt.io import read_choice
 from mmapckpt.io.read_choice import STREAM, Strategy
 
@@ -47,7 +48,8 @@ def _big() -> list[tuple[int, int]]:
 def _plan_in_new_process(device: int) -> list[list]:
     code = textwrap.dedent(f"""
         import json
-        from mmapckpt.io import read_choice
+        from mmapckpt.bench.system import evict
+from mmapckpt.io import read_choice
         read_choice.cache_room = lambda: 0  # a read larger than memory: every candidate counts
         ranges = {_big()!r}
         print(json.dumps([[s.strategy.name, s.trial] for s in read_choice.plan({device}, ranges)]))
@@ -121,16 +123,8 @@ def test_o_direct_is_a_candidate_only_for_reads_larger_than_the_page_cache(monke
 
 
 def _evict(directory: str) -> list[str]:
-    files = []
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        files.append(path)
+    files = [os.path.join(directory, n) for n in sorted(os.listdir(directory))]
+    evict(files)
     return files
 
 
