@@ -48,8 +48,7 @@ def _big() -> list[tuple[int, int]]:
 def _plan_in_new_process(device: int) -> list[list]:
     code = textwrap.dedent(f"""
         import json
-        from mmapckpt.bench.system import evict
-from mmapckpt.io import read_choice
+        from mmapckpt.io import read_choice
         read_choice.cache_room = lambda: 0  # a read larger than memory: every candidate counts
         ranges = {_big()!r}
         print(json.dumps([[s.strategy.name, s.trial] for s in read_choice.plan({device}, ranges)]))
