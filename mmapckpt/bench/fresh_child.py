@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+__all__ = ["main"]
+
 StateDict = dict[str, torch.Tensor]
 #: The reads of the ``read`` limit (the size of the in-process bench's sequential limit).
 _CHUNK = 64 << 20
