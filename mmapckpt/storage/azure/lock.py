@@ -201,7 +201,10 @@ class BlobLeaseLock(Lock):
             lease, self._lease = self._lease, None
             if lease is None or self.lost:
                 return
-            try:
-                lease.release()
-            except Exception as e:  # left behind, it expires within its lease
-                _log.debug("releasing the save lock %s: %s", self.url, error_code(e) or e)
+            try:  # delete it under the lease (only the holder can), as S3's lock object is removed
+                self.blob.delete_blob(lease=lease)
+            except Exception:
+                try:
+                    lease.release()
+                except Exception as e:  # left behind, it expires within its lease
+                    _log.debug("releasing the save lock %s: %s", self.url, error_code(e) or e)

@@ -168,7 +168,8 @@ def _make_client(opts: AzureOptions, container: str, url: str) -> Any:
                               "read_timeout": opts.read_timeout,
                               # shards carry their own CRC-32s: one request per part, no client-side chunking
                               "max_single_get_size": opts.part_size, "max_chunk_get_size": opts.part_size,
-                              "max_single_put_size": 64 * MiB, "max_block_size": opts.upload_part_size}
+                              "max_single_put_size": 64 * MiB, "max_block_size": opts.upload_part_size,
+                              "transport": _transport(opts)}
     if opts.connection_string:
         return blob.ContainerClient.from_connection_string(opts.connection_string, container, **common)
     account_url = opts.account_url
@@ -188,6 +189,18 @@ def _make_client(opts: AzureOptions, container: str, url: str) -> Any:
     elif not opts.anon:
         credential = _default_credential(url)
     return blob.ContainerClient(account_url, container, credential=credential, **common)
+
+
+def _transport(opts: AzureOptions) -> Any:
+    """azure-core's requests transport with a connection pool for every request in flight (its default keeps 10)."""
+    import requests
+    from azure.core.pipeline.transport import RequestsTransport
+    session = requests.Session()
+    size = max(opts.concurrency, opts.upload_concurrency) * 2 + 4
+    adapter = requests.adapters.HTTPAdapter(pool_connections=size, pool_maxsize=size)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return RequestsTransport(session=session, session_owner=True)
 
 
 def _account_of(account_url: str) -> str:
