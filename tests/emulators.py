@@ -92,7 +92,7 @@ class _Child:
             return
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(10)
+            proc.wait(2)  # state is in memory or in a temp dir: nothing to flush (Azurite lingers ~10 s on keep-alives)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
