@@ -37,6 +37,12 @@ def _azure(url: str, options: Mapping[str, Any]) -> CheckpointStorage:
     return AzureStorage(url, options)
 
 
+def _gcs(url: str, options: Mapping[str, Any]) -> CheckpointStorage:
+    """``gs://BUCKET/PREFIX``: the ``gcs`` extra's google-cloud-storage, imported on first use."""
+    from .gcs.storage import GCSStorage
+    return GCSStorage(url, options)
+
+
 #: scheme -> the storage of a URL of that scheme
 _SCHEMES: dict[str, StorageFactory] = {"s3": _s3}
 
@@ -79,5 +85,5 @@ def storage_for(location: str | os.PathLike[str], *, error: type[CheckpointError
 
 
 # the media of this package, served through the public extension point as any other would be
-for _scheme, _factory in (("az", _azure), ("abfs", _azure)):
+for _scheme, _factory in (("az", _azure), ("abfs", _azure), ("gs", _gcs)):
     register_scheme(_scheme, _factory)
