@@ -69,9 +69,17 @@ def az_media(azurite) -> Iterator[Locations]:
         azurite.delete_container(container)
 
 
+@pytest.fixture
+def gs_media(gcs_emulator) -> Iterator[Locations]:
+    bucket = gcs_emulator.new_bucket("contract")
+    # the emulator ignores generation preconditions: its lock is advisory (docs/object-storage.md)
+    options = {**gcs_emulator.options(), "lock_wait": 1, "require_preconditions": False}
+    yield lambda: storage_for(f"gs://{bucket}/{uuid.uuid4().hex}", options=options)
+
+
 #: medium -> the fixture yielding its locations; a new medium adds its own here
-_MEDIA = {"local": "local_media", "unmapped": "unmapped_media", "s3": "s3_media", "az": "az_media"}
-_MARKS = {"s3": [pytest.mark.s3], "az": [pytest.mark.azure]}
+_MEDIA = {"local": "local_media", "unmapped": "unmapped_media", "s3": "s3_media", "az": "az_media", "gs": "gs_media"}
+_MARKS = {"s3": [pytest.mark.s3], "az": [pytest.mark.azure], "gs": [pytest.mark.gcs]}
 
 
 @pytest.fixture(params=[pytest.param(m, marks=_MARKS.get(m, [])) for m in _MEDIA])

@@ -45,8 +45,11 @@ def storage_error(e: BaseException, url: str, *, what: str, entry: str | None = 
     """The CheckpointError for ``e`` raised while doing ``what`` on ``url``."""
     if isinstance(e, CheckpointError):
         return e
+    import google.api_core.exceptions as api
     import google.auth.exceptions as auth
     import requests
+    if isinstance(e, api.RetryError) and e.cause is not None:  # the retries ran out: judge by the last failure
+        e = e.cause
     st = status(e)
     if isinstance(e, auth.DefaultCredentialsError):
         return StorageAccessError(f"{what}: no Google credentials (set GOOGLE_APPLICATION_CREDENTIALS to a service "

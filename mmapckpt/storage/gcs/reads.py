@@ -24,14 +24,17 @@ class ObjectReads(RangedReads):
     pool_name = "gs"
 
     def __init__(self, bucket: Any, key: str, generation: int | None, size: int, url: str, part_size: int,
-                 concurrency: int, on_fetch: Callable[[int, int], None] | None = None) -> None:
+                 concurrency: int, on_fetch: Callable[[int, int], None] | None = None, *, retry: Any = None,
+                 timeout: float = 60.0) -> None:
         super().__init__(size, url, part_size, concurrency, on_fetch)
         self.bucket, self.key, self.generation = bucket, key, generation
+        self.retry, self.timeout = retry, timeout
 
     def _fetch(self, start: int, length: int, into: Into, entry: str | None) -> None:
         blob = self.bucket.blob(self.key, generation=self.generation)
         try:
-            blob.download_to_file(into, start=start, end=start + length - 1, raw_download=True, checksum=None)
+            blob.download_to_file(into, start=start, end=start + length - 1, raw_download=True, checksum=None,
+                                  **({"retry": self.retry} if self.retry is not None else {}), timeout=self.timeout)
         except Exception as e:
             if is_missing(e) or is_precondition_failed(e):
                 raise IncompleteCheckpointError("the object was replaced or removed while it was being read (a later "

@@ -59,7 +59,8 @@ class GCSFile(StoredFile):
         self.ident = (blob.generation, blob.updated)
         self._first: bytearray | None = None
         self._reads = ObjectReads(storage.bucket, storage.key(name), blob.generation, self.size, self.path,
-                                  storage.opts.part_size, storage.opts.concurrency, storage.stats.add)
+                                  storage.opts.part_size, storage.opts.concurrency, storage.stats.add,
+                                  retry=storage.retry, timeout=storage.opts.timeout)
 
     def read_into(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
         mv = memoryview(buf).cast("B")
@@ -88,7 +89,8 @@ class GCSStorage(CheckpointStorage):
         self.opts = GCSOptions.of(options)
         self.client = client_for(self.opts, self.location)
         self.bucket = self.client.bucket(self.bucket_name)
-        self.retry = Retry(timeout=self.opts.timeout * (self.opts.retries + 1))
+        # google's retries are bounded by time, not count: ``retries`` more request timeouts at most
+        self.retry = Retry(initial=0.1, maximum=5.0, timeout=self.opts.timeout * self.opts.retries or 0.001)
         self.stats = _Stats()
         self._held: GenerationLock | None = None
         self._versions: dict[str, int] = {}
@@ -107,7 +109,7 @@ class GCSStorage(CheckpointStorage):
     def _blob(self, name: str) -> Any:
         blob = self.bucket.blob(self.key(name))
         try:
-            blob.reload(timeout=self.opts.timeout)
+            blob.reload(timeout=self.opts.timeout, retry=self.retry)
         except Exception as e:
             if is_missing(e) and self._bucket_exists():
                 return None
@@ -116,7 +118,7 @@ class GCSStorage(CheckpointStorage):
 
     def _bucket_exists(self) -> bool:
         try:
-            return bool(self.bucket.exists(timeout=self.opts.timeout))
+            return bool(self.bucket.exists(timeout=self.opts.timeout, retry=self.retry))
         except Exception as e:
             raise storage_error(e, self.location, what="looking for the bucket") from e
 
@@ -128,7 +130,8 @@ class GCSStorage(CheckpointStorage):
 
     def is_location(self) -> bool:
         try:
-            return any(True for _ in self.client.list_blobs(self.bucket_name, prefix=self._dir(), max_results=1))
+            return any(True for _ in self.client.list_blobs(self.bucket_name, prefix=self._dir(), max_results=1,
+                                                              retry=self.retry))
         except Exception as e:
             err = storage_error(e, self.location, what="listing the checkpoint")
             if isinstance(err, CheckpointNotFoundError):
@@ -144,7 +147,8 @@ class GCSStorage(CheckpointStorage):
     def list(self) -> list[str]:
         d = self._dir()
         try:
-            names = [b.name[len(d):] for b in self.client.list_blobs(self.bucket_name, prefix=d, delimiter="/")]
+            names = [b.name[len(d):] for b in self.client.list_blobs(self.bucket_name, prefix=d, delimiter="/",
+                                                                                  retry=self.retry)]
         except Exception as e:
             err = storage_error(e, self.location, what="listing the checkpoint")
             if isinstance(err, CheckpointNotFoundError):
