@@ -175,3 +175,15 @@ def test_credentials_are_never_shown(azurite, az_container):
         reader, writer = MmapReader(url, storage_options=options), MmapWriter(url, storage_options=options)
         for shown in (repr(reader), repr(writer), repr(reader.storage.opts), str(reader.storage_options)):
             assert AZURITE_KEY[:12] not in shown and "SECRETSIG" not in shown, shown
+
+
+def test_a_blob_replaced_while_open_is_never_read_mixed(az_env, az_container):
+    from mmapckpt import IncompleteCheckpointError
+    url = f"az://{az_container}/replaced"
+    storage = storage_for(url)
+    storage.prepare()
+    storage.commit("data.bin", bytes(range(256)) * 1024, sync=True)
+    with storage.open_file("data.bin") as f:
+        storage_for(url).commit("data.bin", bytes(256 * 1024), sync=True)  # another version under the name
+        with pytest.raises(IncompleteCheckpointError, match="changed while it was being read"):
+            f.read_into(100 << 10, bytearray(1000))
