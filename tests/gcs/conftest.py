@@ -19,9 +19,6 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "s3"))
 
-#: the emulator's options, 1 MiB GETs and parts so that a small state dict is several of each
-OPTIONS = {"require_preconditions": False, "part_size": 1 << 20, "upload_part_size": 1 << 20}
-
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

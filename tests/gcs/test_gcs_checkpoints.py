@@ -11,7 +11,6 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import OPTIONS
 from s3_data import assert_same, complement, state_dict
 
 import mmapckpt
@@ -19,6 +18,10 @@ from mmapckpt import CheckpointNotFoundError, CheckpointWriteError, MmapReader, 
 from mmapckpt.storage import storage_for
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+#: the emulator ignores generation preconditions (test_gcs_emulator_features.py): an advisory lock; 1 MiB GETs and
+#: parts, so that the state dict is composed from many parts and read in many requests
+OPTIONS = {"require_preconditions": False, "part_size": 1 << 20, "upload_part_size": 1 << 20}
 
 
 def _objects(bucket: str, prefix: str) -> list[str]:

@@ -114,6 +114,11 @@ class BlobLeaseLock(Lock):
                                                       match_condition=MatchConditions.IfNotModified)
             except Exception as e:
                 if is_conflict(e) or is_missing(e):  # another contender was first (or a lease is breaking)
+                    if time.monotonic() >= deadline + 60:  # past any lease or break period: give up, saying so
+                        raise CheckpointWriteError(
+                            f"could not take this location's lock ({LOCK_NAME}): other saves kept taking it or its "
+                            f"lease kept breaking for lock_wait={self.wait:g} s and a minute more; try again",
+                            path=self.url) from None
                     time.sleep(0.05)
                     continue
                 raise write_error(e, self.url, what="taking the save lock") from e
