@@ -6,7 +6,7 @@ built from them carries a credential:
 
 - a secret (``secret``, ``token``, ``aws_secret_access_key``, ``aws_session_token``, and any option
   whose name says password, secret, token, credential, signature, or is a key other than the
-  access key id: ``api_key``, ``account_key``, ...): ``'***'``, nothing of it, not even its length;
+  access key id: ``api_key``, ``account_key``, ..., and an Azure ``connection_string``): ``'***'``, nothing of it, not even its length;
 - the access key id (``key``, ``aws_access_key_id``): asterisks and its last four characters
   (``'****MPLE'``), as ``aws configure list`` shows it; only asterisks where the id is shorter than
   16 characters (AWS key ids have 20). AWS does not count the id as a secret, but it is half of the
@@ -28,6 +28,8 @@ __all__ = ["StorageOptions", "redacted", "redact_value"]
 MASK = "***"
 _KEY_IDS = frozenset({"key", "aws_access_key_id", "access_key_id", "access_key"})
 _SECRET_WORDS = re.compile(r"secret|token|passw|credential|signature|key|sas|auth", re.IGNORECASE)
+#: options that carry a secret although their names say none (an Azure connection string holds the account key)
+_SECRET_NAMES = frozenset({"connection_string", "conn_str"})
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):[^/@\s]*@")
 #: key ids shorter than this are shown as asterisks only (four characters of a short id would be much of it)
 _SHOWN_FROM = 16
@@ -43,7 +45,7 @@ def redact_value(name: str, value: Any) -> Any:
     if lowered in _KEY_IDS:
         text = str(value)
         return "****" + text[-4:] if len(text) >= _SHOWN_FROM else "****"
-    if _SECRET_WORDS.search(lowered):
+    if _SECRET_WORDS.search(lowered) or lowered in _SECRET_NAMES:
         return MASK
     if isinstance(value, str):
         return _URL_PASSWORD.sub(lambda m: f"{m['head']}:{MASK}@", value)

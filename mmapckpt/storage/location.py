@@ -31,6 +31,18 @@ def _s3(url: str, options: Mapping[str, Any]) -> CheckpointStorage:
     return S3Storage(url, options)
 
 
+def _azure(url: str, options: Mapping[str, Any]) -> CheckpointStorage:
+    """``az://CONTAINER/PREFIX`` (and ``abfs://``): the ``azure`` extra's azure-storage-blob, imported on first use."""
+    from .azure.storage import AzureStorage
+    return AzureStorage(url, options)
+
+
+def _gcs(url: str, options: Mapping[str, Any]) -> CheckpointStorage:
+    """``gs://BUCKET/PREFIX``: the ``gcs`` extra's google-cloud-storage, imported on first use."""
+    from .gcs.storage import GCSStorage
+    return GCSStorage(url, options)
+
+
 #: scheme -> the storage of a URL of that scheme
 _SCHEMES: dict[str, StorageFactory] = {"s3": _s3}
 
@@ -70,3 +82,8 @@ def storage_for(location: str | os.PathLike[str], *, error: type[CheckpointError
                     "one). Copy the checkpoint to a local disk or one of those, or mount the storage and pass "
                     "that path", path=s)
     return LocalStorage(s)
+
+
+# the media of this package, served through the public extension point as any other would be
+for _scheme, _factory in (("az", _azure), ("abfs", _azure), ("gs", _gcs)):
+    register_scheme(_scheme, _factory)

@@ -60,11 +60,29 @@ def s3_media(s3_server: s3server.RadosGW) -> Iterator[Locations]:
         s3_server.empty_and_delete_bucket(bucket)
 
 
+@pytest.fixture
+def az_media(azurite) -> Iterator[Locations]:
+    container = azurite.new_container("contract")
+    try:
+        yield lambda: storage_for(f"az://{container}/{uuid.uuid4().hex}", options={**azurite.options(), "lock_wait": 1})
+    finally:
+        azurite.delete_container(container)
+
+
+@pytest.fixture
+def gs_media(gcs_emulator) -> Iterator[Locations]:
+    bucket = gcs_emulator.new_bucket("contract")
+    # the emulator ignores generation preconditions: its lock is advisory (docs/object-storage.md)
+    options = {**gcs_emulator.options(), "lock_wait": 1, "require_preconditions": False}
+    yield lambda: storage_for(f"gs://{bucket}/{uuid.uuid4().hex}", options=options)
+
+
 #: medium -> the fixture yielding its locations; a new medium adds its own here
-_MEDIA = {"local": "local_media", "unmapped": "unmapped_media", "s3": "s3_media"}
+_MEDIA = {"local": "local_media", "unmapped": "unmapped_media", "s3": "s3_media", "az": "az_media", "gs": "gs_media"}
+_MARKS = {"s3": [pytest.mark.s3], "az": [pytest.mark.azure], "gs": [pytest.mark.gcs]}
 
 
-@pytest.fixture(params=[pytest.param(m, marks=[pytest.mark.s3] if m == "s3" else []) for m in _MEDIA])
+@pytest.fixture(params=[pytest.param(m, marks=_MARKS.get(m, [])) for m in _MEDIA])
 def new(request: pytest.FixtureRequest) -> Locations:
     """A factory of fresh, empty locations of the medium under test."""
     return request.getfixturevalue(_MEDIA[request.param])
