@@ -166,6 +166,17 @@ class S3Storage(CheckpointStorage):
     def exists(self, name: str) -> bool:
         return self._head(name) is not None
 
+    def version(self, name: str) -> tuple[int, Any] | None:
+        """``(size, identity)`` of object ``name`` as :attr:`S3File.ident` names it (ETag, Last-Modified), or None
+        where there is none: one HEAD, no body (the local cache asks it at every open: storage/cache/)."""
+        try:
+            h = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+        except Exception as e:
+            if is_missing(e):
+                return None
+            raise storage_error(e, self.full(name), what="looking up the object") from e
+        return int(h["ContentLength"]), (h.get("ETag"), h.get("LastModified"))
+
     def is_location(self) -> bool:
         try:
             r = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._dir(), MaxKeys=1)
