@@ -41,6 +41,7 @@ from .lock import LOCK_NAME, S3Lock, put_if
 from .options import S3Options, client_for, parse_url
 from .reads import ObjectReads
 from .uploads import S3Output
+from .versions import ObjectVersions
 
 __all__ = ["S3Storage", "S3File", "TransferStats"]
 
@@ -94,7 +95,7 @@ class S3File(StoredFile):
         self._reads.read(fetches, entry)
 
 
-class S3Storage(CheckpointStorage):
+class S3Storage(ObjectVersions, CheckpointStorage):
     """The checkpoint at ``s3://BUCKET/PREFIX`` (see the module docstring)."""
 
     can_map = False
@@ -165,17 +166,6 @@ class S3Storage(CheckpointStorage):
 
     def exists(self, name: str) -> bool:
         return self._head(name) is not None
-
-    def version(self, name: str) -> tuple[int, Any] | None:
-        """``(size, identity)`` of object ``name`` as :attr:`S3File.ident` names it (ETag, Last-Modified), or None
-        where there is none: one HEAD, no body (the local cache asks it at every open: storage/cache/)."""
-        try:
-            h = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
-        except Exception as e:
-            if is_missing(e):
-                return None
-            raise storage_error(e, self.full(name), what="looking up the object") from e
-        return int(h["ContentLength"]), (h.get("ETag"), h.get("LastModified"))
 
     def is_location(self) -> bool:
         try:
