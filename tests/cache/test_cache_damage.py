@@ -15,6 +15,7 @@ from s3_data import GetCounter, assert_same, state_dict
 
 import mmapckpt
 from mmapckpt.errors import ChecksumError
+from mmapckpt.storage.cache import entry
 from mmapckpt.storage.cache.entry import RECORD, Entry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,9 +91,17 @@ def test_a_fetch_killed_half_way_is_never_served(env, bucket, cache):
     assert not any(".tmp-" in n for n in os.listdir(shard.dir))  # the leftover removed by the next fetch
 
 
-def test_bytes_failing_their_crc_on_arrival_are_never_cached(env, bucket, cache, s3_server, tmp_path):
+@pytest.mark.parametrize("window", [None, (1 << 20) + 7])
+def test_bytes_failing_their_crc_on_arrival_are_never_cached(env, bucket, cache, s3_server, tmp_path, monkeypatch,
+                                                             window):
+    if window is not None:  # entries split across windows: each CRC-32 carried from window to window
+        monkeypatch.setattr(entry, "_WINDOW", window)
     sd, local = _sd(3), tmp_path / "local"
     mmapckpt.save(sd, local)
+    good = f"s3://{bucket}/good"
+    mmapckpt.save(sd, good)
+    assert_same(mmapckpt.load(good, storage_options={"cache_dir": cache}), sd, "intact: ")
+    assert Entry(cache, f"{good}/__0_0.distcp").read_record()["check"] == "crc32"
     data = bytearray((local / "__0_0.distcp").read_bytes())
     data[len(data) // 2] ^= 0x10  # a bit of the 12 MiB entry
     client = s3_server.client()

@@ -32,13 +32,14 @@ import mmap
 import os
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
 from ...io.files import atomic_write, unlink_quietly
 from ..base import CheckpointStorage
 from ..local import LocalFile
-from .check import CRC32, check_copy
+from .check import CRC32, Checker, check_copy
 
 __all__ = ["Entry", "CachedFile", "ident_of", "LOCK", "RECORD"]
 
@@ -46,6 +47,8 @@ LOCK, RECORD = "#lock", "#record"
 #: A file's first 64 KiB are read on their own, in two small reads: the S3 medium serves reads shorter than
 #: that from the GET that opened the object (it keeps its first 64 KiB), so a fetch asks for each byte once.
 _FIRST = 64 << 10
+#: The rest is fetched in windows of this many bytes, this many in flight; each window is checked when it is in.
+_WINDOW, _AHEAD = 64 << 20, 3
 
 
 def ident_of(size: int, ident: Any) -> list[Any]:
@@ -183,10 +186,13 @@ class Entry:
 
 def _fill(fd: int, rf: Any, url: str) -> str:
     """Read the whole of the remote file ``rf`` into the new file ``fd`` through a shared mapping (the medium's
-    reads land in the page cache), then check it (check.py); how it was checked."""
+    reads land in the page cache), checked as it arrives (check.py: the CRC-32 of each window while the next ones
+    are fetched); how it was checked."""
     size = rf.size
+    checker = Checker(url, size)
     if not size:
-        return check_copy(b"", url)
+        checker.start(b"")
+        return checker.finish()
     os.posix_fallocate(fd, 0, size)  # no room: an OSError here, never a SIGBUS on a write into the mapping
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     mv = None
@@ -195,12 +201,31 @@ def _fill(fd: int, rf: Any, url: str) -> str:
         first = min(size, _FIRST)
         rf.read_into(0, mv[:first // 2])
         rf.read_into(first // 2, mv[first // 2:first])
-        if size > first:
-            rf.read_batch([(first, mv[first:])])
-        return check_copy(mv, url)
+        head = max(first, checker.needs(mv[:first]))
+        if head > first:  # a shard header longer than the first bytes
+            rf.read_batch([(first, mv[first:head])])
+        checker.start(mv[:head])
+        _fetch_checked(rf, mv, head, checker)
+        return checker.finish()
     finally:
         del mv
         try:
             mm.close()
         except BufferError:  # a view still held by a failed read's traceback: closed when collected
             pass
+
+
+def _fetch_checked(rf: Any, mv: memoryview, start: int, checker: Checker) -> None:
+    """Fetch ``[start, end)`` of ``rf`` into ``mv`` in windows, ``_AHEAD`` in flight, feeding each to ``checker``
+    in order as it completes (the check runs while the next windows arrive)."""
+    windows = [(o, min(o + _WINDOW, len(mv))) for o in range(start, len(mv), _WINDOW)]
+    with ThreadPoolExecutor(_AHEAD, thread_name_prefix="mmapckpt-cache") as pool:
+        futures = [pool.submit(rf.read_batch, [(a, mv[a:b])]) for a, b in windows]
+        try:
+            for (a, b), fut in zip(windows, futures):
+                fut.result()
+                checker.feed(a, mv[a:b])
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
