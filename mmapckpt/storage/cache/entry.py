@@ -31,13 +31,13 @@ import json
 import mmap
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
 from ...io.files import atomic_write, unlink_quietly
-from ..base import CheckpointStorage
+from ..base import CheckpointStorage, StoredFile
 from ..local import LocalFile
 from .check import CRC32, Checker, check_copy
 
@@ -155,8 +155,9 @@ class Entry:
         finally:
             os.close(fd)
 
-    def fetch(self, remote: CheckpointStorage, name: str) -> list[Any]:
-        """Fetch file ``name`` of ``remote`` into the entry (``#lock`` held), check it, put it in place; its version.
+    def fetch(self, remote: CheckpointStorage, name: str, version_of: Callable[[StoredFile], list[Any]]) -> list[Any]:
+        """Fetch file ``name`` of ``remote`` into the entry (``#lock`` held), check it, put it in place; its version
+        (``version_of`` the remote file opened).
 
         Raises:
             CheckpointError: the medium's read failed, or the bytes fetched failed their check (nothing cached).
@@ -166,7 +167,7 @@ class Entry:
             if ".tmp-" in n:
                 unlink_quietly(os.path.join(self.dir, n))
         with remote.open_file(name) as rf:
-            version = ident_of(rf.size, rf.ident)
+            version = version_of(rf)
             tmp = f"{self.data}.tmp-{os.getpid()}"
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:

@@ -49,6 +49,8 @@ class CachedStorage(CheckpointStorage):
         # the version of each file found at this storage's first look (one storage serves one load, as the
         # medium's own storage keeps what it found: storage/s3/storage.py)
         self._versions: dict[str, list[Any] | None] = {}
+        self._listed: dict[str, Any] | None = None
+        self._writing = False  # once it writes, it asks the medium itself (listings with uploads in progress)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name in ("remote", "settings"):
@@ -59,30 +61,51 @@ class CachedStorage(CheckpointStorage):
         return self.remote.full(name)
 
     def _version(self, name: str) -> list[Any] | None:
+        """The version of file ``name``: from the medium's one listing where it has one (S3: ``versions``, the
+        objects' sizes and ETags), else one look at the file (a HEAD: ``version``; else opening it)."""
         if name in self._versions:
             return self._versions[name]
-        ask = getattr(self.remote, "version", None)
-        if ask is not None:
-            found = ask(name)
-            version = None if found is None else ident_of(*found)
-        else:
-            try:
-                with self.remote.open_file(name) as f:
-                    version = ident_of(f.size, f.ident)
-            except IncompleteCheckpointError:
-                version = None
+        listed = self._listing()
+        found: Any = None if listed is None else listed.get(name)
+        if found is None:
+            ask = getattr(self.remote, "version", None)
+            if ask is not None:
+                found = ask(name)
+            else:
+                try:
+                    with self.remote.open_file(name) as f:
+                        found = (f.size, f.ident)
+                except IncompleteCheckpointError:
+                    found = None
+        version = None if found is None else ident_of(*found)
         self._versions[name] = version
         return version
+
+    def _listing(self) -> dict[str, Any] | None:
+        """``{name: (size, version)}`` of the location's files from one listing (None: the medium has none)."""
+        if self._listed is None and not self._writing:
+            ask = getattr(self.remote, "versions", None)
+            if ask is None:
+                return None
+            self._listed = ask()
+        return self._listed
+
+    def _version_of(self, f: StoredFile) -> list[Any]:
+        of = getattr(self.remote, "version_of", None)
+        return ident_of(*(of(f) if of is not None else (f.size, f.ident)))
 
     # ------------------------------------------------------------------ reading
     def exists(self, name: str) -> bool:
         return self._version(name) is not None
 
     def is_location(self) -> bool:
-        return self.remote.is_location()
+        return bool(self._listing()) or self.remote.is_location()
 
     def list(self) -> list[str]:
-        return self.remote.list()
+        """The medium's listing; while only reading, the names of the one listing the versions came from (objects
+        only: a killed save's uploads in progress, which only a save removes, are not asked for)."""
+        listed = self._listing()
+        return self.remote.list() if listed is None or self._writing else sorted(listed)
 
     def open_file(self, name: str) -> StoredFile:
         version = self._version(name)
@@ -96,7 +119,7 @@ class CachedStorage(CheckpointStorage):
             with entry.locked():
                 f = entry.open_hit(version)  # fetched meanwhile by the process this one waited for
                 if f is None:
-                    version = self._versions[name] = entry.fetch(self.remote, name)
+                    version = self._versions[name] = entry.fetch(self.remote, name, self._version_of)
                     self.fetched.append(name)
                     f = entry.open_hit(version)  # under the entry's lock: not evicted before it is open
         except OSError as e:
@@ -110,30 +133,37 @@ class CachedStorage(CheckpointStorage):
         return f
 
     # ------------------------------------------------------------------ writing: the medium's
+    def _written(self, names: Iterable[str] = ()) -> None:
+        self._writing, self._listed = True, None
+        for n in names:
+            self._versions.pop(n, None)
+
     def prepare(self) -> None:
+        self._written()
         self.remote.prepare()
 
     def create_file(self, name: str, size: int | None, *, head: int, direct: bool, sync: bool) -> FileOutput:
-        self._versions.pop(name, None)
+        self._written([name])
         return self.remote.create_file(name, size, head=head, direct=direct, sync=sync)
 
     def commit(self, name: str, data: bytes, *, sync: bool) -> None:
-        self._versions.pop(name, None)
+        self._written([name])
         self.remote.commit(name, data, sync=sync)
 
     def remove(self, names: Iterable[str], *, sync: bool) -> None:
         names = list(names)
-        for n in names:
-            self._versions.pop(n, None)
+        self._written(names)
         self.remote.remove(names, sync=sync)
 
     def lock(self, *, shared: bool = False) -> Lock:
+        self._written()
         return self.remote.lock(shared=shared)
 
     def sync(self) -> None:
         self.remote.sync()
 
     def replacement(self, name: str = "", *, owned: Owned = frozenset, overwrite: bool = True) -> Replacement:
+        self._written()
         self._versions.clear()
         return self.remote.replacement(name, owned=owned, overwrite=overwrite)
 
