@@ -61,12 +61,13 @@ class CachedStorage(CheckpointStorage):
         return self.remote.full(name)
 
     def _version(self, name: str) -> list[Any] | None:
-        """The version of file ``name``: from the medium's one listing where it has one (S3: ``versions``, the
-        objects' sizes and ETags), else one look at the file (a HEAD: ``version``; else opening it)."""
+        """The version of file ``name``: from the medium's one listing where the location was listed (S3:
+        ``versions``, the objects' sizes and ETags), else one look at the file (a HEAD: ``version``; else opening
+        it)."""
         if name in self._versions:
             return self._versions[name]
-        listed = self._listing()
-        found: Any = None if listed is None else listed.get(name)
+        listed = self._listed  # taken where the reader lists the location anyway (is_location, list): never
+        found: Any = None if listed is None else listed.get(name)  # for one name (a bucket's root can be large)
         if found is None:
             ask = getattr(self.remote, "version", None)
             if ask is not None:
