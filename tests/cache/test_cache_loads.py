@@ -155,3 +155,16 @@ def test_a_changed_remote_is_fetched_again_and_a_deleted_one_never_served(env, b
         client.delete_object(Bucket=bucket, Key=o["Key"])
     with pytest.raises(CheckpointError):
         mmapckpt.load(url, storage_options=opts)
+
+
+def test_convert_inspect_and_verify_read_through_it(env, bucket, cache, tmp_path):
+    sd, url, opts = _sd(9), f"s3://{bucket}/ck", {"cache_dir": cache}
+    mmapckpt.save(sd, url)
+    mmapckpt.convert(url, tmp_path / "out.safetensors", to="safetensors", storage_options=opts)
+    assert_same(mmapckpt.load(tmp_path / "out.safetensors"), sd, "converted: ")
+    with GetCounter() as warm:
+        info = mmapckpt.inspect_checkpoint(url, storage_options=opts)
+        report = mmapckpt.verify_checkpoint(url, storage_options=opts)
+    assert report.ok, report
+    assert info.format == "mmapckpt" and info.files == 1
+    assert warm.bytes == 0  # both read the copies the conversion fetched
