@@ -3,6 +3,7 @@ a truncated copy, a fetch killed half way (SIGKILL), and bytes that fail their C
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -113,3 +114,18 @@ def test_bytes_failing_their_crc_on_arrival_are_never_cached(env, bucket, cache,
             mmapckpt.load(url, storage_options={"cache_dir": cache})
         shard = _shard(url, cache)
         assert sorted(os.listdir(shard.dir)) == ["#lock"]
+
+
+def test_a_copy_from_an_earlier_boot_is_checked_again_once(env, bucket, cache):
+    sd, url, opts = _sd(4), f"s3://{bucket}/ck", {"cache_dir": cache}
+    mmapckpt.save(sd, url)
+    mmapckpt.load(url, storage_options=opts)
+    shard, meta = _shard(url, cache), Entry(cache, f"{url}/.metadata")
+    for e in (shard, meta):  # as if written before the machine went down and came up again
+        rec = e.read_record()
+        with open(e.record, "w") as f:
+            json.dump({**rec, "boot": "an-earlier-boot"}, f)
+    with GetCounter() as again:
+        assert_same(mmapckpt.load(url, storage_options=opts), sd, "after a reboot: ")
+    assert again.ranges and all(key.endswith(".metadata") for key, _, _ in again.ranges)  # no CRCs: fetched again
+    assert shard.read_record()["boot"] == entry.boot_id()  # its CRC-32s passed: kept, now of this boot

@@ -140,7 +140,10 @@ class Entry:
                 check_copy(mm, self.url)
         except Exception:
             return False
-        atomic_write(self.record, json.dumps({**rec, "boot": boot_id()}).encode(), sync=False)
+        try:
+            atomic_write(self.record, json.dumps({**rec, "boot": boot_id()}).encode(), sync=False)
+        except OSError:
+            pass  # checked again at the next open
         return True
 
     # ------------------------------------------------------------------ fetching

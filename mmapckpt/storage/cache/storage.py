@@ -19,7 +19,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from ...errors import IncompleteCheckpointError
+from ...errors import CheckpointError, IncompleteCheckpointError
 from ..base import CheckpointStorage, FileOutput, Lock, StoredFile
 from ..replacement import Owned, Replacement
 from .entry import Entry, ident_of
@@ -123,6 +123,8 @@ class CachedStorage(CheckpointStorage):
                     version = self._versions[name] = entry.fetch(self.remote, name, self._version_of)
                     self.fetched.append(name)
                     f = entry.open_hit(version)  # under the entry's lock: not evicted before it is open
+        except CheckpointError:
+            raise  # the store's failures (unreachable, denied, the file gone) and checks failed: as without a cache
         except OSError as e:
             log.warning("mmapckpt: the cache at %s cannot take %s (%s): reading it uncached",
                         self.settings.root, self.full(name), e.strerror or e)
