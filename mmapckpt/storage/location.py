@@ -65,7 +65,8 @@ def storage_for(location: str | os.PathLike[str], *, error: type[CheckpointError
     """The storage of the checkpoint at ``location`` (a directory path, or a URL of a registered scheme).
 
     ``options`` (a caller's ``storage_options``: credentials, endpoint, request sizes) go to the
-    medium of a URL; a local directory takes none and ignores them, so that one script can
+    medium of a URL, but for ``cache_dir`` and ``cache_max_bytes``: with a cache asked for (those, or
+    ``MMAPCKPT_CACHE_DIR``), a medium without mappings is served through it (storage/cache/); a local directory takes none and ignores them, so that one script can
     name either.
 
     Raises:
@@ -75,7 +76,13 @@ def storage_for(location: str | os.PathLike[str], *, error: type[CheckpointError
     if is_url(s):
         factory = _SCHEMES.get(s.split("://", 1)[0])
         if factory is not None:
-            return factory(s, dict(options or {}))
+            from .cache.settings import split_options
+            medium_options, cache = split_options(options)
+            storage = factory(s, medium_options)
+            if cache is None or storage.can_map:
+                return storage
+            from .cache.storage import CachedStorage
+            return CachedStorage(storage, cache)
         served = ", ".join(f"{k}://" for k in sorted(_SCHEMES))
         raise error(f"{s!r} is a URL of a scheme no storage serves: mmapckpt reads and writes local (or mounted) "
                     f"paths and URLs of the registered media ({served}; storage/location.py register_scheme adds "

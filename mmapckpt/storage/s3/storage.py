@@ -41,6 +41,7 @@ from .lock import LOCK_NAME, S3Lock, put_if
 from .options import S3Options, client_for, parse_url
 from .reads import ObjectReads
 from .uploads import S3Output
+from .versions import ObjectVersions
 
 __all__ = ["S3Storage", "S3File", "TransferStats"]
 
@@ -94,7 +95,7 @@ class S3File(StoredFile):
         self._reads.read(fetches, entry)
 
 
-class S3Storage(CheckpointStorage):
+class S3Storage(ObjectVersions, CheckpointStorage):
     """The checkpoint at ``s3://BUCKET/PREFIX`` (see the module docstring)."""
 
     can_map = False

@@ -1,0 +1,101 @@
+"""What a cached copy is checked against before it becomes visible: the CRC-32s of an mmapckpt shard.
+
+An mmapckpt shard (it starts with the format's magic) is checked as ``verify`` checks it: its
+preamble and header (the header's own CRC-32, every entry inside the file), then the CRC-32 of
+every entry's bytes against the header, computed window by window as the fetch brings them in
+(:class:`Checker`). Any other file (a stock DCP shard, a safetensors file, a ``.metadata``, an
+index) has no checksum of its bytes: it is checked to be complete, every one of the ``size``
+bytes the store reported received (a short body fails the fetch itself), and its version is the
+store's ETag, recorded beside it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from ...errors import ChecksumError
+from ...format import layout
+
+__all__ = ["Checker", "check_copy", "CRC32", "SIZE"]
+
+#: what a copy was checked against: every entry's CRC-32, or only its size
+CRC32, SIZE = "crc32", "size"
+
+
+class Checker:
+    """The check of one file's bytes, fed in order (:meth:`feed`) as they arrive.
+
+    :meth:`needs` says how many leading bytes it must see before the rest (an mmapckpt shard's
+    preamble and header); :meth:`start` takes them, :meth:`feed` each following range in order,
+    :meth:`finish` says how the copy was checked or raises.
+    """
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+        self.entries: list[layout.Entry] = []
+        self.crcs: list[int] = []
+        self._next = 0  # entries before this one are complete
+        #: an mmapckpt shard (its header checked at start)
+        self.shard = False
+
+    def needs(self, head: Any) -> int:
+        """Leading bytes the check needs, given the first bytes ``head``: the preamble and header of a shard."""
+        mv = memoryview(head).cast("B")
+        if bytes(mv[:len(layout.MAGIC)]) != layout.MAGIC or len(mv) < layout.PREAMBLE_SIZE:
+            return min(len(mv), self.size)
+        hlen = layout.decode_preamble(bytes(mv[:layout.PREAMBLE_SIZE]), self.size, self.path)[2]
+        return layout.PREAMBLE_SIZE + hlen
+
+    def start(self, head: Any) -> None:
+        """Take the file's first bytes (at least :meth:`needs` of them), and check them as :meth:`feed` does."""
+        mv = memoryview(head).cast("B")
+        if bytes(mv[:len(layout.MAGIC)]) == layout.MAGIC:
+            minor, order, hlen, hcrc = layout.decode_preamble(bytes(mv[:layout.PREAMBLE_SIZE]), self.size, self.path)
+            body = bytes(mv[layout.PREAMBLE_SIZE:layout.PREAMBLE_SIZE + hlen])
+            header = layout.decode_header(body, header_crc=hcrc, byte_order=order, minor=minor, file_size=self.size,
+                                          path=self.path)
+            self.entries = sorted((e for e in header.entries if e.length), key=lambda e: e.offset)
+            self.crcs = [0] * len(self.entries)
+            self.shard = True
+        self.feed(0, mv)
+
+    def feed(self, offset: int, data: Any) -> None:
+        """Bytes ``[offset, offset + len(data))`` of the file, the range after the previous one."""
+        mv = memoryview(data).cast("B")
+        end = offset + len(mv)
+        i = self._next
+        while i < len(self.entries) and self.entries[i].offset < end:
+            e = self.entries[i]
+            lo, hi = max(e.offset, offset), min(e.offset + e.length, end)
+            if lo < hi:
+                self.crcs[i] = zlib.crc32(mv[lo - offset:hi - offset], self.crcs[i])
+            if e.offset + e.length <= end and i == self._next:
+                self._next += 1
+            i += 1
+
+    def finish(self) -> str:
+        """:data:`CRC32` or :data:`SIZE`, once every byte was fed.
+
+        Raises:
+            ChecksumError: an entry's bytes do not match its CRC-32.
+        """
+        for e, got in zip(self.entries, self.crcs):
+            if got != e.crc32:
+                raise ChecksumError(f"CRC-32 of the data fetched is {got:08x}, the header says {e.crc32:08x}: the "
+                                    "copy is not cached. Load again; if it repeats, the stored file itself is damaged "
+                                    "(`mmapckpt verify URL` without the cache)", path=self.path, entry=e.label)
+        return CRC32 if self.shard else SIZE
+
+
+def check_copy(data: Any, path: str) -> str:
+    """Check the whole of a file's bytes ``data`` at once (:class:`Checker`); how it was checked.
+
+    Raises:
+        ChecksumError: an entry's bytes do not match its CRC-32.
+        FormatError (or a subclass): a shard whose preamble or header is damaged.
+    """
+    mv = memoryview(data).cast("B")
+    c = Checker(path, len(mv))
+    c.start(mv)
+    return c.finish()

@@ -1,0 +1,235 @@
+"""One cached file: its directory, its record, its locks, how it is fetched and how it is served.
+
+An entry is the directory ``ROOT/KK/KEY/`` (``KEY`` a hash of the remote file's URL) holding
+
+- the copy, under the file's own base name (``__0_0.distcp``), written only by a fetch that holds
+  ``#lock``: fetched into ``NAME.tmp-PID`` through a shared writable mapping (each byte lands in the
+  page cache as it arrives, one copy), checked (check.py), then renamed to ``NAME``;
+- ``#record``: JSON naming the URL, the remote version the copy is of (its size and the medium's
+  identity of it, the ETag on S3), how the copy was checked, the boot it was written in, and the
+  copy's inode, size, mtime and ctime when it was put in place. Written after the copy (temp file
+  and rename), removed before a copy is replaced: a record describes a complete, checked copy;
+- ``#lock``: held exclusively by the one process fetching (the others wait on it) and by the evictor.
+
+A process serving the copy opens it and takes a shared ``flock`` on it; the mapping made from that
+descriptor keeps the lock (Python's mmap holds a duplicate of the descriptor) for as long as any
+view of it lives, and the evictor removes only copies it can lock exclusively (evict.py).
+
+At each open (:meth:`Entry.open_hit`) the copy is served only if the record names the version the
+remote has now (the caller asked the medium: one HEAD) and the copy is still the file put in place
+(``fstat``: same inode, size, mtime and ctime; any write, truncation or replacement through the
+file system changes one). A copy written in an earlier boot of the machine was not necessarily on
+disk when the machine went down: it is checked again once (its CRC-32s, a pass over its bytes), or
+fetched again where it has none.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import re
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from ...io.files import atomic_write, unlink_quietly
+from ..base import CheckpointStorage, StoredFile
+from ..local import LocalFile
+from .check import CRC32, Checker, check_copy
+
+__all__ = ["Entry", "CachedFile", "ident_of", "LOCK", "RECORD"]
+
+LOCK, RECORD = "#lock", "#record"
+#: A file's first 64 KiB are read on their own, in two small reads: the S3 medium serves reads shorter than
+#: that from the GET that opened the object (it keeps its first 64 KiB), so a fetch asks for each byte once.
+_FIRST = 64 << 10
+#: The rest is fetched in windows of this many bytes, this many in flight; each window is checked when it is in.
+_WINDOW, _AHEAD = 64 << 20, 3
+
+
+def ident_of(size: int, ident: Any) -> list[Any]:
+    """A remote file's version as the record keeps it (JSON)."""
+    return [size, json.dumps(ident, default=str, sort_keys=True)]
+
+
+def boot_id() -> str:
+    """This boot of the machine (copies written in another were perhaps not on disk when it went down)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _stat_of(st: os.stat_result) -> list[int]:
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+class CachedFile(LocalFile):
+    """The cached copy of a remote file, opened by :meth:`Entry.open_hit` with a shared lock on it: a local
+    file (mapped, read with ``preadv``) whose descriptor, and any mapping of it, keeps the copy from eviction.
+
+    Attributes:
+        url: the remote file it is a copy of.
+    """
+
+    def __init__(self, fd: int, path: str, size: int, url: str) -> None:
+        st = os.fstat(fd)
+        self.fd, self.path, self.size, self.url = fd, path, size, url
+        self.ident = (st.st_dev, st.st_ino)
+        self._mapping = None
+
+
+class Entry:
+    """The cache entry of the remote file ``url`` under the cache directory ``root`` (module docstring)."""
+
+    def __init__(self, root: str, url: str) -> None:
+        key = hashlib.sha256(url.encode()).hexdigest()
+        self.url = url
+        self.dir = os.path.join(root, key[:2], key[2:34])
+        base = re.sub(r"[^A-Za-z0-9._-]", "_", url.rsplit("/", 1)[-1])[-120:].lstrip(".") or "file"
+        self.data = os.path.join(self.dir, base)
+        self.record = os.path.join(self.dir, RECORD)
+
+    # ------------------------------------------------------------------ serving
+    def read_record(self) -> dict[str, Any] | None:
+        try:
+            with open(self.record, "rb") as f:
+                rec = json.loads(f.read())
+            return rec if isinstance(rec, dict) and rec.get("url") == self.url else None
+        except (OSError, ValueError):
+            return None
+
+    def open_hit(self, version: list[Any]) -> CachedFile | None:
+        """The copy, open and shared-locked, if it is of ``version`` (:func:`ident_of`) and intact; else None."""
+        rec = self.read_record()
+        if rec is None or rec.get("version") != version:
+            return None
+        try:
+            fd = os.open(self.data, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # the evictor holds it exclusively only while it removes the file
+            st = os.fstat(fd)
+            if st.st_nlink == 0 or _stat_of(st) != rec.get("stat") or (
+                    rec.get("boot") != boot_id() and not self._check_again(fd, rec)):
+                os.close(fd)
+                return None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            os.utime(self.record)  # last use, for the evictor's order
+        except OSError:
+            pass
+        return CachedFile(fd, self.data, version[0], self.url)
+
+    def _check_again(self, fd: int, rec: dict[str, Any]) -> bool:
+        """A copy written in an earlier boot: its CRC-32s checked again (then the record names this boot), or
+        False where it has none (fetched again)."""
+        if rec.get("check") != CRC32:
+            return False
+        size = rec["version"][0]
+        try:
+            with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mm:
+                check_copy(mm, self.url)
+        except Exception:
+            return False
+        try:
+            atomic_write(self.record, json.dumps({**rec, "boot": boot_id()}).encode(), sync=False)
+        except OSError:
+            pass  # checked again at the next open
+        return True
+
+    # ------------------------------------------------------------------ fetching
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold ``#lock`` exclusively (waiting for a fetch in progress in another process)."""
+        os.makedirs(self.dir, exist_ok=True)
+        fd = os.open(os.path.join(self.dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def fetch(self, remote: CheckpointStorage, name: str, version_of: Callable[[StoredFile], list[Any]]) -> list[Any]:
+        """Fetch file ``name`` of ``remote`` into the entry (``#lock`` held), check it, put it in place; its version
+        (``version_of`` the remote file opened).
+
+        Raises:
+            CheckpointError: the medium's read failed, or the bytes fetched failed their check (nothing cached).
+            OSError: the cache directory cannot take the copy (no room, no permission).
+        """
+        for n in os.listdir(self.dir):  # a killed fetch's leftovers (its lock died with it)
+            if ".tmp-" in n:
+                unlink_quietly(os.path.join(self.dir, n))
+        with remote.open_file(name) as rf:
+            version = version_of(rf)
+            tmp = f"{self.data}.tmp-{os.getpid()}"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                check = _fill(fd, rf, self.url)
+                unlink_quietly(self.record)  # no record describes a copy being replaced
+                os.rename(tmp, self.data)
+                st = os.fstat(fd)
+            except BaseException:
+                unlink_quietly(tmp)
+                raise
+            finally:
+                os.close(fd)
+        rec = {"url": self.url, "version": version, "check": check, "boot": boot_id(), "stat": _stat_of(st)}
+        atomic_write(self.record, json.dumps(rec).encode(), sync=False)
+        return version
+
+
+def _fill(fd: int, rf: Any, url: str) -> str:
+    """Read the whole of the remote file ``rf`` into the new file ``fd`` through a shared mapping (the medium's
+    reads land in the page cache), checked as it arrives (check.py: the CRC-32 of each window while the next ones
+    are fetched); how it was checked."""
+    size = rf.size
+    checker = Checker(url, size)
+    if not size:
+        checker.start(b"")
+        return checker.finish()
+    os.posix_fallocate(fd, 0, size)  # no room: an OSError here, never a SIGBUS on a write into the mapping
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mv = None
+    try:
+        mv = memoryview(mm)
+        first = min(size, _FIRST)
+        rf.read_into(0, mv[:first // 2])
+        rf.read_into(first // 2, mv[first // 2:first])
+        head = max(first, checker.needs(mv[:first]))
+        if head > first:  # a shard header longer than the first bytes
+            rf.read_batch([(first, mv[first:head])])
+        checker.start(mv[:head])
+        _fetch_checked(rf, mv, head, checker)
+        return checker.finish()
+    finally:
+        del mv
+        try:
+            mm.close()
+        except BufferError:  # a view still held by a failed read's traceback: closed when collected
+            pass
+
+
+def _fetch_checked(rf: Any, mv: memoryview, start: int, checker: Checker) -> None:
+    """Fetch ``[start, end)`` of ``rf`` into ``mv`` in windows, ``_AHEAD`` in flight, feeding each to ``checker``
+    in order as it completes (the check runs while the next windows arrive)."""
+    windows = [(o, min(o + _WINDOW, len(mv))) for o in range(start, len(mv), _WINDOW)]
+    with ThreadPoolExecutor(_AHEAD, thread_name_prefix="mmapckpt-cache") as pool:
+        futures = [pool.submit(rf.read_batch, [(a, mv[a:b])]) for a, b in windows]
+        try:
+            for (a, b), fut in zip(windows, futures):
+                fut.result()
+                checker.feed(a, mv[a:b])
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise

@@ -1,0 +1,174 @@
+"""A remote checkpoint read through the local cache: the medium's files served from checked local copies.
+
+:class:`CachedStorage` wraps the storage of a URL (any medium: S3, or whatever ``register_scheme``
+serves) and is itself a storage whose files can be mapped. Opening a file asks the medium which
+version it holds now (its size and identity: one HEAD on S3, through the medium's ``version``
+method where it has one, else by opening the file), then serves the cached copy of that version
+(entry.py), or fetches it first, once across processes (the entry's lock), and evicts what the
+size bound asks (evict.py). A file the medium no longer has is never served from the cache. Where
+the cache directory cannot take a copy (no room, no permission) the file is read from the medium,
+uncached, with a warning.
+
+Everything else is the medium's: listing, existence, and every write (a save to a URL with the
+cache on writes to the store; the next load finds the new versions and fetches them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from ...errors import CheckpointError, IncompleteCheckpointError
+from ..base import CheckpointStorage, FileOutput, Lock, StoredFile
+from ..replacement import Owned, Replacement
+from .entry import Entry, ident_of
+from .evict import evict
+from .settings import CacheSettings
+
+__all__ = ["CachedStorage"]
+
+log = logging.getLogger("mmapckpt")
+
+
+class CachedStorage(CheckpointStorage):
+    """The remote storage ``remote`` with its files served from the cache ``settings`` names (module docstring).
+
+    Attributes:
+        remote: the medium's storage (its ``stats``, where it counts its transfers, are what the store sent).
+        settings: the cache's directory and size bound.
+        fetched: names of the files this storage fetched into the cache (the rest were served from it).
+    """
+
+    can_map = True
+
+    def __init__(self, remote: CheckpointStorage, settings: CacheSettings) -> None:
+        self.remote, self.settings = remote, settings
+        self.location = remote.location
+        self.fetched: list[str] = []
+        # the version of each file found at this storage's first look (one storage serves one load, as the
+        # medium's own storage keeps what it found: storage/s3/storage.py)
+        self._versions: dict[str, list[Any] | None] = {}
+        self._listed: dict[str, Any] | None = None
+        self._writing = False  # once it writes, it asks the medium itself (listings with uploads in progress)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("remote", "settings"):
+            raise AttributeError(name)
+        return getattr(self.remote, name)  # the medium's own attributes (stats, opts, client)
+
+    def full(self, name: str) -> str:
+        return self.remote.full(name)
+
+    def _version(self, name: str) -> list[Any] | None:
+        """The version of file ``name``: from the medium's one listing where the location was listed (S3:
+        ``versions``, the objects' sizes and ETags), else one look at the file (a HEAD: ``version``; else opening
+        it)."""
+        if name in self._versions:
+            return self._versions[name]
+        listed = self._listed  # taken where the reader lists the location anyway (is_location, list): never
+        found: Any = None if listed is None else listed.get(name)  # for one name (a bucket's root can be large)
+        if found is None:
+            ask = getattr(self.remote, "version", None)
+            if ask is not None:
+                found = ask(name)
+            else:
+                try:
+                    with self.remote.open_file(name) as f:
+                        found = (f.size, f.ident)
+                except IncompleteCheckpointError:
+                    found = None
+        version = None if found is None else ident_of(*found)
+        self._versions[name] = version
+        return version
+
+    def _listing(self) -> dict[str, Any] | None:
+        """``{name: (size, version)}`` of the location's files from one listing (None: the medium has none)."""
+        if self._listed is None and not self._writing:
+            ask = getattr(self.remote, "versions", None)
+            if ask is None:
+                return None
+            self._listed = ask()
+        return self._listed
+
+    def _version_of(self, f: StoredFile) -> list[Any]:
+        of = getattr(self.remote, "version_of", None)
+        return ident_of(*(of(f) if of is not None else (f.size, f.ident)))
+
+    # ------------------------------------------------------------------ reading
+    def exists(self, name: str) -> bool:
+        return self._version(name) is not None
+
+    def is_location(self) -> bool:
+        return bool(self._listing()) or self.remote.is_location()
+
+    def list(self) -> list[str]:
+        """The medium's listing; while only reading, the names of the one listing the versions came from (objects
+        only: a killed save's uploads in progress, which only a save removes, are not asked for)."""
+        listed = self._listing()
+        return self.remote.list() if listed is None or self._writing else sorted(listed)
+
+    def open_file(self, name: str) -> StoredFile:
+        version = self._version(name)
+        if version is None:
+            raise IncompleteCheckpointError("no such object", path=self.full(name))
+        entry = Entry(self.settings.root, self.full(name))
+        f = entry.open_hit(version)
+        if f is not None:
+            return f
+        try:
+            with entry.locked():
+                f = entry.open_hit(version)  # fetched meanwhile by the process this one waited for
+                if f is None:
+                    version = self._versions[name] = entry.fetch(self.remote, name, self._version_of)
+                    self.fetched.append(name)
+                    f = entry.open_hit(version)  # under the entry's lock: not evicted before it is open
+        except CheckpointError:
+            raise  # the store's failures (unreachable, denied, the file gone) and checks failed: as without a cache
+        except OSError as e:
+            log.warning("mmapckpt: the cache at %s cannot take %s (%s): reading it uncached",
+                        self.settings.root, self.full(name), e.strerror or e)
+            return self.remote.open_file(name)
+        if f is None:  # changed under us (a process damaging the cache): read it uncached
+            return self.remote.open_file(name)
+        if self.settings.max_bytes is not None and self.fetched and self.fetched[-1] == name:
+            evict(self.settings.root, self.settings.max_bytes, keep=entry.dir)
+        return f
+
+    # ------------------------------------------------------------------ writing: the medium's
+    def _written(self, names: Iterable[str] = ()) -> None:
+        self._writing, self._listed = True, None
+        for n in names:
+            self._versions.pop(n, None)
+
+    def prepare(self) -> None:
+        self._written()
+        self.remote.prepare()
+
+    def create_file(self, name: str, size: int | None, *, head: int, direct: bool, sync: bool) -> FileOutput:
+        self._written([name])
+        return self.remote.create_file(name, size, head=head, direct=direct, sync=sync)
+
+    def commit(self, name: str, data: bytes, *, sync: bool) -> None:
+        self._written([name])
+        self.remote.commit(name, data, sync=sync)
+
+    def remove(self, names: Iterable[str], *, sync: bool) -> None:
+        names = list(names)
+        self._written(names)
+        self.remote.remove(names, sync=sync)
+
+    def lock(self, *, shared: bool = False) -> Lock:
+        self._written()
+        return self.remote.lock(shared=shared)
+
+    def sync(self) -> None:
+        self.remote.sync()
+
+    def replacement(self, name: str = "", *, owned: Owned = frozenset, overwrite: bool = True) -> Replacement:
+        self._written()
+        self._versions.clear()
+        return self.remote.replacement(name, owned=owned, overwrite=overwrite)
+
+    def recover(self) -> str | None:
+        return self.remote.recover()
