@@ -25,7 +25,7 @@ from ..errors import CheckpointExistsError, CheckpointNotFoundError, CheckpointW
 from ..format.metadata import METADATA_NAME
 from .collective import decided, distributed, is_coordinator
 from .leases import DEFAULT_LEASE, Lease
-from .retention import apply_retention, clear_step, references
+from .retention import Known, apply_retention, clear_step, references
 from .root import Root, step_dir
 
 __all__ = ["CheckpointManager"]
@@ -65,6 +65,8 @@ class CheckpointManager:
         self._root = Root(root, storage_options)
         self._root.check()
         self._pending: concurrent.futures.Future[Any] | None = None
+        self._marked = False
+        self._known: Known = {}  # what retention read of each committed step's .metadata (retention.py)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self._root.location!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
@@ -155,8 +157,11 @@ class CheckpointManager:
         """On the coordinator: the root marked, step ``step`` free (a killed save's leftovers removed); the newest
         committed step, as a list (empty before the first)."""
         root = self._root
-        root.check()
-        root.mark()
+        if not self._marked:
+            root.check()
+            root.mark()
+            self._marked = True
+        self._known.pop(step, None)
         dirs = root.step_dirs()
         if dirs.get(step):
             raise CheckpointExistsError(f"step {step} is already committed, and a managed save never overwrites: "
@@ -174,7 +179,7 @@ class CheckpointManager:
         if not is_coordinator(group):
             return
         try:
-            apply_retention(self._root, self.keep_last, self.keep_every)
+            apply_retention(self._root, self.keep_last, self.keep_every, self._known)
         except Exception as e:  # the step is committed; what stays is dropped by the next retention
             _log.warning("mmapckpt: retention under %s failed (the next save retries it): %s", self.root, e)
 

@@ -20,20 +20,17 @@ the next retention in the same way; a newer one by the next save of that step (:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Iterable
 
 from ..errors import CheckpointError, CheckpointWriteError
-from ..format.metadata import METADATA_NAME, MAX_METADATA_SIZE
-from ..storage.commits import read_index
+from ..format.metadata import METADATA_NAME, decode_index_file
 from .leases import live_leases
 from .root import Root, root_relative, step_dir
 
-__all__ = ["retained", "names_of", "apply_retention", "clear_step", "LOCK_NAME"]
+__all__ = ["retained", "names_of", "apply_retention", "clear_step", "references", "LOCK_NAME", "Known"]
 
 #: An object store's save lock object (``storage/s3/lock.py``), which a killed save leaves in its step's prefix.
 LOCK_NAME = ".mmapckpt-lock"
-_log = logging.getLogger("mmapckpt")
 
 
 def retained(steps: Iterable[int], keep_last: int | None, keep_every: int | None) -> set[int]:
@@ -50,46 +47,51 @@ def retained(steps: Iterable[int], keep_last: int | None, keep_every: int | None
 
 def names_of(root: Root, step: int) -> tuple[set[str], bytes]:
     """The root-relative files step ``step``'s ``.metadata`` names (itself included), and the metadata's bytes."""
-    storage = root.step_storage(step)
-    data = bytes(storage.read_file(METADATA_NAME, MAX_METADATA_SIZE))
-    _, entries, _ = read_index(storage)
+    f = root.step_storage(step).read_metadata()
+    entries, _ = decode_index_file(f.kind, f.data, f.full)  # the package's own decoding of the bytes read
     names = {f"{step_dir(step)}/{METADATA_NAME}"}
     for e in entries.values():
         for c in e.chunks:
             name = root_relative(step, c.file)
             if name is not None:
                 names.add(name)
-    return names, data
+    return names, bytes(f.data)
 
 
-def apply_retention(root: Root, keep_last: int | None, keep_every: int | None) -> list[int]:
+#: step -> what :func:`names_of` read of it: a committed step's ``.metadata`` never changes (saves never overwrite)
+Known = dict[int, tuple[set[str], bytes]]
+
+
+def apply_retention(root: Root, keep_last: int | None, keep_every: int | None, known: Known | None = None) -> list[int]:
     """Drop the committed steps that :func:`retained` does not keep and no lease holds, and clear what killed saves
-    and retentions left below the newest step; return the steps dropped."""
+    and retentions left below the newest step; return the steps dropped. ``known``: names read before (kept up to
+    date here), so that each step's ``.metadata`` is read once."""
+    known = {} if known is None else known
     dirs = root.step_dirs()
     committed = sorted(s for s, c in dirs.items() if c)
-    if not committed:
+    for s in set(known) - set(committed):
+        del known[s]
+    leftovers = [s for s, c in dirs.items() if committed and not c and s < committed[-1]]
+    doomed = [s for s in committed if s not in retained(committed, keep_last, keep_every)]
+    if not doomed and not leftovers:
         return []
-    newest = committed[-1]
-    keep = retained(committed, keep_last, keep_every)
-    doomed = [s for s in committed if s not in keep]
     leased = live_leases(root, tidy=True)
     drop = [s for s in doomed if s not in leased]
-    names: dict[int, tuple[set[str], bytes]] = {}
-    for s in committed:  # a retained step that cannot be read might name anything: remove nothing
-        if s in keep or s in drop or s in leased:
-            names[s] = names_of(root, s)
+    for s in committed:  # a step that cannot be read might name anything: then nothing is removed
+        if s not in known:
+            known[s] = names_of(root, s)
     for s in drop:
         root.step_storage(s).remove([METADATA_NAME], sync=True)
-    back = live_leases(root) & set(drop)  # leased after the first look: the reader saw the commit; put it back
-    for s in sorted(back):
-        root.step_storage(s).commit(METADATA_NAME, names[s][1], sync=True)
+    back = live_leases(root) & set(drop) if drop else set()  # leased after the first look: the reader saw the
+    for s in sorted(back):                                    # commit, so it gets it back before anything goes
+        root.step_storage(s).commit(METADATA_NAME, known[s][1], sync=True)
     dropped = [s for s in drop if s not in back]
     referenced: set[str] = set()
     for s in committed:
         if s not in dropped:
-            referenced |= names[s][0] if s in names else set()
-    leftovers = [s for s, c in dirs.items() if not c and s < newest]
+            referenced |= known[s][0]
     for s in dropped + leftovers:
+        known.pop(s, None)
         clear_step(root, s, referenced)
     return dropped
 
