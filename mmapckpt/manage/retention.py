@@ -67,10 +67,14 @@ def apply_retention(root: Root, keep_last: int | None, keep_every: int | None, k
     and retentions left below the newest step; return the steps dropped. ``known``: names read before (kept up to
     date here), so that each step's ``.metadata`` is read once."""
     known = {} if known is None else known
-    dirs = root.step_dirs()
+    objects = root.objects()
+    dirs = root.step_dirs(objects)
     committed = sorted(s for s, c in dirs.items() if c)
     for s in set(known) - set(committed):
         del known[s]
+    for s in committed[:-1]:  # a save killed after its commit, before it released its lock object: ours to remove
+        if f"{step_dir(s)}/{LOCK_NAME}" in objects:
+            root.step_storage(s).remove([LOCK_NAME], sync=False)
     leftovers = [s for s, c in dirs.items() if committed and not c and s < committed[-1]]
     doomed = [s for s in committed if s not in retained(committed, keep_last, keep_every)]
     if not doomed and not leftovers:
