@@ -28,11 +28,12 @@ import time
 import uuid
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointWriteError
+from ..errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
+from ..format.metadata import METADATA_NAME
 from ..storage.holders import dead_because, this_process
-from .root import LEASES, Root
+from .root import LEASES, Root, step_dir
 
-__all__ = ["Lease", "live_leases", "DEFAULT_LEASE"]
+__all__ = ["Lease", "live_leases", "lease_committed", "DEFAULT_LEASE"]
 
 #: seconds a lease lasts without renewal (renewed every quarter of it)
 DEFAULT_LEASE = 30.0
@@ -114,3 +115,35 @@ def live_leases(root: Root, *, tidy: bool = False) -> set[int]:
     if tidy and dead:
         storage.remove(dead, sync=False)
     return live
+
+
+#: a load of the latest step chooses again this many times when retention drops its choice meanwhile
+_CHOICES = 5
+
+
+def lease_committed(root: Root, step: int | None, seconds: float) -> Lease:
+    """A lease on committed step ``step`` (the newest where None), taken before its commit is checked (see above).
+
+    Raises:
+        CheckpointNotFoundError: no such committed step (naming it and the committed ones), or none at all.
+    """
+    for _ in range(_CHOICES):
+        s = step if step is not None else _newest(root)
+        if s is None:
+            raise CheckpointNotFoundError("no committed step under this root yet", path=root.location)
+        lease = Lease(root, s, seconds)
+        if root.step_storage(s).exists(METADATA_NAME):
+            return lease
+        lease.release()
+        if step is not None:
+            committed = sorted(n for n, c in root.step_dirs().items() if c)
+            listed = ", ".join(map(str, committed[-10:])) if committed else "none"
+            raise CheckpointNotFoundError(f"no committed step {s} under this root (committed: {listed})",
+                                          path=root.join(step_dir(s)))
+    raise CheckpointNotFoundError(f"the newest step was dropped {_CHOICES} times while a load chose it: is another "
+                                  "job saving into this root with keep_last=1?", path=root.location)
+
+
+def _newest(root: Root) -> int | None:
+    committed = [s for s, c in root.step_dirs().items() if c]
+    return max(committed) if committed else None

@@ -21,17 +21,14 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ..dcp.reader import MmapReader
 from ..dcp.writer import MmapWriter
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError
-from ..format.metadata import METADATA_NAME
 from .collective import decided, distributed, is_coordinator
-from .leases import DEFAULT_LEASE, Lease
-from .retention import Known, apply_retention, clear_step, references
+from .leases import DEFAULT_LEASE, Lease, lease_committed
+from .retention import Known, apply_retention, prepare_step
 from .root import Root, step_dir
 
 __all__ = ["CheckpointManager"]
 
 _log = logging.getLogger("mmapckpt")
-_CHOICES = 5  # a load of the latest step tries this many times when retention drops its choice meanwhile
 
 
 class CheckpointManager:
@@ -154,26 +151,13 @@ class CheckpointManager:
             pending.result()
 
     def _prepare(self, step: int) -> list[int]:
-        """On the coordinator: the root marked, step ``step`` free (a killed save's leftovers removed); the newest
-        committed step, as a list (empty before the first)."""
-        root = self._root
+        """On the coordinator: the root marked (once), step ``step`` free; the newest committed step, as a list."""
         if not self._marked:
-            root.check()
-            root.mark()
+            self._root.check()
+            self._root.mark()
             self._marked = True
         self._known.pop(step, None)
-        dirs = root.step_dirs()
-        if dirs.get(step):
-            raise CheckpointExistsError(f"step {step} is already committed, and a managed save never overwrites: "
-                                        "save under a new step number (or drop the step first)", path=self.path(step))
-        committed = sorted(s for s, c in dirs.items() if c)
-        if step in dirs:  # a save of this step that did not commit: its files (and lock object) are ours to remove
-            left = clear_step(root, step, references(root, committed))
-            if left:
-                raise CheckpointWriteError(f"step {step} was dropped, but committed steps still refer to its files "
-                                           f"({', '.join(sorted(left))}): save under a new step number",
-                                           path=self.path(step))
-        return committed[-1:]
+        return prepare_step(self._root, step)
 
     def _retain(self, group: Any) -> None:
         if not is_coordinator(group):
@@ -224,19 +208,7 @@ class CheckpointManager:
         Raises:
             CheckpointNotFoundError: no such committed step (or none at all).
         """
-        for _ in range(_CHOICES):
-            s = self.latest() if step is None else _checked(step)
-            if s is None:
-                raise CheckpointNotFoundError("no committed step under this root yet", path=self.root)
-            lease = Lease(self._root, s, self.lease_seconds)
-            if self._root.step_storage(s).exists(METADATA_NAME):  # after the lease: see leases.py
-                return lease
-            lease.release()
-            if step is not None:
-                raise CheckpointNotFoundError(f"no committed step {s} under this root (committed: "
-                                              f"{_listed(self.steps())})", path=self.path(s))
-        raise CheckpointNotFoundError(f"the newest step was dropped {_CHOICES} times while a load chose it: is "
-                                      "another job saving with keep_last=1?", path=self.root)
+        return lease_committed(self._root, None if step is None else _checked(step), self.lease_seconds)
 
 
 def _checked(step: Any) -> int:
@@ -245,5 +217,3 @@ def _checked(step: Any) -> int:
     return step
 
 
-def _listed(steps: list[int]) -> str:
-    return ", ".join(map(str, steps[-10:])) if steps else "none"

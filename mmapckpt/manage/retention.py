@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from ..errors import CheckpointError, CheckpointWriteError
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from ..format.metadata import METADATA_NAME, decode_index_file
 from .leases import live_leases
 from .root import Root, root_relative, step_dir
 
-__all__ = ["retained", "names_of", "apply_retention", "clear_step", "references", "LOCK_NAME", "Known"]
+__all__ = ["retained", "names_of", "apply_retention", "clear_step", "references", "prepare_step", "LOCK_NAME", "Known"]
 
 #: An object store's save lock object (``storage/s3/lock.py``), which a killed save leaves in its step's prefix.
 LOCK_NAME = ".mmapckpt-lock"
@@ -127,3 +127,21 @@ def references(root: Root, committed: Iterable[int], skip: int | None = None) ->
                 raise CheckpointWriteError(f"cannot read step {s}'s metadata, so nothing under the root can be "
                                            f"removed safely: {e}", path=root.join(step_dir(s))) from e
     return out
+
+
+def prepare_step(root: Root, step: int) -> list[int]:
+    """Before a save of step ``step``: refuse a committed one, and remove what a save of it that did not commit left
+    (its files, uploads and lock object are the manager's own: docs/manager.md); the newest committed step, as a
+    list (empty before the first)."""
+    dirs = root.step_dirs()
+    if dirs.get(step):
+        raise CheckpointExistsError(f"step {step} is already committed, and a managed save never overwrites: save "
+                                    "under a new step number", path=root.join(step_dir(step)))
+    committed = sorted(s for s, c in dirs.items() if c)
+    if step in dirs:
+        left = clear_step(root, step, references(root, committed))
+        if left:
+            raise CheckpointWriteError(f"step {step} was dropped, but committed steps still refer to its files "
+                                       f"({', '.join(sorted(left))}): save under a new step number",
+                                       path=root.join(step_dir(step)))
+    return committed[-1:]

@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFoundError, FormatError, UnsupportedVersionError
+from ..errors import CheckpointError, FormatError, UnsupportedVersionError
 from ..format.metadata import METADATA_NAME
 from ..storage.base import CheckpointStorage
 from ..storage.local import LocalStorage
@@ -149,9 +149,8 @@ class Root:
                     if step_of(top) is not None and rest and "/" not in rest:
                         out[name] = int(o["Size"])
         except Exception as e:
-            if type(e).__name__ == "NoSuchBucket" or "NoSuchBucket" in str(e):
-                raise CheckpointNotFoundError(f"no such bucket {bucket!r}", path=self.location) from None
-            raise CheckpointError(f"cannot list the root: {e}", path=self.location) from e
+            from ..storage.s3.failures import storage_error  # the store's errors as typed errors
+            raise storage_error(e, self.location, what="listing the steps of the root") from e
         return out
 
     def step_dirs(self, objects: Mapping[str, int] | None = None) -> dict[int, bool]:
