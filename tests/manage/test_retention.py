@@ -20,10 +20,13 @@ CASES = {
 S3_CASES = {(2, 5), (1, 7)}
 
 
-@pytest.mark.parametrize("keep", list(CASES), ids=[f"last{a}-every{b}" for a, b in CASES])
+_RUNS = [pytest.param(kind, keep, id=f"{kind}-last{keep[0]}-every{keep[1]}",
+                      marks=[pytest.mark.s3] if kind == "s3" else [])
+         for keep in CASES for kind in ("local", "s3") if kind == "local" or keep in S3_CASES]
+
+
+@pytest.mark.parametrize("medium, keep", _RUNS, indirect=["medium"])
 def test_retention_keeps_the_right_steps_over_20_saves(medium, keep):
-    if medium.is_s3 and keep not in S3_CASES:
-        pytest.skip("run on local disk only (the object store runs two pairs)")
     keep_last, keep_every = keep
     m = mmapckpt.CheckpointManager(medium.root, keep_last=keep_last, keep_every=keep_every,
                                    storage_options=medium.options)
