@@ -33,7 +33,7 @@ from ..format.metadata import METADATA_NAME
 from ..storage.holders import dead_because, this_process
 from .root import LEASES, Root, step_dir
 
-__all__ = ["Lease", "live_leases", "lease_committed", "DEFAULT_LEASE"]
+__all__ = ["Lease", "live_leases", "lease_committed", "recommitted", "DEFAULT_LEASE"]
 
 #: seconds a lease lasts without renewal (renewed every quarter of it)
 DEFAULT_LEASE = 30.0
@@ -147,3 +147,20 @@ def lease_committed(root: Root, step: int | None, seconds: float) -> Lease:
 def _newest(root: Root) -> int | None:
     committed = [s for s, c in root.step_dirs().items() if c]
     return max(committed) if committed else None
+
+
+def recommitted(root: Root, step: int, seconds: float) -> int:
+    """Step ``step``, once its ``.metadata`` is back: a load that holds a lease on it found it removed by a retention
+    that saw the lease at its second look and puts it back at once. Waits up to ``seconds``.
+
+    Raises:
+        CheckpointNotFoundError: it did not come back (the retention was killed in between: the step is gone).
+    """
+    deadline = time.monotonic() + seconds
+    while not root.step_storage(step).exists(METADATA_NAME):
+        if time.monotonic() > deadline:
+            raise CheckpointNotFoundError(f"step {step} lost its commit while it was being loaded and did not get it "
+                                          "back (a retention was killed meanwhile): load another step",
+                                          path=root.join(step_dir(step)))
+        time.sleep(0.05)
+    return step

@@ -20,9 +20,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ..dcp.reader import MmapReader
+from ..dcp.unwrap import checkpoint_error
 from ..dcp.writer import MmapWriter
+from ..errors import CheckpointNotFoundError, IncompleteCheckpointError
 from .collective import decided, distributed, is_coordinator
-from .leases import DEFAULT_LEASE, Lease, lease_committed
+from .leases import DEFAULT_LEASE, Lease, lease_committed, recommitted
 from .retention import Known, apply_retention, prepare_step
 from .root import Root, step_dir
 
@@ -188,17 +190,27 @@ class CheckpointManager:
         held: list[Lease] = []
 
         def choose() -> int:
+            if held:  # again: retention removed the .metadata between our check and DCP's read, and puts it back
+                return recommitted(self._root, held[-1].step, self.lease_seconds)
             held.append(self.lease(step))
             return held[-1].step
 
         try:
-            chosen = decided(choose, process_group)
-            reader = MmapReader(self.path(chosen), storage_options=self._root.options)
-            dcp.load(state_dict, storage_reader=reader, process_group=process_group, no_dist=not distributed())
+            for again in (False, True):
+                chosen = decided(choose, process_group)
+                reader = MmapReader(self.path(chosen), storage_options=self._root.options)
+                try:
+                    dcp.load(state_dict, storage_reader=reader, process_group=process_group,
+                             no_dist=not distributed())
+                    return chosen
+                except BaseException as e:
+                    gone = isinstance(checkpoint_error(e, reader), (CheckpointNotFoundError, IncompleteCheckpointError))
+                    if again or not decided(lambda: gone, process_group):  # the ranks retry together, or none
+                        raise
         finally:
             for lease in held:
                 lease.release()
-        return chosen
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def lease(self, step: int | None = None) -> Lease:
         """A lease on committed step ``step`` (the latest where None): retention keeps the step until it is released.

@@ -111,3 +111,30 @@ def test_a_concurrent_reader_never_loses_its_step(medium, tmp_path):
     assert len(set(loaded)) > 1, out  # the loads ran while the saves and their retention did
     m.save(state(100), 100)
     assert m.steps() == [100]  # the leases went with the loads: the next retention caught up
+
+
+def test_a_load_whose_commit_is_put_back_loads_it(tmp_path, monkeypatch):
+    """The other side of the race: the reader checked the commit, then retention (seeing its lease only at its
+    second look) removed the .metadata before DCP read it, and puts it back. The load waits for it and loads."""
+    import threading
+
+    from mmapckpt.manage import manager as manager_module
+
+    m = mmapckpt.CheckpointManager(tmp_path / "run")
+    m.save(state(1), 1)
+    meta = os.path.join(m.path(1), ".metadata")
+    data = open(meta, "rb").read()
+    calls = []
+
+    class Raced(mmapckpt.MmapReader):
+        def read_metadata(self, *args, **kwargs):
+            if not calls:
+                os.unlink(meta)  # retention's first step
+                threading.Timer(0.3, lambda: open(meta, "wb").write(data)).start()  # ... and its put-back
+            calls.append(1)
+            return super().read_metadata(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "MmapReader", Raced)
+    got = blank()
+    assert m.load(got) == 1 and same(got, state(1))
+    assert len(calls) >= 2
