@@ -68,7 +68,7 @@ def apply_retention(root: Root, keep_last: int | None, keep_every: int | None, k
     date here), so that each step's ``.metadata`` is read once."""
     known = {} if known is None else known
     objects = root.objects()
-    dirs = root.step_dirs(objects)
+    dirs = root.step_dirs(objects, uploads=True)
     committed = sorted(s for s, c in dirs.items() if c)
     for s in set(known) - set(committed):
         del known[s]

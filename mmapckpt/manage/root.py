@@ -153,11 +153,12 @@ class Root:
             raise storage_error(e, self.location, what="listing the steps of the root") from e
         return out
 
-    def step_dirs(self, objects: Mapping[str, int] | None = None) -> dict[int, bool]:
-        """Every step that has a directory (or objects), and whether it is committed (holds ``.metadata``)."""
+    def step_dirs(self, objects: Mapping[str, int] | None = None, *, uploads: bool = False) -> dict[int, bool]:
+        """Every step that has a directory (or objects), and whether it is committed (holds ``.metadata``).
+        ``uploads``: on an object store, also the steps that hold only uploads in progress (a killed save's)."""
         objects = self.objects() if objects is None else objects
         out: dict[int, bool] = {}
-        for name in objects:
+        for name in [*objects, *(self._uploads() if uploads and is_url(self.location) else ())]:
             top, _, rest = name.partition("/")
             step = step_of(top)
             if step is not None:
@@ -168,6 +169,20 @@ class Root:
                 if step is not None and step not in out and os.path.isdir(os.path.join(self.location, name)):
                     out[step] = False
         return out
+
+    def _uploads(self) -> list[str]:
+        """The root-relative names of the uploads in progress in step directories (an object store's)."""
+        storage = self.storage()
+        client, bucket, prefix = (getattr(storage, a, None) for a in ("client", "bucket", "prefix"))
+        if client is None:
+            return []
+        d = f"{prefix}/" if prefix else ""
+        try:
+            pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=d)
+            return [u["Key"][len(d):] for page in pages for u in page.get("Uploads", ())]
+        except Exception as e:
+            from ..storage.s3.failures import storage_error
+            raise storage_error(e, self.location, what="listing the uploads under the root") from e
 
     def remove_dir(self, step: int) -> None:
         """Remove step ``step``'s directory once it is empty (nothing to do on an object store)."""

@@ -71,3 +71,14 @@ def test_files_other_steps_name_are_never_cleared(tmp_path):
     assert clear_step(root, 1, {"step-1/__0_0.distcp"}) == ["__0_0.distcp"]
     assert os.listdir(m.path(1)) == ["__0_0.distcp"]  # .metadata went first; the referenced shard stayed
     assert clear_step(root, 1, set()) == [] and not os.path.exists(m.path(1))
+
+
+def test_an_upload_alone_below_the_latest_step_goes_at_the_next_retention(s3_medium):
+    m = mmapckpt.CheckpointManager(s3_medium.root, keep_last=5, storage_options=s3_medium.options)
+    m.save(state(1), 1)
+    m.save(state(3), 3)
+    bucket, _, prefix = s3_medium.root[5:].partition("/")
+    s3_medium.client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/step-2/__0_0.distcp")  # nothing else
+    m.save(state(4), 4)
+    assert not uploads_in_progress(s3_medium.root, s3_medium.client)
+    assert m.steps() == [1, 3, 4]
