@@ -117,11 +117,11 @@ class CheckpointManager:
         if stager is not None and not async_:
             raise TypeError("stager= is for asynchronous saves: pass async_=True with it")
         self.wait()
-        prior = decided(lambda: self._prepare(step), process_group)
+        prior = decided(lambda: self._prepare(step), process_group)  # the newest committed step, [] before the first
         writer = MmapWriter(self.path(step), overwrite=False, storage_options=self._root.options,
                             # dedup: reuse=[self.path(s) for s in prior],
                             )
-        del prior
+        del prior  # until the line above is wired (docs/manager.md: unchanged chunks stored once)
         if not async_:
             result = dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=not distributed())
             self._retain(process_group)
