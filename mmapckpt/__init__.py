@@ -60,6 +60,7 @@ _WHERE = {
     "StorageAccessError": ".errors",
     "StorageUnavailableError": ".errors",
     "checkpoint_error": ".dcp.unwrap",
+    "CheckpointManager": ".manage.manager",
 }
 
 __all__ = [
@@ -72,7 +73,7 @@ __all__ = [
     "UnsupportedVersionError", "ByteOrderError", "TruncatedFileError", "EntryBoundsError", "UnknownDtypeError",
     "UnsafePathError", "UnsafePickleError", "ChecksumError", "SizeMismatchError", "CastError",
     "ModelMismatchError", "CheckpointWriteError",
-    "StorageAccessError", "StorageUnavailableError", "checkpoint_error", "__version__",
+    "StorageAccessError", "StorageUnavailableError", "checkpoint_error", "CheckpointManager", "__version__",
 ]
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
@@ -106,6 +107,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imp
         UnsupportedVersionError,
     )
     from .into import load_into
+    from .manage.manager import CheckpointManager
     from .lazy import ChunkInfo, EntryInfo, LazyCheckpoint, TensorSlice, load, open
     from .model import load_model
     from .saving import save

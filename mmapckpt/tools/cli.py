@@ -173,8 +173,13 @@ def _dtype_name(text: str) -> str:
 
 # --------------------------------------------------------------------------- commands
 def _run_inspect(args: argparse.Namespace) -> int:
+    from ..manage.describe import inspect_root  # a managed root (ROOT/.mmapckpt-root): its steps, docs/manager.md
     from .describe import format_table, inspect_checkpoint
 
+    text = inspect_root(args.path, as_json=args.json)
+    if text is not None:
+        _emit(text)
+        return 0
     info = inspect_checkpoint(args.path, keys=args.keys)
     _emit(json.dumps(info.to_json(), indent=2) if args.json else format_table(info))
     return 0
