@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+import weakref
 
 import torch
 
@@ -49,6 +50,10 @@ class MappedFile:
     def __init__(self, fd: int, path: str, size: int | None = None) -> None:
         st = os.fstat(fd)
         self.path, self.ident = path, (st.st_dev, st.st_ino)
+        # A descriptor of this very file, for reads beside the mapping (io/direct_reads.py): never the path
+        # again, which a rename may since have given to another file. Closed with the mapping.
+        self._fd = os.dup(fd)
+        weakref.finalize(self, os.close, self._fd)
         self.size = st.st_size if size is None else size
         self._mmap: mmap.mmap | None = None
         if self.size:
@@ -59,6 +64,10 @@ class MappedFile:
         # One buffer export for the whole file; views are slices of it.
         self._base = torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None else None
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def dup(self) -> int:
+        """A new descriptor of the file mapped (the caller closes it)."""
+        return os.dup(self._fd)
 
     def address(self) -> int:
         """The address of the file's first byte in the mapping (0 for an empty file)."""
