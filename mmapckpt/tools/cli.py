@@ -206,12 +206,13 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from ..conversion.driver import convert, target_format
+    from ..conversion.driver import convert, sharded_formats, target_format
     from ..conversion.progress import human_bytes
 
     to = args.to or target_format(args.dst)
-    if args.max_shard_size is not None and to != "safetensors":
-        print(f"{PROG} convert: error: --max-shard-size applies only to safetensors output, not {to}",
+    sharded = sharded_formats()
+    if args.max_shard_size is not None and to not in sharded:
+        print(f"{PROG} convert: error: --max-shard-size applies only to {' and '.join(sharded)} output, not {to}",
               file=sys.stderr)
         return 2
     t0 = time.monotonic()
