@@ -118,6 +118,8 @@ class Format:
         scratch: whether it is assembled in a local scratch file first and written from it (its sink names its
             own progress phases, and the bytes count twice).
         note: what a user of this format should know (``inspect`` prints it).
+        checks: ``"module:function"``: ``(place, record, report, progress)``, the checks ``verify`` makes of this
+            format (tools/); None for records only resolved.
         version: ``(opened, index) -> str``: the version of a checkpoint of flat files, in words.
     """
 
@@ -139,6 +141,7 @@ class Format:
     user_metadata: bool = False
     scratch: bool = False
     note: str = ""
+    checks: str | None = None
     version: Callable[[Opened, str | None], str] | None = None
 
     def resolved(self, attribute: str) -> Any:
@@ -217,38 +220,43 @@ STOCK_READER_NOTE = ("note: the stock DCP reader (dcp.load without storage_reade
                      "this format: load it with storage_reader=mmapckpt.MmapReader(path), or make a stock copy "
                      "with `mmapckpt convert SRC DST --to dcp`")
 
+_CHECK_SAFETENSORS = "mmapckpt.tools.verify_flat:verify_safetensors"
+_CHECK_TORCH = "mmapckpt.tools.verify_flat:verify_torch_files"
+
 #: The table, in recognition order.
 TABLE: tuple[Format, ...] = (
     Format("mmapckpt", "mmapckpt", "mmapckpt checkpoint directory", lambda p: p.commit_kind() == KIND_MMAPCKPT,
            open_dcp, dcp_metadata="mmapckpt.dcp.reader:committed_metadata", owns=_DCP_FILES,
            sink="mmapckpt.conversion.sinks:write_mmapckpt", directory=True, user_metadata=True,
-           note=STOCK_READER_NOTE),
+           note=STOCK_READER_NOTE, checks="mmapckpt.tools.verify:verify_mmapckpt"),
     Format("dcp", "dcp", "stock DCP checkpoint directory (torch.save items, or SAFETENSORS serialization: one "
            "backend reads both, by each shard's first bytes)", lambda p: p.commit_kind() == "dcp",
            open_dcp, dcp_metadata="mmapckpt.dcp.reader:committed_metadata", owns=_DCP_FILES,
-           sink="mmapckpt.conversion.sinks:write_dcp", directory=True),
+           sink="mmapckpt.conversion.sinks:write_dcp", directory=True, checks="mmapckpt.tools.verify:verify_stock"),
     Format("hub-cache", "", "Hugging Face hub cache repository (its refs/main snapshot)",
            lambda p: p.is_dir and p.place.local and is_hub_repository(p.place.path), resolve=_hub_snapshot),
     Format("hf-safetensors", "safetensors", "Hugging Face directory of safetensors files",
            lambda p: p.hf_kind() == "safetensors", open_safetensors, _safetensors_dir_files,
            dcp_metadata="mmapckpt.dcp.safetensors_metadata:hf_metadata", owns=_HF_FILES,
-           version=_safetensors_version("model.safetensors in a directory")),
+           version=_safetensors_version("model.safetensors in a directory"), checks=_CHECK_SAFETENSORS),
     Format("hf-bin", "torch", "Hugging Face directory of torch.save files (pytorch_model.bin)",
            lambda p: p.hf_kind() == "torch", open_torch, lambda place: indexed_files(place, "torch"),
-           version=_torch_version),
+           version=_torch_version, checks=_CHECK_TORCH),
     Format("safetensors-dir", "safetensors", "directory of safetensors files without an index (a PEFT adapter; "
            "HuggingFaceStorageWriter output)",
            lambda p: p.is_dir and not p.has(METADATA_NAME) and any(n.endswith(SAFETENSORS_SUFFIX) for n in p.names()),
            open_safetensors, _safetensors_dir_files,
-           dcp_metadata="mmapckpt.dcp.safetensors_metadata:hf_metadata", version=_safetensors_version("")),
+           dcp_metadata="mmapckpt.dcp.safetensors_metadata:hf_metadata", version=_safetensors_version(""),
+           checks=_CHECK_SAFETENSORS),
     Format("safetensors-file", "safetensors", "safetensors file", _is_safetensors_file, open_safetensors,
            lambda place: indexed_files(place, "safetensors"), extensions=(".safetensors",),
            sink="mmapckpt.conversion.flat_sinks:write_safetensors", shards=True, dir_file=SAFETENSORS_SINGLE,
-           drops="safetensors holds only tensors", user_metadata=True, version=_safetensors_version("")),
+           drops="safetensors holds only tensors", user_metadata=True, version=_safetensors_version(""),
+           checks=_CHECK_SAFETENSORS),
     Format("torch-file", "torch", "torch.save file", _is_torch_file, open_torch,
            lambda place: indexed_files(place, "torch"), extensions=(".pt", ".pth", ".bin"),
            sink="mmapckpt.conversion.flat_sinks:write_torch", drops="they cannot be unpickled safely "
-           "(weights_only=True)", scratch=True, version=_torch_version),
+           "(weights_only=True)", scratch=True, version=_torch_version, checks=_CHECK_TORCH),
 )
 
 _BY_NAME = {f.name: f for f in TABLE}
