@@ -35,7 +35,7 @@ PROG = "mmapckpt"
 COMMANDS = {
     "demo": "save and load a small model with mmapckpt, side by side with stock DCP",
     "inspect": "show a checkpoint's format, version and entries (any supported format)",
-    "verify": "check an mmapckpt checkpoint completely: metadata, headers, bounds, checksums",
+    "verify": "check a checkpoint: mmapckpt completely (metadata, headers, bounds, checksums), others as they allow",
     "convert": "convert between mmapckpt, stock DCP, safetensors and torch.save",
     "bench": "benchmark mmapckpt against stock DCP and safetensors",
 }
