@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple, Optional
 
 from ..errors import UnsafePathError
-from .dtypes import ITEMSIZES, torch_dtype
+from .dtypes import _TORCH, ITEMSIZES, torch_dtype
 
 __all__ = ["ChunkInfo", "EntryInfo", "numel", "paused_gc", "safe_relative_path"]
 
@@ -63,7 +63,10 @@ class EntryInfo(NamedTuple):
     def dtype(self) -> Any:
         """The tensor's ``torch.dtype`` (None for an object); imports torch on first use."""
         n = self.dtype_name
-        return None if n is None else torch_dtype(n)
+        if n is None:
+            return None
+        dt = _TORCH.get(n)  # the common case without a call (per tensor on every load path)
+        return dt if dt is not None else torch_dtype(n)
 
     @property
     def whole(self) -> Optional[ChunkInfo]:
