@@ -91,3 +91,32 @@ def test_single_process_loads_import_no_torch_distributed_beyond_torch(tmp_path:
                                             for op in ("load_into", "load", "open", "load_model")]
     for what, new in report:
         assert new == [], f"{what} imported {len(new)} torch.distributed modules beyond torch's own: {new[:8]}"
+
+
+_CLI_CHILD = r"""
+import json, sys
+from mmapckpt.tools.cli import main
+
+report = {}
+for argv in json.loads(sys.argv[1]):
+    code = main(argv)
+    report[" ".join(argv)] = [code, sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))]
+print(json.dumps(report))
+"""
+
+
+def test_inspect_and_verify_of_mmapckpt_and_safetensors_import_no_torch(tmp_path: Path) -> None:
+    """``mmapckpt inspect`` and ``mmapckpt verify`` of an mmapckpt checkpoint, a safetensors file and a Hugging Face
+    directory run in a process that never imports torch (the index holds dtype names); a stock DCP checkpoint
+    (a pickle of DCP's classes) then does."""
+    paths = _checkpoints(tmp_path)
+    argvs = [[cmd, paths[k], *extra] for k in ("mmapckpt", "safetensors", "hf") for cmd in ("inspect", "verify")
+             for extra in ([], ["--json"])]
+    p = subprocess.run([sys.executable, "-c", _CLI_CHILD, json.dumps(argvs)], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(report) == len(argvs)
+    for what, (code, torch_modules) in report.items():
+        assert code == 0, what
+        assert torch_modules == [], f"{what} imported torch: {torch_modules[:5]}"

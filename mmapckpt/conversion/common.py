@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -24,12 +25,38 @@ from ..reading.formats import FORMATS
 from ..reading.hf_dirs import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..format.safetensors import SAFETENSORS_DTYPES
 
-__all__ = ["FORMATS", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "SAFETENSORS_SINGLE", "SINGLE_FILE", "Source", "label",
+if TYPE_CHECKING:
+    from .progress import Progress
+
+__all__ = ["FORMATS", "SinkJob", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "SAFETENSORS_SINGLE", "SINGLE_FILE", "Source", "label",
            "tensor_chunk_sizes", "SelectedSource", "select_names", "RecordingFile", "Writing"]
 
 SINGLE_FILE = "__0_0.distcp"
 # FORMATS, the Hugging Face file names and the safetensors dtype table (codes <-> torch dtypes) are
 # defined once, in the format wing, beside the one safetensors header parser.
+
+
+@dataclass(frozen=True)
+class SinkJob:
+    """What a sink writes, besides its source and the new version it writes into: every format's sink (the format
+    table's ``sink``, reading/formats.py) is ``sink(source, out, job) -> (entries left out, the commit's name)``.
+
+    Attributes:
+        name: the file's name in the new version, where the output is one file (``out.name``, or the record's
+            ``dir_file`` in a directory).
+        as_dir: whether the output is a directory.
+        max_shard_size: the largest shard, for formats that take it (else None).
+        checkpoint_id: what a DCP checkpoint's metadata records as its id.
+        progress: the bar the sink advances.
+        user_metadata: the source's user metadata ({str: str}), for formats that hold it.
+    """
+
+    name: str
+    as_dir: bool
+    max_shard_size: int | None
+    checkpoint_id: str
+    progress: "Progress"
+    user_metadata: dict[str, str] | None = None
 
 
 def label(idx: MetadataIndex) -> str:

@@ -30,18 +30,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
-from ..format.metadata import METADATA_NAME
 from .progress import Progress
 from ..reading.located import split_url
 from ..storage.base import CheckpointStorage, Lock
 from ..storage.location import storage_for
 from ..storage.replacement import Replacement
-from .common import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, Source
-from .flat_sinks import write_safetensors, write_torch
-from .outputs import copy_side_files, owned_files
-from .sinks import write_dcp, write_mmapckpt
+from ..reading.formats import family
+from .common import SinkJob, Source
+from .outputs import owned_files
 
-__all__ = ["Destination", "url_destination", "local_destination", "writes_directory", "write_to", "same_location"]
+__all__ = ["Destination", "url_destination", "local_destination", "writes_directory", "write_to", "same_location",
+           "example_file"]
 
 
 @dataclass
@@ -73,8 +72,10 @@ class Destination:
 
 
 def writes_directory(storage: CheckpointStorage, to: str, limit: int | None) -> bool:
-    """mmapckpt, dcp and sharded safetensors are directories; so is safetensors into an existing directory."""
-    return to in ("mmapckpt", "dcp") or (to == "safetensors" and (limit is not None or storage.is_location()))
+    """Whether format ``to`` is written at ``storage`` as a directory (the format table's record says:
+    mmapckpt, dcp and sharded safetensors are directories; so is safetensors into an existing directory)."""
+    f = family(to)
+    return f.directory or (f.shards and limit is not None) or (f.dir_file is not None and storage.is_location())
 
 
 def same_location(src: str, dst: str) -> bool:
@@ -112,10 +113,9 @@ def url_destination(dst: str, to: str, limit: int | None, overwrite: bool,
         raise CheckpointExistsError(f"destination is a file, and a {to} checkpoint here is a directory: remove it "
                                     "or name another destination", path=dst)
     if not as_dir and (is_dir or parent is None):
-        ext = "safetensors" if to == "safetensors" else "pt"
         what = "destination is a directory (files exist under it)" if is_dir else "destination names no file"
         raise CheckpointExistsError(f"{what}, and a {to} checkpoint is one file: name a file, e.g. "
-                                    f"{dst.rstrip('/')}/model.{ext}", path=dst)
+                                    f"{dst.rstrip('/')}/{example_file(to)}", path=dst)
     dest = Destination(storage, parent, name, dst, as_dir, is_dir or is_file)
     if as_dir:
         storage.prepare()
@@ -144,9 +144,12 @@ def write_to(dest: Destination, source: Source, to: str, limit: int | None, chec
                 repl = dest.storage.replacement(owned=owned, overwrite=overwrite)
             else:  # a file, maybe over a directory that holds only a checkpoint
                 repl = dest.parent.replacement(dest.name, owned=owned, overwrite=overwrite)  # type: ignore[union-attr]
-            if to != "torch":  # write_torch names its own two phases
+            fmt = family(to)
+            if not fmt.scratch:  # a sink through a scratch file names its own two phases
                 bar.phase("write", bar.total)
-            dropped, commit = _write(source, repl, to, limit, checkpoint_id, bar, user, dest.as_dir)
+            name = repl.name if not dest.as_dir else (fmt.dir_file or repl.name)  # a file into a directory: HF's name
+            sink = fmt.resolved("sink")  # every sink: (source, out, job) -> (left out, commit)
+            dropped, commit = sink(source, repl, SinkJob(name, dest.as_dir, limit, checkpoint_id, bar, user))
             bar.phase("commit")
             kept = repl.commit(commit)
         except OSError as e:  # CheckpointError is an OSError too (a source file gone, ...)
@@ -169,22 +172,9 @@ def _abort(repl: Replacement | None) -> None:
         repl.abort()
 
 
-def _write(source: Source, out: Replacement, to: str, limit: int | None, checkpoint_id: str, bar: Progress,
-           user: dict[str, str] | None, as_dir: bool) -> tuple[list[str], str]:
-    """The files of format ``to``, their commit last; returns the entries left out and the commit's name."""
-    if to == "mmapckpt":
-        write_mmapckpt(source, out, checkpoint_id=checkpoint_id, progress=bar, user_metadata=user)
-        return [], METADATA_NAME
-    if to == "dcp":
-        write_dcp(source, out, checkpoint_id=checkpoint_id, progress=bar)
-        return [], METADATA_NAME
-    if to == "torch":
-        return write_torch(source, out, out.name, progress=bar), out.name
-    if as_dir and source.side_files and os.path.isdir(source.path):  # Hugging Face -> Hugging Face
-        copy_side_files(source.path, out)  # before the weights: the index, written last, is the commit
-    name = out.name if not as_dir else SAFETENSORS_SINGLE  # a directory without a limit: one file, as HF names it
-    dropped = write_safetensors(source, out, name, max_shard_size=limit, progress=bar, user_metadata=user)
-    return dropped, (SAFETENSORS_INDEX if limit is not None else name)
+def example_file(to: str) -> str:
+    """A file name of format ``to``, for messages (``model.safetensors``, ``model.pt``)."""
+    return "model" + family(to).extensions[0]
 
 
 def _failed(e: OSError, repl: Replacement | None, dest: Destination) -> OSError:

@@ -23,11 +23,11 @@ from .progress import Progress, ProgressCallback
 from ..io.sizes import parse_size
 from ..storage.base import CheckpointStorage, Lock
 from .cast import CastSource, cast_dtype
-from ..reading.formats import target_family
+from ..reading.formats import family, target_family
 from .common import FORMATS, SelectedSource, Source, select_names
 from ..storage.location import is_url, storage_for
 from .detect import open_source
-from .destination import (Destination, local_destination, same_location, url_destination, write_to,
+from .destination import (Destination, example_file, local_destination, same_location, url_destination, write_to,
                           writes_directory)
 from .outputs import owned_files
 
@@ -69,6 +69,11 @@ def target_format(dst: str | os.PathLike[str]) -> str:
         ('safetensors', 'torch', 'mmapckpt')
     """
     return target_family(dst)  # the format table's extensions (reading/formats.py)
+
+
+def sharded_formats() -> list[str]:
+    """The formats that take ``max_shard_size``."""
+    return [f for f in FORMATS if family(f).shards]
 
 
 def _check_paths(src: str, dst: str, target: str, overwrite: bool, options: Mapping[str, Any] | None) -> None:
@@ -141,7 +146,7 @@ def _check_replaceable(dst: str, to: str, limit: int | None) -> None:
             shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
             raise CheckpointExistsError(f"destination is a directory holding files that are not a checkpoint's "
                                         f"({shown}); a {to} file would replace them all: name a file, e.g. "
-                                        f"{os.path.join(dst, 'model.' + ('safetensors' if to == 'safetensors' else 'pt'))}",
+                                        f"{os.path.join(dst, example_file(to))}",
                                         path=dst)
 
 
@@ -241,8 +246,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     if to not in FORMATS:
         raise ValueError(f"unknown target format {to!r}; choose one of {', '.join(FORMATS)}")
     shape = _Shaping(keys, exclude, strip_prefix, None if dtype is None else cast_dtype(dtype), progress, allow_cast)
-    if max_shard_size is not None and to != "safetensors":
-        raise ValueError("max_shard_size applies only to safetensors output")
+    if max_shard_size is not None and not family(to).shards:
+        raise ValueError(f"max_shard_size applies only to {' and '.join(sharded_formats())} output")
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     src_s, dst_s = os.fspath(src), os.fspath(dst)
     if is_url(dst_s):
@@ -287,7 +292,7 @@ def _opened(opened: Source, shape: _Shaping,
         source = CastSource(source, shape.dtype, allow_cast=shape.allow_cast)
     tensors = [md for _, md in source.items() if isinstance(md, TensorStorageMetadata)]
     total = sum(md.properties.dtype.itemsize * _numel(md.size) for md in tensors)
-    work = 2 * total if to == "torch" else total  # torch: assembled in a scratch file, then torch.save-d from it
+    work = 2 * total if family(to).scratch else total  # torch: assembled in a scratch file, then torch.save-d from it
     call = shape.progress if callable(shape.progress) else None
     bar = Progress(work, f"{source.kind} -> {to}", enabled=shape.progress is True, callback=call)
     return source, source.user_metadata(), tensors, total, bar
@@ -313,13 +318,13 @@ def _convert_to_url(src: str, dst: str, to: str, limit: int | None, overwrite: b
 
 def _warn_lost(dropped: list[str], to: str, user: dict[str, str] | None) -> None:
     """The ConversionWarnings for entries and user metadata the target format cannot hold."""
+    fmt = family(to)
     if dropped:
-        why = "safetensors holds only tensors" if to == "safetensors" else \
-            "they cannot be unpickled safely (weights_only=True)"
+        why = fmt.drops or "the format cannot hold them"
         warnings.warn(f"{len(dropped)} non-tensor entries were not converted ({why}): {', '.join(dropped)}",
                       ConversionWarning, stacklevel=3)
     lost = sorted(k for k, v in (user or {}).items() if (k, v) != ("format", "pt"))  # that marker carries nothing
-    if lost and to in ("dcp", "torch"):
+    if lost and not fmt.user_metadata:
         warnings.warn(f"the user metadata ({', '.join(lost)}) was dropped: a {to} checkpoint cannot hold it "
                       "(convert to mmapckpt or safetensors to keep it)", ConversionWarning, stacklevel=3)
 

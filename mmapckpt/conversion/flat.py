@@ -28,7 +28,6 @@ from ..errors import FormatError
 from ..format.entries import EntryInfo
 from ..reading.formats import Format
 from ..reading.opened import Opened
-from ..reading.torchfile import is_zip
 from .common import SINGLE_FILE, Source, label
 
 __all__ = ["BackendSource"]
@@ -52,22 +51,6 @@ def _metadata(entries: dict[str, EntryInfo], planner_data: dict[str, Any]) -> tu
     return md, order
 
 
-def _version(opened: Opened, fmt: Format, index: str | None) -> str:
-    place, n = opened.place, len(opened.layout or ())
-    assert place is not None
-    if opened.kind == "torch":
-        with place.open(next(iter(opened.layout or ()))) as f:
-            kind = "torch.save zip archive" if is_zip(f) else "torch.save legacy format"
-        return kind if not place.is_dir else \
-            f"{kind}: pytorch_model.bin in a directory" if index is None else f"{kind}: {n} shards with index"
-    if not place.is_dir:
-        return "single file"
-    if index is not None:
-        return f"{n} shards with index"
-    return "model.safetensors in a directory" if fmt.name == "hf-safetensors" else \
-        f"{n} file{'s' * (n != 1)} without an index"
-
-
 class BackendSource(Source):
     """A checkpoint opened by the format table, read one chunk at a time through its backend."""
 
@@ -80,7 +63,8 @@ class BackendSource(Source):
         nesting = getattr(opened.files, "nesting", None)
         self.metadata, order = _metadata(opened.entries, nesting or {k: (k,) for k in opened.entries})
         self.layout = [(SINGLE_FILE, order)]
-        self.version = _version(opened, fmt, index)
+        assert fmt.version is not None, fmt.name
+        self.version = fmt.version(opened, index)
         self.side_files = fmt.owns != () and opened.place.is_dir  # a Hugging Face directory of the table
 
     def _entry(self, idx: MetadataIndex) -> EntryInfo:

@@ -25,8 +25,8 @@ from ..io.files import map_file, pwrite_all
 from .progress import Progress
 from ..storage.base import CheckpointStorage, FileOutput
 from ..storage.replacement import Replacement
-from .common import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, Source, Writing
-from .outputs import Appending, Put, fresh_name, nbytes, raw_bytes, write_stored
+from .common import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, SinkJob, Source, Writing
+from .outputs import Appending, Put, copy_side_files, fresh_name, nbytes, raw_bytes, write_stored
 
 __all__ = ["write_safetensors", "write_safetensors_file", "write_torch", "safetensors_shards"]
 
@@ -138,27 +138,30 @@ def write_safetensors_file(storage: CheckpointStorage, name: str, tensors: list[
     write_stored(storage, name, size, len(head), body)
 
 
-def write_safetensors(src: Source, out: Replacement, name: str, *, max_shard_size: int | None, progress: Progress,
-                      user_metadata: dict[str, str] | None = None) -> list[str]:
-    """Write the tensors of ``src`` into the new version ``out``: as one safetensors file ``name``, or (with
-    ``max_shard_size``) as HF-style shards with an index.
+def write_safetensors(src: Source, out: Replacement, job: SinkJob) -> tuple[list[str], str]:
+    """Write the tensors of ``src`` into the new version ``out``: as one safetensors file ``job.name``, or (with
+    ``job.max_shard_size``) as HF-style shards with an index. Returns the names of the non-tensor entries, which
+    safetensors cannot hold, and the commit's name (the file, or the index).
 
-    A shard whose name a file there has (``out.avoid``) is named with a tag in it (outputs.py
-    ``fresh_name``: the index names it, so no file an old index names is overwritten before the
-    new index replaces it); every file is recorded (``out.add``) once written, and the index is
-    committed last. ``user_metadata`` goes into every file's ``__metadata__`` (after
-    ``"format": "pt"``); the index's ``metadata`` holds only ``total_size``, as Hugging Face
-    writes it. Returns the names of the non-tensor entries, which safetensors cannot hold.
+    Into a directory, a Hugging Face source's side files (config, tokenizer) come first (the weights' file
+    or index, written last, is the commit). A shard whose name a file there has (``out.avoid``) is named
+    with a tag in it (outputs.py ``fresh_name``: the index names it, so no file an old index names is
+    overwritten before the new index replaces it); every file is recorded (``out.add``) once written,
+    and the index is committed last. ``job.user_metadata`` goes into every file's ``__metadata__`` (after
+    ``"format": "pt"``); the index's ``metadata`` holds only ``total_size``, as Hugging Face writes it.
     """
+    if job.as_dir and src.side_files and os.path.isdir(src.path):  # Hugging Face -> Hugging Face
+        copy_side_files(src.path, out)
+    progress, user_metadata, name = job.progress, job.user_metadata, job.name
     tensors, dropped = _split_entries(src)
     _check_safetensors_dtypes(src, tensors)
-    if max_shard_size is None:
+    if job.max_shard_size is None:
         write_safetensors_file(out.storage, name, tensors, src, progress, user_metadata)
         out.add(name)
-        return dropped
+        return dropped, name
     tag = str(uuid.uuid4())
     weight_map = {}
-    for shard, group in safetensors_shards(src, max_shard_size):
+    for shard, group in safetensors_shards(src, job.max_shard_size):
         shard = fresh_name(shard, tag, out.avoid)
         write_safetensors_file(out.storage, shard, group, src, progress, user_metadata)
         out.add(shard)
@@ -166,13 +169,13 @@ def write_safetensors(src: Source, out: Replacement, name: str, *, max_shard_siz
     index = {"metadata": {"total_size": sum(nbytes(md) for _, md in tensors)},
              "weight_map": dict(sorted(weight_map.items()))}
     out.storage.commit(SAFETENSORS_INDEX, (json.dumps(index, indent=2) + "\n").encode("utf-8"), sync=True)
-    return dropped
+    return dropped, SAFETENSORS_INDEX
 
 
 # --------------------------------------------------------------------------- torch.save
-def write_torch(src: Source, out: Replacement, name: str, *, progress: Progress) -> list[str]:
-    """Write ``src`` as one ``torch.save`` file ``name`` of the new version ``out``: a flat state dict
-    (fqn -> tensor or object).
+def write_torch(src: Source, out: Replacement, job: SinkJob) -> tuple[list[str], str]:
+    """Write ``src`` as one ``torch.save`` file ``job.name`` of the new version ``out``: a flat state dict
+    (fqn -> tensor or object), which is the commit.
 
     Tensors are assembled into a local scratch file first (``out.scratch()``; progress phase
     ``"assemble"``) and saved from a mapping of it (phase ``"torch.save"``) through a
@@ -181,6 +184,7 @@ def write_torch(src: Source, out: Replacement, name: str, *, progress: Progress)
     mapping frees its blocks when the process ends. Returns the non-tensor entries that could not
     be unpickled safely (``weights_only=True``) and were left out.
     """
+    name, progress = job.name, job.progress
     tensors, _ = _split_entries(src)
     scratch = out.scratch()
     places, pos = {}, 0
@@ -211,7 +215,7 @@ def write_torch(src: Source, out: Replacement, name: str, *, progress: Progress)
         if os.path.exists(scratch):
             os.unlink(scratch)
     out.add(name)
-    return dropped
+    return dropped, name
 
 
 class _Counted:

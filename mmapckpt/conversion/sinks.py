@@ -25,7 +25,7 @@ from ..format.metadata import METADATA_NAME, encode_metadata
 from .progress import Progress
 from ..storage.replacement import Replacement
 from ..writing.shard import ShardEntry, ShardOptions, write_shard
-from .common import Source, Writing, label, tensor_chunk_sizes
+from .common import SinkJob, Source, Writing, label, tensor_chunk_sizes
 from .outputs import Appending, fresh_name, raw_bytes, write_stored
 
 __all__ = ["write_mmapckpt", "write_dcp", "raw_bytes"]
@@ -46,10 +46,9 @@ def _out_metadata(src: Source, storage: dict[MetadataIndex, _StorageInfo], check
 _SHARD = ShardOptions(alignment=4096, direct=False, sync=True)
 
 
-def write_mmapckpt(src: Source, out: Replacement, *, checkpoint_id: str, progress: Progress,
-                   user_metadata: dict[str, str] | None = None) -> list[str]:
+def write_mmapckpt(src: Source, out: Replacement, job: SinkJob) -> tuple[list[str], str]:
     """Write ``src`` as an mmapckpt checkpoint into the new version ``out``, one shard per source file, with the
-    shard writer ``MmapWriter`` uses (writing/shard.py); return the shards' names.
+    shard writer ``MmapWriter`` uses (writing/shard.py); nothing is left out, and ``.metadata`` is the commit.
 
     Chunks the source stores at one place (tied weights of an mmapckpt checkpoint) are
     written once, under each name (format/aliases.py). Shards take names not in ``out.avoid``
@@ -59,24 +58,22 @@ def write_mmapckpt(src: Source, out: Replacement, *, checkpoint_id: str, progres
     sizes = tensor_chunk_sizes(src.metadata)
     save_id = str(uuid.uuid4())  # a new checkpoint: its shards and metadata name the same new save
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    names = []
     for rel, items in src.layout:
         name = fresh_name(rel, save_id, out.avoid)
         entries = _mmapckpt_entries(src, items, sizes)
         done, _ = write_shard(out.storage, name, entries, src.read_tensor, save_id=save_id, options=_SHARD,
-                              aliases=_stored_aliases(src, items, entries), advance=progress.advance,
+                              aliases=_stored_aliases(src, items, entries), advance=job.progress.advance,
                               one_at_a_time=True)
-        names.append(name)
         out.add(name)
         for e, idx in zip(done, items):
             storage[idx] = _StorageInfo(name, e.offset, e.length)
-    md = _out_metadata(src, storage, checkpoint_id, save_id)
+    md = _out_metadata(src, storage, job.checkpoint_id, save_id)
     try:
-        data = encode_metadata(md, user_metadata)
+        data = encode_metadata(md, job.user_metadata)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"the source metadata cannot be stored as mmapckpt metadata: {e}", path=src.path) from e
     out.storage.commit(METADATA_NAME, data, sync=True)
-    return names
+    return [], METADATA_NAME
 
 
 def _mmapckpt_entries(src: Source, items: list[MetadataIndex],
@@ -157,19 +154,17 @@ def _dcp_items(src: Source, rel: str, items: list[MetadataIndex], f: Any, w: Wri
     w.entry = None
 
 
-def write_dcp(src: Source, out: Replacement, *, checkpoint_id: str, progress: Progress) -> list[str]:
+def write_dcp(src: Source, out: Replacement, job: SinkJob) -> tuple[list[str], str]:
     """Write ``src`` as a stock DCP checkpoint (what ``FileSystemWriter`` writes) into the new version ``out``
-    (files named, recorded and committed as :func:`write_mmapckpt` does)."""
+    (files named, recorded and committed as :func:`write_mmapckpt` does; the user metadata has no place)."""
     save_id = str(uuid.uuid4())
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    names = []
     for rel, items in src.layout:
         name = fresh_name(rel, save_id, out.avoid)
         write_stored(out.storage, name, None, 0,
                      lambda o, w, name=name, items=items: _dcp_items(src, name, items, Appending(o), w, storage,
-                                                                     progress))
-        names.append(name)
+                                                                     job.progress))
         out.add(name)
-    md = _out_metadata(src, storage, checkpoint_id, save_id)
+    md = _out_metadata(src, storage, job.checkpoint_id, save_id)
     out.storage.commit(METADATA_NAME, pickle.dumps(md), sync=True)
-    return names
+    return [], METADATA_NAME

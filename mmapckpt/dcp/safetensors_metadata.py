@@ -40,6 +40,7 @@ from ..format.tiling import tiling_problem
 from ..reading.dcp_safetensors import saved_offsets
 from ..reading.located import Place
 from ..reading.formats import recognise
+from ..reading.opened import open_safetensors
 from ..reading.safetensors_files import header_of
 from ..storage.base import CheckpointStorage
 from ..storage.location import is_url
@@ -55,7 +56,7 @@ def _files(storage: CheckpointStorage, path: str) -> dict[str, list[str] | None]
     directory names (reading/hf_dirs.py: the index's, ``model.safetensors``, else every ``*.safetensors``)."""
     place = Place(path, storage, None, not is_url(path))
     fmt = recognise(place)
-    if fmt.files is None or fmt.family != "safetensors":
+    if fmt.files is None or fmt.opener is not open_safetensors:  # the table's records read by the safetensors backend
         raise CheckpointNotFoundError(f"not a directory of safetensors files but a {fmt.what}", path=path)
     return fmt.files(place)[0]
 

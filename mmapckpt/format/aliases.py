@@ -89,7 +89,7 @@ def shared_names(entries: Mapping[str, EntryInfo], names: Sequence[str]) -> dict
         e = entries[n]
         if e.kind != "tensor" or not e.chunks or not any(c.length for c in e.chunks):
             continue
-        key = (e.dtype, e.shape, e.chunks)
+        key = (e.dtype_name, e.shape, e.chunks)
         if key in first:
             out[n] = first[key]
         else:

@@ -5,11 +5,12 @@ Part of the format (docs/format.md, section 2.4); layout.py re-exports it.
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 from ..errors import UnknownDtypeError
 
-__all__ = ["DTYPES", "dtype_name", "dtype_from_name"]
+__all__ = ["DTYPES", "NAMED", "ITEMSIZES", "dtype_name", "any_dtype_name", "dtype_from_name", "check_dtype_name",
+           "torch_dtype"]
 
 # The dtype table, written out by hand so that the names persisted on disk never
 # depend on how a torch version spells its dtypes: name -> (attribute of torch, itemsize).
@@ -37,25 +38,84 @@ _DTYPE_TABLE: tuple[tuple[str, str, int], ...] = (
     ("bool", "bool", 1),
 )
 
-#: name -> (torch.dtype, itemsize), for the dtypes the installed torch has.
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    name: (getattr(torch, attr), size)
-    for name, attr, size in _DTYPE_TABLE
-    if isinstance(getattr(torch, attr, None), torch.dtype)
-}
-_NAMES: dict[torch.dtype, str] = {dt: name for name, (dt, _) in DTYPES.items()}
+#: name -> (name, itemsize), for every dtype of the table: what the decoders put in the index (no torch needed).
+NAMED: dict[str, tuple[str, int]] = {name: (name, size) for name, _, size in _DTYPE_TABLE}
+#: name -> itemsize.
+ITEMSIZES: dict[str, int] = {name: size for name, _, size in _DTYPE_TABLE}
+
+DTYPES: dict[str, tuple[Any, int]]  # made on first use: see __getattr__
+_TORCH: dict[str, Any] = {}  # name -> torch.dtype, filled on first use (importing torch then)
+_NAMES: dict[Any, str] = {}
 
 
+def _torch_table() -> dict[str, tuple[Any, int]]:
+    import torch
 
-def dtype_name(dtype: torch.dtype) -> str:
+    table = {name: (getattr(torch, attr), size) for name, attr, size in _DTYPE_TABLE
+             if isinstance(getattr(torch, attr, None), torch.dtype)}
+    _NAMES.update({dt: name for name, (dt, _) in table.items()})
+    _TORCH.update({name: dt for name, (dt, _) in table.items()})
+    return table
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (name -> (torch.dtype, itemsize), for the dtypes the installed torch has), made on first use: the
+    format's names and sizes need no torch (inspect imports none)."""
+    if name == "DTYPES":
+        table = _torch_table()
+        globals()["DTYPES"] = table
+        return table
+    raise AttributeError(name)
+
+
+def dtype_name(dtype: Any) -> str:
     """The on-disk name of ``dtype``; raises ValueError for dtypes the format cannot hold."""
+    if not _NAMES:
+        _torch_table()
     try:
         return _NAMES[dtype]
     except KeyError:
         raise ValueError(f"mmapckpt format v1 cannot store dtype {dtype}") from None
 
 
-def dtype_from_name(name: object, *, path: str | None = None, entry: str | None = None) -> torch.dtype:
-    if not isinstance(name, str) or name not in DTYPES:
+def any_dtype_name(dtype: Any) -> str:
+    """The name of any torch dtype: the format's name, else torch's (``"quint8"``), which :func:`torch_dtype` takes
+    back (a torch.save file may hold dtypes the format has no name for)."""
+    try:
+        return dtype_name(dtype)
+    except ValueError:
+        return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype called ``name`` (:func:`any_dtype_name`'s inverse); imports torch on first use."""
+    dt = _TORCH.get(name)
+    if dt is None:
+        if not _NAMES:
+            _torch_table()
+        dt = _TORCH.get(name)
+        if dt is None:
+            import torch
+
+            dt = getattr(torch, name, None)
+            if not isinstance(dt, torch.dtype):
+                raise UnknownDtypeError(f"unknown dtype {name!r} (not in this torch)")
+            _TORCH[name] = dt
+    return dt
+
+
+def check_dtype_name(name: object, *, path: str | None = None, entry: str | None = None) -> str:
+    """``name`` if it is a dtype of the format's table, else UnknownDtypeError (no torch needed)."""
+    if not isinstance(name, str) or name not in ITEMSIZES:
         raise UnknownDtypeError(f"unknown dtype {name!r}", path=path, entry=entry)
-    return DTYPES[name][0]
+    return name
+
+
+def dtype_from_name(name: object, *, path: str | None = None, entry: str | None = None) -> Any:
+    """The torch dtype of the format's name ``name`` (UnknownDtypeError where unknown, or not in this torch)."""
+    if not isinstance(name, str) or name not in ITEMSIZES:
+        raise UnknownDtypeError(f"unknown dtype {name!r}", path=path, entry=entry)
+    table = __getattr__("DTYPES") if "DTYPES" not in globals() else globals()["DTYPES"]
+    if name not in table:
+        raise UnknownDtypeError(f"unknown dtype {name!r}", path=path, entry=entry)
+    return table[name][0]

@@ -11,11 +11,10 @@ from __future__ import annotations
 import gc
 import os
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple, Optional
-
-import torch
+from typing import Any, Iterator, NamedTuple, Optional
 
 from ..errors import UnsafePathError
+from .dtypes import _TORCH, ITEMSIZES, torch_dtype
 
 __all__ = ["ChunkInfo", "EntryInfo", "numel", "paused_gc", "safe_relative_path"]
 
@@ -47,16 +46,27 @@ class EntryInfo(NamedTuple):
     Attributes:
         name: the entry's name (its DCP fully-qualified name).
         kind: ``"tensor"`` or ``"object"``.
-        dtype: the tensor's dtype (None for an object).
+        dtype_name: the tensor's dtype by name (format/dtypes.py: the format's names, or torch's for dtypes it has
+            none for); None for an object. The index is built from names, so that reading it (``inspect``)
+            needs no torch; :attr:`dtype` is the torch dtype.
         shape: the global tensor's shape (None for an object).
         chunks: the stored chunks, with their files and offsets.
     """
 
     name: str
     kind: str
-    dtype: Optional[torch.dtype]
+    dtype_name: Optional[str]
     shape: Optional[tuple[int, ...]]
     chunks: tuple[ChunkInfo, ...]
+
+    @property
+    def dtype(self) -> Any:
+        """The tensor's ``torch.dtype`` (None for an object); imports torch on first use."""
+        n = self.dtype_name
+        if n is None:
+            return None
+        dt = _TORCH.get(n)  # the common case without a call (per tensor on every load path)
+        return dt if dt is not None else torch_dtype(n)
 
     @property
     def whole(self) -> Optional[ChunkInfo]:
@@ -65,8 +75,10 @@ class EntryInfo(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return sum(c.length for c in self.chunks) if self.kind == "object" else (
-            numel(self.shape or ()) * torch._utils._element_size(self.dtype))  # type: ignore[arg-type]
+        if self.kind == "object":
+            return sum(c.length for c in self.chunks)
+        size = ITEMSIZES.get(self.dtype_name)  # type: ignore[arg-type]
+        return numel(self.shape or ()) * (size if size is not None else self.dtype.itemsize)
 
 
 def numel(shape: tuple[int, ...]) -> int:

@@ -32,8 +32,10 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 from ..errors import (BadMagicError, ByteOrderError, EntryBoundsError, FormatError, TruncatedFileError,
                       UnsupportedVersionError)
-from .dtypes import _DTYPE_TABLE, DTYPES, dtype_from_name, dtype_name  # noqa: F401 - the format's names
+from .dtypes import _DTYPE_TABLE, ITEMSIZES, NAMED, check_dtype_name, dtype_from_name, dtype_name  # noqa: F401 - the format's names
 from .tiling import shape_problem
+
+DTYPES: dict[str, tuple[Any, int]]  # name -> (torch.dtype, itemsize), made on first use: see __getattr__
 
 __all__ = [
     "MAGIC", "FORMAT_MAJOR", "FORMAT_MINOR", "PREAMBLE_SIZE", "MAX_HEADER_SIZE", "MIN_ALIGNMENT", "DTYPES",
@@ -309,9 +311,9 @@ def _decode_entry(raw: object, path: str, i: int) -> Entry:
         raise FormatError(f"unknown entry kind {kind!r}", path=path, entry=label)
     chunk, shape, dtype, label = _chunk_fields(raw, fqn, path)
     numel, bad = math.prod(shape), shape_problem(shape)  # a zero-element shape can still overflow torch's strides
-    if bad or numel * DTYPES[dtype][1] != length:  # type: ignore[index]
+    if bad or numel * ITEMSIZES[dtype] != length:  # type: ignore[index]
         raise FormatError(bad or f"length {length} does not match shape {list(shape)} of {dtype} "
-                          f"({numel * DTYPES[dtype][1]} bytes)", path=path, entry=label)  # type: ignore[index]
+                          f"({numel * ITEMSIZES[dtype]} bytes)", path=path, entry=label)  # type: ignore[index]
     if offset % MIN_ALIGNMENT:
         raise EntryBoundsError(f"data offset {offset} is not a multiple of {MIN_ALIGNMENT}", path=path, entry=label)
     return Entry(fqn, chunk, kind, dtype, shape, offset, length, int(crc_s, 16))  # type: ignore[arg-type]
@@ -325,7 +327,7 @@ def _chunk_fields(raw: dict[str, Any], fqn: str, path: str) -> tuple[tuple[int, 
     if len(chunk) != len(shape):
         raise FormatError(f"chunk_offsets has {len(chunk)} dims but shape has {len(shape)}", path=path, entry=label)
     dtype = raw.get("dtype")
-    dtype_from_name(dtype, path=path, entry=label)
+    check_dtype_name(dtype, path=path, entry=label)
     return chunk, shape, dtype, label
 
 
@@ -393,3 +395,10 @@ def decode_header(body: bytes, *, header_crc: int, byte_order: int, minor: int, 
         if e.length:
             prev_end, prev = e.offset + e.length, e
     return ShardHeader(entries, data_start, byte_order, minor, save_id)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # name -> (torch.dtype, itemsize): made (importing torch) on first use, format/dtypes.py
+        from . import dtypes
+        return dtypes.DTYPES
+    raise AttributeError(name)

@@ -28,15 +28,15 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
-import torch
-
 from ..errors import FormatError, TruncatedFileError, UnknownDtypeError
+from .dtypes import ITEMSIZES, torch_dtype
 from .entries import ChunkInfo, EntryInfo, numel
 from .tiling import shape_problem
 
 __all__ = [
     "MAX_HEADER_SIZE",
     "SAFETENSORS_DTYPES",
+    "SAFETENSORS_NAMES",
     "SafetensorsEntry",
     "SafetensorsHeader",
     "entry_infos",
@@ -49,23 +49,41 @@ __all__ = [
 MAX_HEADER_SIZE = 100_000_000
 METADATA_KEY = "__metadata__"
 
-#: safetensors dtype codes <-> torch dtypes, written out by hand (the safetensors spec's names).
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
+#: safetensors dtype codes -> the format's dtype names (format/dtypes.py), written out by hand (the safetensors
+#: spec's names).
+SAFETENSORS_NAMES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
 }
 
 
+SAFETENSORS_DTYPES: dict[str, Any]  # codes -> torch dtypes, made on first use: see __getattr__
+
+
+def __getattr__(name: str) -> Any:
+    """``SAFETENSORS_DTYPES``: codes -> torch dtypes, made (importing torch) on first use."""
+    if name == "SAFETENSORS_DTYPES":
+        table = {code: torch_dtype(n) for code, n in SAFETENSORS_NAMES.items()}
+        globals()[name] = table
+        return table
+    raise AttributeError(name)
+
+
 class SafetensorsEntry(NamedTuple):
-    """One tensor of a safetensors header; ``begin``/``end`` are relative to the data section."""
+    """One tensor of a safetensors header; ``begin``/``end`` are relative to the data section; ``dtype_name``: the
+    format's name of its dtype (:attr:`dtype`: the torch dtype)."""
 
     name: str
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
     begin: int
     end: int
+
+    @property
+    def dtype(self) -> Any:
+        return torch_dtype(self.dtype_name)
 
 
 class SafetensorsHeader(NamedTuple):
@@ -101,10 +119,10 @@ def _entry(name: str, doc: Any, data_size: int, path: str) -> SafetensorsEntry:
     code, shape, offsets = doc.get("dtype"), doc.get("shape"), doc.get("data_offsets")
     if type(code) is not str:
         raise FormatError("header entry has no 'dtype' string", path=path, entry=name)
-    dtype = SAFETENSORS_DTYPES.get(code)
+    dtype = SAFETENSORS_NAMES.get(code)
     if dtype is None:
         raise UnknownDtypeError(f"safetensors dtype {code!r} is not supported (known: "
-                                f"{', '.join(SAFETENSORS_DTYPES)})", path=path, entry=name)
+                                f"{', '.join(SAFETENSORS_NAMES)})", path=path, entry=name)
     if type(shape) is not list or not all(_is_int(s) for s in shape):
         raise FormatError(f"'shape' must be a list of non-negative integers, not {shape!r:.80}", path=path, entry=name)
     bad = shape_problem(shape)  # e.g. [0, 2**63]: no elements, but no tensor torch can make either
@@ -119,7 +137,7 @@ def _entry(name: str, doc: Any, data_size: int, path: str) -> SafetensorsEntry:
     if end > data_size:
         raise TruncatedFileError(f"data_offsets [{begin}, {end}] run past the end of the {data_size}-byte data "
                                  "section", path=path, entry=name)
-    want = numel(tuple(shape)) * dtype.itemsize
+    want = numel(tuple(shape)) * ITEMSIZES[dtype]
     if end - begin != want:
         raise FormatError(f"{code} {shape} takes {want} bytes but data_offsets [{begin}, {end}] hold {end - begin}",
                           path=path, entry=name)
@@ -192,5 +210,5 @@ def entry_infos(header: SafetensorsHeader, rel: str, names: list[str] | None = N
             raise FormatError("the index names this tensor for this file, but its header lacks it", path=header.path,
                               entry=name)
         c = ChunkInfo((0,) * len(e.shape), e.shape, rel, header.data_start + e.begin, e.end - e.begin)
-        out[name] = EntryInfo(name, "tensor", e.dtype, e.shape, (c,))
+        out[name] = EntryInfo(name, "tensor", e.dtype_name, e.shape, (c,))
     return out

@@ -9,12 +9,13 @@ converter all go through it.
 from __future__ import annotations
 
 import io
-from typing import IO
-
-import torch
+from typing import IO, TYPE_CHECKING
 
 from ..errors import FormatError
 from .entries import numel
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["load_tensor", "raw_record"]
 
@@ -29,6 +30,8 @@ def raw_record(length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
 
 def load_tensor(src: bytes | bytearray | IO[bytes], *, path: str, entry: str) -> torch.Tensor:
     """Unpickle an item with ``weights_only=True``; anything but a tensor is a FormatError."""
+    import torch  # only where a stock item is read
+
     try:
         t = torch.load(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src,
                        map_location="cpu", weights_only=True)

@@ -198,7 +198,7 @@ def _overlapping_pair(live: list[tuple[tuple[int, ...], tuple[int, ...]]], split
 
 
 def _alias_key(e: EntryInfo) -> tuple[Any, ...]:
-    return (e.kind, e.dtype, e.shape, e.chunks)
+    return (e.kind, e.dtype_name, e.shape, e.chunks)
 
 
 def _label(e: EntryInfo, c: ChunkInfo) -> str:

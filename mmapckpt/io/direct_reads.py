@@ -67,16 +67,8 @@ class DirectReads:
             self._open([(o, n) for o, n in ranges if o >= 0 and n > 0])
 
     def _open(self, ranges: list[tuple[int, int]]) -> None:
-        try:
-            fd = os.open(self.file.path, os.O_RDONLY)
-        except FileNotFoundError:  # removed since it was mapped (a later save's clean-up): read the mapping
-            self.enabled = False
-            return
+        fd = self.file.dup()  # the file that was opened and mapped, never the path again
         st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != self.file.ident:
-            os.close(fd)  # replaced since it was mapped: the mapping is the file to read
-            self.enabled = False
-            return
         self.fd = fd
         step = max(1, len(ranges) // 16)
         self.cached = is_cached(fd, [off for o, n in ranges[::step] for off in (o, o + n - 1)])

@@ -10,10 +10,13 @@ from __future__ import annotations
 import mmap
 import os
 import stat
-
-import torch
+import weakref
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, IncompleteCheckpointError, TruncatedFileError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MappedFile", "open_regular"]
 
@@ -49,6 +52,10 @@ class MappedFile:
     def __init__(self, fd: int, path: str, size: int | None = None) -> None:
         st = os.fstat(fd)
         self.path, self.ident = path, (st.st_dev, st.st_ino)
+        # A descriptor of this very file, for reads beside the mapping (io/direct_reads.py): never the path
+        # again, which a rename may since have given to another file. Closed with the mapping.
+        self._fd = os.dup(fd)
+        weakref.finalize(self, os.close, self._fd)
         self.size = st.st_size if size is None else size
         self._mmap: mmap.mmap | None = None
         if self.size:
@@ -56,9 +63,22 @@ class MappedFile:
                 self._mmap = mmap.mmap(fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             except (OSError, ValueError) as e:
                 raise CheckpointError(f"cannot map file: {e}", path=path) from None
-        # One buffer export for the whole file; views are slices of it.
-        self._base = torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None else None
+        # One buffer export for the whole file; views are slices of it. Made on first use, so that a file
+        # opened only for its header (inspect) imports no torch.
+        self._base_t: torch.Tensor | None = None
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def _base(self) -> torch.Tensor | None:
+        if self._base_t is None and self._mmap is not None:
+            import torch
+
+            self._base_t = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        return self._base_t
+
+    def dup(self) -> int:
+        """A new descriptor of the file mapped (the caller closes it)."""
+        return os.dup(self._fd)
 
     def address(self) -> int:
         """The address of the file's first byte in the mapping (0 for an empty file)."""
@@ -70,21 +90,31 @@ class MappedFile:
         The caller has checked that the bytes lie inside the file and that ``offset`` is a
         multiple of the dtype's size.
         """
-        if self._base is None or 0 in shape:
+        if self._mmap is None or 0 in shape:
+            import torch
+
             return torch.empty(shape, dtype=dtype)
         base = self._typed.get(dtype)
         if base is None:
             itemsize = dtype.itemsize
-            base = self._typed[dtype] = self._base[:self.size - self.size % itemsize].view(dtype)
+            base = self._typed[dtype] = self._base[:self.size - self.size % itemsize].view(dtype)  # type: ignore[index]
         if len(shape) == 1:
             return base.as_strided(shape, (1,), offset // dtype.itemsize)
         return base.as_strided(shape, _contiguous_strides(shape), offset // dtype.itemsize)
 
     def raw(self, offset: int, length: int) -> torch.Tensor:
         """``length`` bytes at ``offset`` as a uint8 view (no copy)."""
-        if length == 0 or self._base is None:
+        if length == 0 or self._mmap is None:
+            import torch
+
             return torch.empty(0, dtype=torch.uint8)
-        return self._base[offset:offset + length]
+        return self._base[offset:offset + length]  # type: ignore[index]
+
+    def memory(self, offset: int, length: int) -> memoryview:
+        """``length`` bytes at ``offset`` as a memoryview of the mapping (no copy, no torch)."""
+        if length == 0 or self._mmap is None:
+            return memoryview(b"")
+        return memoryview(self._mmap)[offset:offset + length]
 
     def advise(self, advice: int, offset: int, length: int) -> None:
         """Pass a madvise hint for the pages holding ``length`` bytes at ``offset``."""

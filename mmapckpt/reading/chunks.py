@@ -9,12 +9,10 @@ and chunks it works from is the metadata's (``storage/commits.py`` ``read_index`
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from ..errors import CheckpointError, SizeMismatchError
-from ..format.dtypes import dtype_name
+from ..format.dtypes import ITEMSIZES
 from ..format.entries import ChunkInfo, EntryInfo
 from ..format.stock import load_tensor
 from ..io.mapped import MappedFile
@@ -22,16 +20,18 @@ from ..storage.base import CheckpointStorage, StoredFile
 from .dcp_safetensors import SafetensorsChunks, raw_record, stock_safetensors
 from .shard import Shard, check_reach, check_size_unchanged, open_named, shard_of
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles"]
 
 
 def _records_by_file(entries: Mapping[str, EntryInfo]) -> dict[str, list[tuple[Any, ...]]]:
     """Per file, its entries as the metadata places them, in its order (what ``Shard.agrees`` compares)."""
     out: dict[str, list[tuple[Any, ...]]] = {}
-    names: dict[Any, str | None] = {None: None}
     for e in entries.values():
         tensor = e.kind == "tensor"
-        dt = names[e.dtype] if e.dtype in names else names.setdefault(e.dtype, _stored_name(e.dtype))
+        dt = e.dtype_name if e.dtype_name in ITEMSIZES else None  # a stock dtype no shard can hold: none agrees
         for c in e.chunks:
             rec = (e.name, c.offsets, "tensor", dt, c.sizes, c.file_offset, c.length) if tensor else (
                 e.name, None, "bytes", None, (), c.file_offset, c.length)
@@ -40,13 +40,6 @@ def _records_by_file(entries: Mapping[str, EntryInfo]) -> dict[str, list[tuple[A
             except KeyError:
                 out[c.file] = [rec]
     return out
-
-
-def _stored_name(dtype: torch.dtype) -> str | None:
-    try:
-        return dtype_name(dtype)
-    except ValueError:  # a stock checkpoint's dtype no shard can hold: no header agrees
-        return None
 
 
 class ChunkFiles:

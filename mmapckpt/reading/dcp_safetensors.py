@@ -20,15 +20,15 @@ located by its name, and its dtype, shape and offsets must be the ones the metad
 from __future__ import annotations
 
 import json
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FormatError, SizeMismatchError
 from ..format.stock import raw_record
 from ..storage.base import StoredFile
-from .fetches import placeholder
 from .safetensors_files import SafetensorsFile, is_safetensors_file
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SHARDING_KEY", "SafetensorsChunks", "raw_record", "saved_offsets", "stock_safetensors"]
 
@@ -100,6 +100,8 @@ class SafetensorsChunks:
         """The chunk at ``offset`` (from :meth:`locate`): a view over the mapping where it is aligned, else a copy;
         without a mapping read into memory, or with ``lazy`` a placeholder for a ``Moves`` to read."""
         if lazy and self.st.file is None:
+            from .fetches import placeholder
+
             return placeholder(offset, dtype, sizes)
         return self.st.view(offset, length, dtype, sizes)
 

@@ -35,10 +35,10 @@ from ..storage.location import storage_for
 from .located import Place
 from .opened import Opened, open_dcp, open_safetensors, open_torch
 from .safetensors_files import is_safetensors_file
-from .torchfile import is_torch_file
+from .torchfile import is_torch_file, is_zip
 
 __all__ = ["FORMATS", "TABLE", "Format", "Probe", "by_name", "family", "recognise", "resolve", "target_family",
-           "owned_files", "DEFAULT_TARGET"]
+           "owned_files", "DEFAULT_TARGET", "STOCK_READER_NOTE"]
 
 #: What ``convert`` writes where the destination's extension names no format: a directory.
 DEFAULT_TARGET = "mmapckpt"
@@ -106,8 +106,21 @@ class Format:
             with extensions owns them).
         owns: patterns (``fnmatch``) of the names a checkpoint of this format owns in its directory (what
             ``convert --overwrite`` replaces; never config files, adapters or notes).
-        sink: ``"module:function"`` writing this family (conversion/); None for records only read.
+        sink: ``"module:function"`` writing this family (conversion/); None for records only read. Every sink has
+            one signature: ``(source, out, job) -> (entries left out, the commit's name)`` (conversion/common.py
+            ``SinkJob``).
         directory: whether the family is written as a directory.
+        shards: whether it takes ``max_shard_size`` (Hugging Face shards and their index, a directory).
+        dir_file: where a file format is written into a destination that is a directory (``model.safetensors``);
+            None where it is written only as a file named by the destination.
+        drops: why its sink leaves some non-tensor entries out (for the warning); "" where it keeps them all.
+        user_metadata: whether it holds the user metadata ({str: str}).
+        scratch: whether it is assembled in a local scratch file first and written from it (its sink names its
+            own progress phases, and the bytes count twice).
+        note: what a user of this format should know (``inspect`` prints it).
+        checks: ``"module:function"``: ``(place, record, report, progress)``, the checks ``verify`` makes of this
+            format (tools/); None for records only resolved.
+        version: ``(opened, index) -> str``: the version of a checkpoint of flat files, in words.
     """
 
     name: str
@@ -122,6 +135,14 @@ class Format:
     owns: tuple[str, ...] = ()
     sink: str | None = None
     directory: bool = False
+    shards: bool = False
+    dir_file: str | None = None
+    drops: str = ""
+    user_metadata: bool = False
+    scratch: bool = False
+    note: str = ""
+    checks: str | None = None
+    version: Callable[[Opened, str | None], str] | None = None
 
     def resolved(self, attribute: str) -> Any:
         """The object ``attribute`` (``"dcp_metadata"``, ``"sink"``) names, imported."""
@@ -157,6 +178,28 @@ def _is_safetensors_file(p: Probe) -> bool:
         return is_safetensors_file(f)
 
 
+def _torch_version(opened: Opened, index: str | None) -> str:
+    place = opened.place
+    assert place is not None
+    with place.open(next(iter(opened.layout or ()))) as f:
+        kind = "torch.save zip archive" if is_zip(f) else "torch.save legacy format"
+    n = len(opened.layout or ())
+    return kind if not place.is_dir else \
+        f"{kind}: pytorch_model.bin in a directory" if index is None else f"{kind}: {n} shards with index"
+
+
+def _safetensors_version(single: str) -> Callable[[Opened, str | None], str]:
+    def version(opened: Opened, index: str | None) -> str:
+        place, n = opened.place, len(opened.layout or ())
+        assert place is not None
+        if not place.is_dir:
+            return "single file"
+        if index is not None:
+            return f"{n} shards with index"
+        return single or f"{n} file{'s' * (n != 1)} without an index"
+    return version
+
+
 def _is_torch_file(p: Probe) -> bool:
     if p.is_dir:
         return False
@@ -172,33 +215,48 @@ _DCP_FILES = (".metadata", "__*.metadata", "__*_*.distcp", "..metadata.tmp-*", "
 _HF_FILES = ("*.safetensors.index.json", ".*.safetensors.index.json.tmp-*", SAFETENSORS_SINGLE,
              "re:^model-\\d{5}-of-\\d{5}(\\.[0-9a-f]{8})?\\.safetensors$")
 
+#: What a user of the stock reader needs to know (its error on this format is "invalid load key, '\xff'").
+STOCK_READER_NOTE = ("note: the stock DCP reader (dcp.load without storage_reader, or FileSystemReader) cannot read "
+                     "this format: load it with storage_reader=mmapckpt.MmapReader(path), or make a stock copy "
+                     "with `mmapckpt convert SRC DST --to dcp`")
+
+_CHECK_SAFETENSORS = "mmapckpt.tools.verify_flat:verify_safetensors"
+_CHECK_TORCH = "mmapckpt.tools.verify_flat:verify_torch_files"
+
 #: The table, in recognition order.
 TABLE: tuple[Format, ...] = (
     Format("mmapckpt", "mmapckpt", "mmapckpt checkpoint directory", lambda p: p.commit_kind() == KIND_MMAPCKPT,
            open_dcp, dcp_metadata="mmapckpt.dcp.reader:committed_metadata", owns=_DCP_FILES,
-           sink="mmapckpt.conversion.sinks:write_mmapckpt", directory=True),
+           sink="mmapckpt.conversion.sinks:write_mmapckpt", directory=True, user_metadata=True,
+           note=STOCK_READER_NOTE, checks="mmapckpt.tools.verify:verify_mmapckpt"),
     Format("dcp", "dcp", "stock DCP checkpoint directory (torch.save items, or SAFETENSORS serialization: one "
            "backend reads both, by each shard's first bytes)", lambda p: p.commit_kind() == "dcp",
            open_dcp, dcp_metadata="mmapckpt.dcp.reader:committed_metadata", owns=_DCP_FILES,
-           sink="mmapckpt.conversion.sinks:write_dcp", directory=True),
+           sink="mmapckpt.conversion.sinks:write_dcp", directory=True, checks="mmapckpt.tools.verify:verify_stock"),
     Format("hub-cache", "", "Hugging Face hub cache repository (its refs/main snapshot)",
            lambda p: p.is_dir and p.place.local and is_hub_repository(p.place.path), resolve=_hub_snapshot),
     Format("hf-safetensors", "safetensors", "Hugging Face directory of safetensors files",
            lambda p: p.hf_kind() == "safetensors", open_safetensors, _safetensors_dir_files,
-           dcp_metadata="mmapckpt.dcp.safetensors_metadata:hf_metadata", owns=_HF_FILES),
+           dcp_metadata="mmapckpt.dcp.safetensors_metadata:hf_metadata", owns=_HF_FILES,
+           version=_safetensors_version("model.safetensors in a directory"), checks=_CHECK_SAFETENSORS),
     Format("hf-bin", "torch", "Hugging Face directory of torch.save files (pytorch_model.bin)",
-           lambda p: p.hf_kind() == "torch", open_torch, lambda place: indexed_files(place, "torch")),
+           lambda p: p.hf_kind() == "torch", open_torch, lambda place: indexed_files(place, "torch"),
+           version=_torch_version, checks=_CHECK_TORCH),
     Format("safetensors-dir", "safetensors", "directory of safetensors files without an index (a PEFT adapter; "
            "HuggingFaceStorageWriter output)",
            lambda p: p.is_dir and not p.has(METADATA_NAME) and any(n.endswith(SAFETENSORS_SUFFIX) for n in p.names()),
            open_safetensors, _safetensors_dir_files,
-           dcp_metadata="mmapckpt.dcp.safetensors_metadata:hf_metadata"),
+           dcp_metadata="mmapckpt.dcp.safetensors_metadata:hf_metadata", version=_safetensors_version(""),
+           checks=_CHECK_SAFETENSORS),
     Format("safetensors-file", "safetensors", "safetensors file", _is_safetensors_file, open_safetensors,
            lambda place: indexed_files(place, "safetensors"), extensions=(".safetensors",),
-           sink="mmapckpt.conversion.flat_sinks:write_safetensors"),
+           sink="mmapckpt.conversion.flat_sinks:write_safetensors", shards=True, dir_file=SAFETENSORS_SINGLE,
+           drops="safetensors holds only tensors", user_metadata=True, version=_safetensors_version(""),
+           checks=_CHECK_SAFETENSORS),
     Format("torch-file", "torch", "torch.save file", _is_torch_file, open_torch,
            lambda place: indexed_files(place, "torch"), extensions=(".pt", ".pth", ".bin"),
-           sink="mmapckpt.conversion.flat_sinks:write_torch"),
+           sink="mmapckpt.conversion.flat_sinks:write_torch", drops="they cannot be unpickled safely "
+           "(weights_only=True)", scratch=True, version=_torch_version, checks=_CHECK_TORCH),
 )
 
 _BY_NAME = {f.name: f for f in TABLE}

@@ -7,8 +7,8 @@ One opener per kind of backend, named by the format table (reading/formats.py): 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import FormatError
 from ..format.entries import EntryInfo
@@ -16,13 +16,13 @@ from ..format.metadata import KIND_MMAPCKPT, decode_index_file, decode_user_meta
 from ..format.safetensors import SafetensorsHeader, entry_infos
 from ..format.tiling import tiling_problem
 from ..storage.base import CommitFile
-from .backend import ChunkBackend
-from .chunks import ChunkFiles
 from .dcp_safetensors import saved_offsets
 from .hf_dirs import Files
 from .located import Place
 from .safetensors_files import SafetensorsFile, SafetensorsFiles
-from .torchfile import TorchFiles
+
+if TYPE_CHECKING:  # the backends that make tensors are imported by the openers that need them: the index of a
+    from .backend import ChunkBackend  # DCP directory or of safetensors files is read without torch (inspect)
 
 __all__ = ["Opened", "open_dcp", "open_safetensors", "open_torch", "safetensors_union"]
 
@@ -55,19 +55,23 @@ def _no_metadata() -> None:
     return None
 
 
-def open_dcp(place: Place, files: Files | None, verify: bool, commit: CommitFile | None = None) -> Opened:
+def open_dcp(place: Place, files: Files | None, verify: bool, commit: CommitFile | None = None, *,
+             index: tuple[Mapping[str, EntryInfo], str | None] | None = None) -> Opened:
     """An mmapckpt or stock DCP directory: its committed index, read through ``ChunkFiles``. ``commit``: the commit
-    file, where the caller has read it (``convert`` decodes DCP's metadata from the same bytes)."""
+    file, where the caller has read it (``convert`` decodes DCP's metadata from the same bytes); ``index``: its
+    (entries, save id), where the caller has decoded them (``inspect``: with the version)."""
     storage = place.storage
     if commit is None:
         commit = storage.read_metadata(storage.find_metadata())
-    entries, save_id = decode_index_file(commit.kind, commit.data, commit.full)
+    entries, save_id = decode_index_file(commit.kind, commit.data, commit.full) if index is None else index
     read: list[dict[str, str] | None] = []
 
     def user_metadata() -> dict[str, str] | None:  # decoded on first use: open() itself decodes the index only
         if not read:
             read.append(decode_user_metadata(commit.kind, commit.data, commit.full))
         return None if read[0] is None else dict(read[0])
+
+    from .chunks import ChunkFiles
 
     backend = ChunkFiles(storage, entries, save_id, verify=verify, stock=commit.kind != KIND_MMAPCKPT)
     return Opened(commit.kind, place.path, entries, backend, user_metadata, place, None, save_id)
@@ -104,7 +108,7 @@ def safetensors_union(place: Place, parts: list[tuple[str, SafetensorsHeader, li
             if any(p.offsets == c.offsets for p in prev.chunks):
                 raise FormatError(f"two files hold this tensor: {where[name]} and {full} (a name may be in one "
                                   "file only; remove or rename one of them)", path=full, entry=name)
-            if prev.dtype != info.dtype or len(prev.shape or ()) != len(c.sizes):
+            if prev.dtype_name != info.dtype_name or len(prev.shape or ()) != len(c.sizes):
                 raise FormatError(f"chunk of {info.dtype} {list(c.sizes)} where {where[name]} holds {prev.dtype} "
                                   f"{list(prev.shape or ())}", path=full, entry=name)
             shape = tuple(max(a, o + s) for a, o, s in zip(prev.shape or (), c.offsets, c.sizes))
@@ -145,6 +149,8 @@ def open_safetensors(place: Place, files: Files, verify: bool) -> Opened:
 
 def open_torch(place: Place, files: Files, verify: bool) -> Opened:
     """``torch.save`` files (one file, or a Hugging Face directory of them), loaded with ``weights_only=True``."""
+    from .torchfile import TorchFiles
+
     backend, entries = TorchFiles.open(place, files)
     return Opened("torch", place.root, entries, backend, _no_metadata, place, tuple(files))
 

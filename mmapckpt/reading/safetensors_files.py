@@ -10,9 +10,7 @@ the byte ranges it needs (reading/regions.py ``read_region``).
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, FormatError, TruncatedFileError
 from ..format.entries import ChunkInfo, EntryInfo
@@ -20,8 +18,9 @@ from ..format.safetensors import MAX_HEADER_SIZE, SafetensorsHeader, looks_like_
 from ..io.mapped import MappedFile
 from ..storage.base import StoredFile
 from ..storage.local import LocalFile
-from .fetches import placeholder
-from .regions import read_region
+
+if TYPE_CHECKING:  # torch, and the modules that read without a mapping, are imported where a tensor is made:
+    import torch   # opening a file reads only its header (inspect imports no torch)
 
 __all__ = ["SafetensorsFile", "SafetensorsFiles", "header_of", "read_header", "is_safetensors_file"]
 
@@ -92,6 +91,8 @@ class SafetensorsFile:
         """The tensor whose ``length`` bytes start at file ``offset`` (checked when the header was parsed):
         a view over the mapping when ``offset`` is a multiple of the element size, else an aligned copy."""
         if self.file is None:
+            import torch
+
             out = torch.empty(shape, dtype=dtype)
             if length:
                 self.stored.read_into(offset, out.reshape(-1).view(torch.uint8).numpy())
@@ -104,6 +105,8 @@ class SafetensorsFile:
                index: tuple[slice, ...]) -> torch.Tensor:
         """``view(...)[index]``: over the mapping where there is one, else only the bytes ``index`` needs, read."""
         if self.file is None:
+            from .regions import read_region
+
             return read_region(self.stored, offset, dtype, shape, index)
         return self.view(offset, length, dtype, shape)[index]
 
@@ -126,6 +129,8 @@ class SafetensorsFiles:
     def chunk(self, info: EntryInfo, c: ChunkInfo, *, lazy: bool = False) -> torch.Tensor:
         f = self.files[c.file]
         if lazy and f.file is None:  # its bounds were checked when the header was parsed
+            from .fetches import placeholder
+
             return placeholder(c.file_offset, info.dtype, c.sizes)  # type: ignore[arg-type]
         return f.view(c.file_offset, c.length, info.dtype, c.sizes)  # type: ignore[arg-type]
 

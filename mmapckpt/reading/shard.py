@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import zlib
 from functools import cached_property
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     CheckpointError,
@@ -33,8 +31,9 @@ from ..io.mapped import MappedFile
 from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.commits import missing_shard_error
 from ..storage.local import LocalFile
-from .fetches import placeholder
-from .regions import read_region
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: opening a shard, checking its header and its
+    import torch   # checksums need none (inspect and verify of an mmapckpt checkpoint import no torch)
 
 __all__ = ["Shard", "is_mmapckpt_shard", "encoded_bytes", "decode_entry", "open_named", "shard_of", "check_reach"]
 
@@ -201,7 +200,11 @@ class Shard:
         if self.file is not None:
             return self.file.view(offset, dtype, shape)
         if lazy:
+            from .fetches import placeholder
+
             return placeholder(offset, dtype, shape)
+        import torch
+
         out = torch.empty(shape, dtype=dtype)
         if length:
             self.stored.read_into(offset, out.reshape(-1).view(torch.uint8).numpy(), entry=_label(key))
@@ -214,6 +217,8 @@ class Shard:
         if self.file is not None:
             return self.view(key, offset, length, dtype, shape)[index]
         self._check_placed(key, offset, length, dtype, shape)
+        from .regions import read_region
+
         return read_region(self.stored, offset, dtype, shape, index, entry=_label(key))
 
     def _check_placed(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
@@ -237,7 +242,7 @@ class Shard:
     def _bytes(self, offset: int, length: int, label: str) -> Any:
         """``length`` bytes at ``offset``: a view of the mapping, or read."""
         if self.file is not None:
-            return self.file.raw(offset, length).numpy()
+            return self.file.memory(offset, length)
         return self.stored.read(offset, length, entry=label)
 
     def _in_bounds(self, offset: int, length: int) -> bool:
@@ -254,22 +259,26 @@ class Shard:
         """The entry's bytes as a uint8 tensor: a view over the mapping (no copy), or read."""
         if self.file is not None:
             return self.file.raw(e.offset, e.length)
+        import torch
+
         data = self.stored.read(e.offset, e.length, entry=e.label)
         return torch.frombuffer(data, dtype=torch.uint8) if e.length else torch.empty(0, dtype=torch.uint8)
 
     def tensor(self, e: fmt.Entry) -> torch.Tensor:
         """The entry as a tensor of its dtype and shape, a copy-on-write view over the mapping."""
+        import torch
+
         dtype = fmt.DTYPES[e.dtype][0]  # type: ignore[index]
         if e.length == 0:
             return torch.empty(e.shape, dtype=dtype)
         return self.raw(e).view(dtype).view(e.shape)
 
     def read_bytes(self, e: fmt.Entry) -> bytes:
-        return self.raw(e).numpy().tobytes()
+        return bytes(self._bytes(e.offset, e.length, e.label))
 
     def verify(self, e: fmt.Entry) -> None:
         """Raise ChecksumError if the entry's bytes do not match their CRC-32."""
-        got = zlib.crc32(self.raw(e).numpy()) if e.length else 0
+        got = zlib.crc32(self._bytes(e.offset, e.length, e.label)) if e.length else 0
         if got != e.crc32:
             raise ChecksumError(f"CRC-32 of the data is {got:08x}, the header says {e.crc32:08x}",
                                 path=self.path, entry=e.label)
@@ -292,7 +301,9 @@ def encoded_bytes(shard: Shard, key: tuple[str, tuple[int, ...] | None], offset:
 
 def decode_entry(shard: Shard, e: fmt.Entry, transforms: StreamTransforms) -> torch.Tensor | bytes:
     """A KIND_ENCODED entry's value, decoded into memory: a new tensor (a chunk) or bytes (a payload)."""
-    stored = memoryview(shard.raw(e).numpy())
+    import torch
+
+    stored = memoryview(shard._bytes(e.offset, e.length, e.label))
     if e.chunk_offsets is None:
         return transforms.decode(stored, e.transforms, path=shard.path, entry=e.label)  # type: ignore[return-value]
     out = torch.empty(e.shape, dtype=fmt.DTYPES[e.dtype][0])  # type: ignore[index]

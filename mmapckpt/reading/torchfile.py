@@ -19,15 +19,17 @@ from __future__ import annotations
 import io
 import warnings
 import zipfile
-from typing import Any, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Union
 
 from ..errors import CheckpointError, FormatError
+from ..format.dtypes import any_dtype_name
 from ..format.entries import ChunkInfo, EntryInfo
 from ..storage.base import StoredFile
 from ..storage.local import LocalFile
 from .located import Place
+
+if TYPE_CHECKING:
+    import torch  # imported where a file is loaded: recognising one reads 2 bytes
 
 __all__ = ["MemoryFile", "StoredReader", "TorchFiles", "flat_torch_file", "flat_torch_files", "is_torch_file",
            "is_zip", "load_torch_file", "torch_source"]
@@ -136,6 +138,8 @@ def load_torch_file(src: TorchSource | Place) -> Any:
         FormatError: not loadable that way (not a torch.save file, or one holding classes
             ``weights_only`` refuses).
     """
+    import torch
+
     if isinstance(src, Place):
         src = torch_source(src)
     path = _path(src)
@@ -183,6 +187,8 @@ def flat_torch_file(src: TorchSource | Place) -> tuple[dict[str, Any], dict[str,
     Raises:
         FormatError: the file does not hold a dict.
     """
+    import torch
+
     if isinstance(src, Place):
         src = torch_source(src)
     obj = load_torch_file(src)
@@ -218,6 +224,8 @@ class TorchFiles:
              ) -> tuple[TorchFiles, dict[str, EntryInfo]]:
         """Load the file at ``place``, or ``files`` of its directory (see :func:`flat_torch_files`); return the
         backend and its index (one whole-tensor chunk per tensor)."""
+        import torch
+
         if files is None:
             files = {place.name or "": None}
         flat, nesting = flat_torch_files(place, files)
@@ -234,7 +242,7 @@ class TorchFiles:
                 shape = tuple(t.shape)
                 # no file position: torch places the bytes (a distinct negative offset keeps entries apart)
                 c = ChunkInfo((0,) * len(shape), shape, rel, -1 - i, t.numel() * t.element_size())
-                entries[name] = EntryInfo(name, "tensor", t.dtype, shape, (c,))
+                entries[name] = EntryInfo(name, "tensor", any_dtype_name(t.dtype), shape, (c,))
                 values[name] = t
             else:
                 entries[name] = EntryInfo(name, "object", None, None, (ChunkInfo((), (), rel, 0, 0),))

@@ -35,7 +35,7 @@ PROG = "mmapckpt"
 COMMANDS = {
     "demo": "save and load a small model with mmapckpt, side by side with stock DCP",
     "inspect": "show a checkpoint's format, version and entries (any supported format)",
-    "verify": "check an mmapckpt checkpoint completely: metadata, headers, bounds, checksums",
+    "verify": "check a checkpoint: mmapckpt completely (metadata, headers, bounds, checksums), others as they allow",
     "convert": "convert between mmapckpt, stock DCP, safetensors and torch.save",
     "bench": "benchmark mmapckpt against stock DCP and safetensors",
 }
@@ -211,12 +211,13 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from ..conversion.driver import convert, target_format
+    from ..conversion.driver import convert, sharded_formats, target_format
     from ..conversion.progress import human_bytes
 
     to = args.to or target_format(args.dst)
-    if args.max_shard_size is not None and to != "safetensors":
-        print(f"{PROG} convert: error: --max-shard-size applies only to safetensors output, not {to}",
+    sharded = sharded_formats()
+    if args.max_shard_size is not None and to not in sharded:
+        print(f"{PROG} convert: error: --max-shard-size applies only to {' and '.join(sharded)} output, not {to}",
               file=sys.stderr)
         return 2
     t0 = time.monotonic()

@@ -1,6 +1,9 @@
 """``mmapckpt inspect``: what a checkpoint holds, for any supported format.
 
-Pure functions returning data; the command line only prints it.
+Pure functions returning data; the command line only prints it. The checkpoint is opened through the format
+table (reading/formats.py) and the backend ``open`` reads it through, and described from its entry index: no
+torch for an mmapckpt checkpoint or safetensors files (dtypes by name), which makes ``mmapckpt inspect`` a
+fraction of a second; a stock DCP checkpoint (a pickle of DCP's classes) and torch.save files need torch.
 """
 
 from __future__ import annotations
@@ -10,17 +13,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-from ..conversion.common import select_names
-from ..conversion.detect import open_source
+from ..conversion.progress import human_bytes
 from ..errors import CheckpointError
 from ..format import layout as fmt
-from ..conversion.progress import human_bytes
+from ..format.entries import EntryInfo
+from ..format.metadata import KIND_MMAPCKPT, decode_index
+from ..reading.formats import FORMATS, STOCK_READER_NOTE, Format, family
+from ..reading.keys import select_names
+from ..reading.locate import find_checkpoint
+from ..reading.located import Place
+from ..reading.opened import Opened, open_dcp
 from ..reading.shard import Shard
 from .wording import count
 
-__all__ = ["EntrySummary", "CheckpointInfo", "inspect_checkpoint", "format_table"]
+__all__ = ["EntrySummary", "CheckpointInfo", "inspect_checkpoint", "format_table", "STOCK_READER_NOTE"]
 
 
 @dataclass(frozen=True)
@@ -82,13 +88,6 @@ class CheckpointInfo:
         }
 
 
-def _dtype(dtype: Any) -> str:
-    try:
-        return fmt.dtype_name(dtype)
-    except ValueError:  # a torch.save file may hold dtypes the mmapckpt format has no name for
-        return str(dtype).removeprefix("torch.")
-
-
 def inspect_checkpoint(path: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
                        storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
     """Describe the checkpoint at ``path`` (mmapckpt, stock DCP, safetensors or torch.save).
@@ -116,21 +115,58 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, keys: Sequence[str] | No
         >>> [(e.name, e.dtype, e.shape) for e in info.entries]  # doctest: +SKIP
     """
     _refuse_shard_file(os.fspath(path))
-    with open_source(path, storage_options=storage_options) as src:
-        entries = []
-        chosen = None if keys is None else set(select_names([n for n, _ in src.items()], keys, None, src.path))
-        for name, item in src.items():
-            if chosen is not None and name not in chosen:
-                continue
-            if isinstance(item, TensorStorageMetadata):
-                n = item.properties.dtype.itemsize
-                for s in item.size:
-                    n *= s
-                entries.append(EntrySummary(name, "tensor", _dtype(item.properties.dtype), tuple(item.size),
-                                         len(item.chunks), n))
-            else:
-                entries.append(EntrySummary(name, "bytes", None, None, 1, src.bytes_length(MetadataIndex(name))))
-        return CheckpointInfo(os.fspath(path), src.kind, src.version, src.files, tuple(entries), src.user_metadata())
+    place, record = find_checkpoint(path, storage_options=storage_options)
+    opened, version = _opened(place, record)
+    try:
+        names = list(opened.entries)
+        chosen = None if keys is None else set(select_names(names, keys, None, place.path,
+                                                            flags=("--keys", "--strip-prefix")).values())
+        entries = tuple(_summary(opened, opened.entries[n]) for n in names if chosen is None or n in chosen)
+        files = len(opened.layout) if opened.layout is not None else \
+            len({c.file for e in opened.entries.values() for c in e.chunks})
+        return CheckpointInfo(os.fspath(path), opened.kind, version, files, entries, opened.user_metadata())
+    finally:
+        opened.files.close()
+
+
+def _opened(place: Place, record: Format) -> tuple[Opened, str]:
+    """The checkpoint at ``place`` opened by its record (every data file opened and checked, as ``open`` does), and
+    its version in words."""
+    if record.files is not None:  # flat files: the record says its version
+        files, index = record.files(place)
+        opened = record.opener(place, files, False)  # type: ignore[misc]
+        return opened, record.version(opened, index)  # type: ignore[misc]
+    storage = place.storage
+    commit = storage.read_metadata(storage.find_metadata())
+    if commit.kind == KIND_MMAPCKPT:
+        ix = decode_index(commit.data, commit.full)  # read once: the index and the version
+        opened = open_dcp(place, None, False, commit, index=(ix.entries, ix.save_id))
+        version = f"DCP metadata {ix.doc.get('version')}"
+    else:
+        from ..format.metadata.stock import decode_stock_index  # DCP's classes: a stock commit is a pickle of them
+
+        md, entries = decode_stock_index(commit.data, commit.full)
+        opened = open_dcp(place, None, False, commit, index=(entries, getattr(md.storage_meta, "save_id", None)))
+        version = f"DCP metadata {md.version}, torch.save items"
+    shards = getattr(opened.files, "shards", {})
+    first = shards[min(shards)] if shards else None
+    if first is not None:
+        version = f"shard format {fmt.FORMAT_MAJOR}.{first.header.minor}, {version}"
+    return opened, version
+
+
+def _summary(opened: Opened, e: EntryInfo) -> EntrySummary:
+    if e.kind == "tensor":
+        return EntrySummary(e.name, "tensor", e.dtype_name, e.shape, len(e.chunks), e.nbytes)
+    if opened.files.pickled_objects:  # stored as a pickle (DCP): its length
+        return EntrySummary(e.name, "bytes", None, None, 1, e.nbytes)
+    import io
+
+    import torch  # a torch.save file's value: its length as DCP would store it
+
+    buf = io.BytesIO()
+    torch.save(opened.files.object_value(e), buf)
+    return EntrySummary(e.name, "bytes", None, None, 1, len(buf.getvalue()))
 
 
 def _refuse_shard_file(path: str) -> None:
@@ -173,12 +209,7 @@ def format_table(info: CheckpointInfo) -> str:
     others = len(info.entries) - info.tensors
     lines += ["", f"total: {count(len(info.entries), 'entry')} ({count(info.tensors, 'tensor')}, {others} non-tensor), "
                   f"{human_bytes(info.total_bytes)} ({info.total_bytes} bytes)"]
-    if info.format == "mmapckpt":
-        lines.append(STOCK_READER_NOTE)
+    note = family(info.format).note if info.format in FORMATS else ""
+    if note:
+        lines.append(note)
     return "\n".join(lines)
-
-
-#: What a user of the stock reader needs to know (its error on this format is "invalid load key, '\xff'").
-STOCK_READER_NOTE = ("note: the stock DCP reader (dcp.load without storage_reader, or FileSystemReader) cannot read "
-                     "this format: load it with storage_reader=mmapckpt.MmapReader(path), or make a stock copy "
-                     "with `mmapckpt convert SRC DST --to dcp`")

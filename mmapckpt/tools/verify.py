@@ -1,22 +1,26 @@
-"""``mmapckpt verify``: check an mmapckpt checkpoint completely and report every problem.
+"""``mmapckpt verify``: check a checkpoint completely and report every problem.
 
-Checks, in order: the metadata is present, committed and decodes; it lists a
-storage record for every chunk and non-tensor entry; every shard file it names
-exists, with a valid preamble and header whose entries lie in bounds, aligned and
-without overlaps; every storage record matches a header entry (same file, offset,
-length, kind, dtype and chunk shape); the CRC-32 of every entry's bytes matches.
-Problems are collected, never raised one at a time, so one run shows them all.
+The checkpoint is found by the format table (reading/formats.py), whose record names the checks its format
+allows (``Format.checks``), and every file is read through the storage (local or at a URL alike).
 
-Other formats get the checks they allow (``_verify_flat``): a safetensors file or Hugging
-Face directory its index (every file present, every name in its file's header) and every
-header (dtypes known, shapes matching their byte ranges, data tiled to the end of the file;
-there are no checksums, so the data bytes cannot be checked); a torch.save file that it
-loads with ``weights_only=True`` and, for the zip format, the CRC-32 of every archive
-member (which ``torch.load`` itself never checks). Only mmapckpt checkpoints have a
-checksum per entry.
-Files in the directory that no metadata references (left-over shards, temp files,
-files of other programs such as config.json) are listed with their sizes as
-warnings: they do not make the checkpoint unsound.
+An mmapckpt checkpoint, in order: the metadata is present, committed and decodes (the decoder checks
+that every chunk and non-tensor entry has a storage record and that chunks tile their tensor); every
+shard file it names is opened as every reader opens it (reading/shard.py: present, of this save),
+with a valid preamble and header whose entries lie in bounds, aligned and without overlaps; every
+storage record matches a header entry (same offset, length, kind, dtype and chunk shape); the
+CRC-32 of every entry's bytes matches. It works on the format's own index (dtype names): no torch is
+imported but to decode entries stored through stream transforms.
+
+A stock DCP checkpoint has no checksums: it is opened as every reader opens it (reading/chunks.py
+``ChunkFiles``: every data file present and reaching the end of its last record), then every tensor
+item is loaded the way a load reads it (``torch.load(weights_only=True)``, or found by name in a
+SAFETENSORS-format shard's safetensors data and checked against the metadata) and every non-tensor
+item's bytes are read (not unpickled: that could run code).
+
+Flat files get the checks their format allows (tools/verify_flat.py). Problems are collected, never raised
+one at a time, so one run shows them all. Files in a DCP directory that no metadata references (left-over
+shards, temp files, files of other programs such as config.json) are listed with their sizes as warnings:
+they do not make the checkpoint unsound.
 """
 
 from __future__ import annotations
@@ -25,117 +29,38 @@ import dataclasses
 import fnmatch
 import os
 import re
-import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
-
+from ..conversion.progress import Progress, human_bytes
 from ..errors import CheckpointError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 from ..format import layout as fmt
-from ..reading.located import Place, locate
-from ..reading.formats import Format, recognise, resolve
-from ..reading.opened import safetensors_union
-from ..format.metadata import KIND_MMAPCKPT
-from ..format.safetensors import entry_infos
+from ..format.entries import EntryInfo
+from ..format.metadata import KIND_MMAPCKPT, METADATA_NAME, MetaIndex, decode_index, decode_user_metadata
 from ..format.transforms import StreamTransforms
-from ..conversion.progress import Progress, human_bytes
-from ..reading.safetensors_files import SafetensorsFile
+from ..reading.formats import Format, recognise, resolve
+from ..reading.located import Place, locate
 from ..reading.shard import Shard, check_size_unchanged, decode_entry, open_named, shard_of
-from ..reading.torchfile import TorchSource, flat_torch_file, is_zip, torch_source
 from ..storage.base import CheckpointStorage
-from ..dcp.metadata import read_metadata
-from ..storage.commits import read_user_metadata
 from ..storage.location import is_url, storage_for
+from .verify_report import FileWarning, Problem, VerifyReport
 from .wording import count
 
-__all__ = ["Problem", "FileWarning", "VerifyReport", "verify_checkpoint"]
+__all__ = ["Problem", "FileWarning", "VerifyReport", "verify_checkpoint", "verify_mmapckpt", "verify_stock"]
 
-
-@dataclass(frozen=True)
-class Problem:
-    """One defect: the file and entry concerned and what is wrong.
-
-    Attributes:
-        error: the name of the CheckpointError subclass that reading the checkpoint raises for it (``open``,
-            ``load``, ``dcp.load`` and ``convert`` raise the same class for the same damage).
-    """
-
-    path: str
-    entry: str | None
-    message: str
-    error: str = "CheckpointError"
-
-    @classmethod
-    def of(cls, e: CheckpointError, path: str) -> "Problem":
-        return cls(e.path or path, e.entry, e.message, type(e).__name__)
-
-    def __str__(self) -> str:
-        where = self.path + (f": entry {self.entry!r}" if self.entry else "")
-        return f"{where}: {self.message}"
-
-
-@dataclass(frozen=True)
-class FileWarning:
-    """A file in the checkpoint directory that no metadata references (not a defect)."""
-
-    path: str
-    size: int
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message} ({human_bytes(self.size)})"
-
-
-@dataclass
-class VerifyReport:
-    """The outcome of :func:`verify_checkpoint`: what was checked, problems, warnings and notes (not defects).
-
-    Attributes:
-        path: the path verified.
-        checked: one line per check that passed.
-        problems: every defect found, each naming its file and entry; ``ok`` is True without any.
-        notes: facts worth knowing that are not defects (e.g. what a format cannot check).
-        warnings: files in the directory that the checkpoint does not reference, with their sizes.
-        bytes_checked: bytes whose checksums were checked.
-    """
-
-    path: str
-    checked: list[str] = field(default_factory=list)
-    problems: list[Problem] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    warnings: list[FileWarning] = field(default_factory=list)
-    bytes_checked: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "ok": self.ok, "checked": self.checked, "notes": self.notes,
-                "bytes_checked": self.bytes_checked,
-                "warnings": [{"path": w.path, "bytes": w.size, "message": w.message} for w in self.warnings],
-                "problems": [{"path": p.path, "entry": p.entry, "message": p.message, "error": p.error}
-                             for p in self.problems]}
-
-
-def _label(idx: MetadataIndex) -> str:
-    return idx.fqn if idx.offset is None else f"{idx.fqn}@{list(idx.offset)}"
+#: A storage record as the index places it: (key, kind, dtype name, chunk shape, file offset, length, transforms).
+_Record = tuple[tuple[str, "tuple[int, ...] | None"], str, "str | None", "tuple[int, ...] | None", int, int,
+                tuple[str, ...]]
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False,
                       storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Check the checkpoint at ``path``; return every problem found.
 
-    For an mmapckpt checkpoint, reads every byte of every entry (to check its CRC-32).
-    A safetensors file or Hugging Face directory, or a torch.save file, gets the checks its
-    format allows (see the module's docstring; ``report.checked`` and ``report.notes`` say
-    which). The checkpoint is sound when ``report.ok``.
+    For an mmapckpt checkpoint, reads every byte of every entry (to check its CRC-32); a stock DCP
+    checkpoint has every item loaded as a load reads it. A safetensors file or Hugging Face
+    directory, or a torch.save file, gets the checks its format allows (see the module's docstring;
+    ``report.checked`` and ``report.notes`` say which). The checkpoint is sound when ``report.ok``.
 
     Args:
         path: a checkpoint directory or file, or a URL of a registered medium (reading/located.py).
@@ -157,218 +82,84 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool = False,
             raise
         place = None  # neither a file nor a directory: the metadata check reports it
     report = VerifyReport(p)
-    flat = _flat_format(place) if place is not None else None
-    if flat is not None:
-        _FLAT_CHECKS[flat.family](place, flat, report, progress)
+    record = _record(place) if place is not None else None
+    if record is not None:
+        record.resolved("checks")(place, record, report, progress)
         return report
-    dir_place = place is not None and place.is_dir
-    storage = place.storage if dir_place else storage_for(p, options=storage_options)  # type: ignore[union-attr]
-    md = _check_metadata(storage, report)
-    if md is None:
-        return report
-    _check_coverage(p, md, report)
-    per_file: dict[str, list[MetadataIndex]] = {}
-    for idx, info in md.storage_data.items():
-        per_file.setdefault(info.relative_path, []).append(idx)
-    total = sum(info.length for info in md.storage_data.values())
-    with Progress(total, "verify", enabled=progress) as bar:
-        for rel in sorted(per_file):
-            _check_shard(storage, rel, per_file[rel], md, report, bar)
-    _check_directory(storage, p, is_url(p), set(per_file), report)
+    storage = place.storage if place is not None and place.is_dir else storage_for(p, options=storage_options)
+    verify_mmapckpt(Place(p, storage, None, not is_url(p)), None, report, progress)  # reports what is missing
     return report
 
 
-def _flat_format(place: Place) -> Format | None:
-    """The format table's record of a checkpoint of flat files (safetensors, torch.save) at ``place``; None for
-    anything else (DCP directories, and places that hold no checkpoint: the metadata check reports those)."""
+def _record(place: Place) -> Format | None:
+    """The format table's record of the checkpoint at ``place``; None where it holds none that the table
+    recognises (the metadata check then reports what is missing)."""
     try:
-        fmt = recognise(place)
+        return recognise(place)
     except CheckpointError:
         return None
-    return fmt if fmt.files is not None else None
 
 
-def _flat_bytes(src: TorchSource) -> int:
-    if is_zip(src):
-        with zipfile.ZipFile(_rewound(src)) as z:
-            return sum(i.file_size for i in z.infolist())
-    return 0
+# --------------------------------------------------------------------------- mmapckpt
+def verify_mmapckpt(place: Place, record: Format | None, report: VerifyReport, progress: bool) -> None:
+    """The checks of an mmapckpt checkpoint directory (the module docstring)."""
+    storage = place.storage
+    ix = _check_metadata(storage, report)
+    if ix is None:
+        return
+    per_file = _records_by_file(ix)
+    total = sum(r[5] for records in per_file.values() for r in records)
+    with Progress(total, "verify", enabled=progress) as bar:
+        for rel in sorted(per_file):
+            _check_shard(storage, rel, per_file[rel], ix.save_id, report, bar)
+    _check_directory(storage, set(per_file), report)
 
 
-def _rewound(src: TorchSource) -> Any:
-    if not isinstance(src, str):
-        src.seek(0)
-    return src
-
-
-_NO_CHECKSUMS = ("safetensors files carry no checksums: the tensors' bytes could not be checked (only mmapckpt "
-                 "checkpoints have a CRC-32 per entry: `mmapckpt convert SRC DST --to mmapckpt` makes one)")
-
-
-def _index_files(place: Place, fmt: Format, report: VerifyReport) -> dict[str, list[str] | None] | None:
-    """The files of the checkpoint at ``place`` (its record's ``files``), its index reported as checked; None,
-    with the problem reported, where the index or a file it names is damaged or missing."""
+def _check_metadata(storage: CheckpointStorage, report: VerifyReport) -> MetaIndex | None:
     try:
-        files, idx = fmt.files(place)  # type: ignore[misc]
-    except CheckpointError as e:
-        report.problems.append(Problem.of(e, place.path))
-        return None
-    if idx is not None:
-        report.checked.append(f"index {place.full(idx)}: {count(sum(len(n or ()) for n in files.values()), 'tensor')} "
-                              f"in {count(len(files), 'file')}, every file present")
-    return files
-
-
-def _verify_safetensors(place: Place, fmt: Format, report: VerifyReport, progress: bool) -> None:
-    with Progress(0, "verify", enabled=progress):
-        files = _index_files(place, fmt, report)
-        if files is not None:
-            _check_safetensors_files(place, files, report)
-
-
-def _check_safetensors_files(place: Place, files: dict[str, list[str] | None], report: VerifyReport) -> None:
-    parts = []
-    for rel, names in files.items():
-        full = place.full(rel)
-        try:
-            f = SafetensorsFile(place.open(rel))
-            f.close()
-            header = f.header
-            entry_infos(header, full, names)  # every name the index puts in this file is in its header
-        except CheckpointError as e:
-            report.problems.append(Problem.of(e, full))
-            continue
-        for extra in sorted(set(header.entries) - set(names)) if names is not None else ():
-            report.notes.append(f"{full}: tensor {extra!r} is in the header but not in the index's weight_map "
-                                "(loaders that follow the index skip it)")
-        report.checked.append(f"{full}: header valid ({count(len(header.entries), 'tensor')}: known dtypes, shapes match "
-                              "their byte ranges, data tiled without overlap or gap to the end of the file)")
-        parts.append((rel, header, names))
-    if len(parts) == len(files) > 1:
-        try:  # the files read together: no name in two of them (but distinct DCP_SHARDING_INFO chunks)
-            safetensors_union(place, parts)
-        except CheckpointError as e:
-            report.problems.append(Problem.of(e, place.path))
-    report.notes.append(_NO_CHECKSUMS)
-
-
-def _verify_torch_files(place: Place, fmt: Format, report: VerifyReport, progress: bool) -> None:
-    """A torch.save file, or a Hugging Face directory of them (``pytorch_model.bin`` or an index and its
-    shards): each file as :func:`_verify_torch` checks one, and every name the index puts in a shard there."""
-    files = _index_files(place, fmt, report)
-    for rel, names in (files or {}).items():
-        src = torch_source(place, None if place.name is not None else rel)  # at a URL: read once, for both checks
-        full = place.path if place.name is not None else place.full(rel)
-        with Progress(_flat_bytes(src), "verify", enabled=progress) as bar:
-            flat = _verify_torch(src, full, report, bar)
-        for name in sorted(set(names or ()) - set(flat or ())) if flat is not None else ():
-            report.problems.append(Problem(full, name, "the index puts this tensor in this file, but the file does "
-                                                       "not hold it (re-download or re-save the checkpoint)",
-                                           "FormatError"))
-
-
-def _verify_torch(src: TorchSource, p: str, report: VerifyReport, bar: Progress) -> dict[str, Any] | None:
-    """Check one torch.save file; returns its flattened entries (None where it does not load)."""
-    flat: dict[str, Any] | None = None
-    try:
-        flat, _ = flat_torch_file(src)
-        tensors = sum(1 for v in flat.values() if hasattr(v, "dtype"))
-        report.checked.append(f"{p}: loads with torch.load(weights_only=True): {count(len(flat), 'entry')} ("
-                              f"{count(tensors, 'tensor')}), no code run")
-    except CheckpointError as e:
-        report.problems.append(Problem.of(e, p))
-    if not is_zip(src):
-        report.notes.append(f"{p}: legacy (pre-1.6) torch.save format: it has no checksums, its bytes could not "
-                            "be checked")
-        return flat
-    before, members = len(report.problems), 0
-    with zipfile.ZipFile(_rewound(src)) as z:
-        for info in z.infolist():
-            members += 1
-            try:
-                with z.open(info) as f:
-                    while chunk := f.read(8 << 20):
-                        bar.advance(len(chunk))
-                        report.bytes_checked += len(chunk)
-            except Exception as e:  # noqa: BLE001 - zipfile's CRC, zlib and format errors: all a damaged member
-                report.problems.append(Problem(p, info.filename, f"zip member does not read back intact: {e}",
-                                           "ChecksumError"))
-    if len(report.problems) == before:
-        report.checked.append(f"{p}: zip archive: {count(members, 'member CRC-32')} match{'es' * (members == 1)} (torch.load itself does not "
-                              "check them)")
-    return flat
-
-
-#: The checks of each family of flat files.
-_FLAT_CHECKS = {"safetensors": _verify_safetensors, "torch": _verify_torch_files}
-
-
-def _check_metadata(storage: CheckpointStorage, report: VerifyReport) -> Metadata | None:
-    try:
-        name = storage.find_metadata()
-        meta = storage.full(name)
-        kind, md = read_metadata(storage, name)  # shapes, chunk tiling and stored ranges checked (format/tiling.py)
-        read_user_metadata(storage, name)  # {str: str} or absent, as convert demands
+        commit = storage.read_metadata(storage.find_metadata())
+        if commit.kind != KIND_MMAPCKPT:  # the table recognised none: a commit it does not know
+            raise FormatError("not an mmapckpt commit", path=commit.full)
+        ix = decode_index(commit.data, commit.full)  # shapes, chunk tiling, records and stored ranges checked
+        decode_user_metadata(commit.kind, commit.data, commit.full)  # {str: str} or absent, as convert demands
     except CheckpointError as e:
         report.problems.append(Problem.of(e, storage.location))
         return None
-    if kind != KIND_MMAPCKPT:
-        report.problems.append(Problem(meta, None, "this is a stock DCP checkpoint (pickled metadata, torch.save "
-                                       "items): verify checks mmapckpt checkpoints; convert it with "
-                                       "`mmapckpt convert SRC DST --to mmapckpt`"))
-        return None
-    files = {info.relative_path for info in md.storage_data.values()}
-    report.checked.append(f"metadata {meta}: committed, decodes, checksum matches; "
-                          f"{count(len(md.state_dict_metadata), 'entry')}, {count(len(md.storage_data), 'storage record')} "
+    files = {c.file for e in ix.entries.values() for c in e.chunks}
+    records = sum(len(e.chunks) for e in ix.entries.values())
+    report.checked.append(f"metadata {commit.full}: committed, decodes, checksum matches; "
+                          f"{count(len(ix.entries), 'entry')}, {count(records, 'storage record')} "
                           f"in {count(len(files), 'shard file')}")
-    return md
+    report.checked.append("metadata: every chunk and non-tensor entry has a storage record; chunks tile every tensor "
+                          "exactly, stored byte ranges shared only by tied weights (checked as it decoded)")
+    return ix
 
 
-def _check_coverage(p: str, md: Metadata, report: VerifyReport) -> None:
-    """Every chunk and non-tensor entry has a storage record (the decoder checked that they tile their tensor)."""
-    before = len(report.problems)
-    for fqn, item in md.state_dict_metadata.items():
-        if not isinstance(item, TensorStorageMetadata):
-            if MetadataIndex(fqn) not in md.storage_data:
-                report.problems.append(Problem(p, fqn, "non-tensor entry has no storage record (its data is missing)",
-                                               "FormatError"))
-            continue
-        for c in item.chunks:
-            if MetadataIndex(fqn, c.offsets) not in md.storage_data:
-                report.problems.append(Problem(p, f"{fqn}@{list(c.offsets)}", "chunk has no storage record", "FormatError"))
-    for idx in md.storage_data:
-        if idx.fqn not in md.state_dict_metadata:
-            report.problems.append(Problem(p, _label(idx), "storage record for an entry the metadata does not list",
-                                          "FormatError"))
-    if len(report.problems) == before:
-        report.checked.append("metadata: every chunk and non-tensor entry has a storage record; "
-                              "chunks tile every tensor exactly, stored byte ranges shared only by tied weights")
+def _records_by_file(ix: MetaIndex) -> dict[str, list[_Record]]:
+    out: dict[str, list[_Record]] = {}
+    for e in ix.entries.values():
+        for c in e.chunks:
+            key = (e.name, None) if e.kind != "tensor" else (e.name, c.offsets)
+            kind = fmt.KIND_BYTES if e.kind != "tensor" else fmt.KIND_TENSOR
+            out.setdefault(c.file, []).append((key, kind, e.dtype_name, c.sizes if e.kind == "tensor" else None,
+                                               c.file_offset, c.length, tuple(ix.transforms.get(key, ()))))
+    return out
 
 
-def _expect(md: Metadata, idx: MetadataIndex,
-            sizes: dict[str, dict[tuple[int, ...], tuple[int, ...]]]) -> tuple[str, str | None, tuple[int, ...] | None]:
-    """(kind, dtype name, chunk shape) the metadata promises for ``idx``; ``sizes`` caches each tensor's
-    chunk shapes by offsets, so that a tensor of many chunks is looked up in constant time."""
-    item = md.state_dict_metadata.get(idx.fqn)
-    if not isinstance(item, TensorStorageMetadata):
-        return fmt.KIND_BYTES, None, None
-    by_offsets = sizes.get(idx.fqn)
-    if by_offsets is None:
-        by_offsets = sizes[idx.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in item.chunks}
-    return fmt.KIND_TENSOR, fmt.dtype_name(item.properties.dtype), by_offsets.get(tuple(idx.offset or ()))
+def _label(key: tuple[str, tuple[int, ...] | None]) -> str:
+    return key[0] if key[1] is None else f"{key[0]}@{list(key[1])}"
 
 
-def _check_shard(storage: CheckpointStorage, rel: str, records: list[MetadataIndex], md: Metadata,
+def _check_shard(storage: CheckpointStorage, rel: str, records: list[_Record], save_id: str | None,
                  report: VerifyReport, bar: Progress) -> None:
     """One shard file, opened as every reader opens it (reading/shard.py: present, of this save), every entry of
     its header checked against the file and the metadata, and every checksum."""
     before = len(report.problems)
     full = storage.full(rel)
-    save_id = getattr(md.storage_meta, "save_id", None)
     try:
         f = open_named(storage, rel, save_id)
     except CheckpointError as e:
-        names = ", ".join(sorted(_label(i) for i in records)[:5]) + (", ..." if len(records) > 5 else "")
+        names = ", ".join(sorted(_label(r[0]) for r in records)[:5]) + (", ..." if len(records) > 5 else "")
         lost = f"; {count(len(records), 'entry')} lost ({names})" if isinstance(e, IncompleteCheckpointError) else ""
         report.problems.append(dataclasses.replace(Problem.of(e, full), message=e.message + lost))
         return
@@ -379,34 +170,36 @@ def _check_shard(storage: CheckpointStorage, rel: str, records: list[MetadataInd
             report.problems.append(Problem.of(e, full))
             return
         assert shard is not None
-        _check_entries(shard, full, rel, records, md, report, bar, before)
+        _check_entries(shard, full, rel, records, report, bar, before)
 
 
-def _check_entries(shard: Shard, full: str, rel: str, records: list[MetadataIndex], md: Metadata,
-                   report: VerifyReport, bar: Progress, before: int) -> None:
-    used, keys, sizes = set(), shard.header.by_key(), {}  # type: ignore[var-annotated]
-    for idx in records:
-        kind, dtype, shape = _expect(md, idx, sizes)
-        info = md.storage_data[idx]
-        e = keys.get((idx.fqn, None if kind == fmt.KIND_BYTES else tuple(idx.offset or ())))
+def _differences(r: _Record, e: fmt.Entry) -> list[str]:
+    _, kind, dtype, shape, offset, length, transforms = r
+    diffs = []
+    if (offset, length) != (e.offset, e.length):
+        diffs.append(f"metadata says bytes [{offset}, +{length}), header says [{e.offset}, +{e.length})")
+    encoded_as = None if e.kind != fmt.KIND_ENCODED else (fmt.KIND_BYTES if e.chunk_offsets is None
+                                                           else fmt.KIND_TENSOR)
+    if (encoded_as or e.kind) != kind:
+        diffs.append(f"metadata says {kind}, header says {e.kind}")
+    elif list(transforms) != list(e.transforms):
+        diffs.append(f"metadata says stream transforms {list(transforms)}, header says {list(e.transforms)}")
+    elif kind == fmt.KIND_TENSOR and (e.dtype != dtype or e.shape != shape):
+        diffs.append(f"metadata says {dtype} {list(shape or ())}, header says {e.dtype} {list(e.shape)}")
+    return diffs
+
+
+def _check_entries(shard: Shard, full: str, rel: str, records: list[_Record], report: VerifyReport, bar: Progress,
+                   before: int) -> None:
+    used, keys = set(), shard.header.by_key()
+    for r in records:
+        e = keys.get(r[0])
         if e is None:
-            report.problems.append(Problem(full, _label(idx), "metadata names this entry but the shard header lacks it",
-                                           "FormatError"))
+            report.problems.append(Problem(full, _label(r[0]), "metadata names this entry but the shard header "
+                                                                "lacks it", "FormatError"))
             continue
         used.add(e.key)
-        diffs = []
-        if (info.offset, info.length) != (e.offset, e.length):
-            diffs.append(f"metadata says bytes [{info.offset}, +{info.length}), header says [{e.offset}, +{e.length})")
-        encoded_as = None if e.kind != fmt.KIND_ENCODED else (fmt.KIND_BYTES if e.chunk_offsets is None
-                                                               else fmt.KIND_TENSOR)
-        if (encoded_as or e.kind) != kind:
-            diffs.append(f"metadata says {kind}, header says {e.kind}")
-        elif list(getattr(info, "transform_descriptors", None) or ()) != list(e.transforms):
-            diffs.append(f"metadata says stream transforms {list(info.transform_descriptors or ())}, "
-                         f"header says {list(e.transforms)}")
-        elif kind == fmt.KIND_TENSOR and (e.dtype != dtype or e.shape != shape):
-            diffs.append(f"metadata says {dtype} {list(shape or ())}, header says {e.dtype} {list(e.shape)}")
-        report.problems.extend(Problem(full, e.label, d, "FormatError") for d in diffs)
+        report.problems.extend(Problem(full, e.label, d, "FormatError") for d in _differences(r, e))
     for e in shard.header.entries:
         try:
             shard.verify(e)
@@ -423,10 +216,10 @@ def _check_entries(shard: Shard, full: str, rel: str, records: list[MetadataInde
     except CheckpointError as err:
         report.problems.append(Problem.of(err, full))
     if len(report.problems) == before:
+        n = len(shard.header.entries)
         report.checked.append(f"{rel}: preamble and header valid (format {fmt.FORMAT_MAJOR}.{shard.header.minor}, "
-                              f"{count(len(shard.header.entries), 'entry')} in bounds, aligned, not overlapping); "
-                              f"matches the metadata; {count(len(shard.header.entries), 'checksum')} "
-                              f"match{'es' * (len(shard.header.entries) == 1)} "
+                              f"{count(n, 'entry')} in bounds, aligned, not overlapping); matches the metadata; "
+                              f"{count(n, 'checksum')} match{'es' * (n == 1)} "
                               f"({human_bytes(sum(e.length for e in shard.header.entries))})")
 
 
@@ -441,6 +234,50 @@ def _check_decodes(shard: Shard, e: fmt.Entry, report: VerifyReport) -> None:
                             "that DCP's default registry does not know; its stored bytes were checked, not decoded")
 
 
+# --------------------------------------------------------------------------- stock DCP
+def verify_stock(place: Place, record: Format, report: VerifyReport, progress: bool) -> None:
+    """The checks of a stock DCP checkpoint directory (the module docstring)."""
+    try:
+        opened = record.open(place)  # every data file present, reaching its last record (as every reader opens it)
+    except CheckpointError as e:
+        report.problems.append(Problem.of(e, place.path))
+        return
+    files = opened.files
+    try:
+        names = {c.file for e in opened.entries.values() for c in e.chunks}
+        report.checked.append(f"metadata {place.storage.full(METADATA_NAME)}: committed, unpickles with only DCP's "
+                              f"classes, {count(len(opened.entries), 'entry')}; {count(len(names), 'data file')} "
+                              "present, each reaching the end of its last record")
+        total = sum(c.length for e in opened.entries.values() for c in e.chunks)
+        before = len(report.problems)
+        with Progress(total, "verify", enabled=progress) as bar:
+            for e in opened.entries.values():
+                _check_stock_entry(files, e, place, report, bar)
+        if len(report.problems) == before:
+            report.checked.append(f"every tensor item loads as a load reads it (torch.load(weights_only=True), or "
+                                  f"its safetensors data found by name and matching the metadata); every "
+                                  f"non-tensor item's bytes read ({human_bytes(total)})")
+        report.notes.append("stock DCP checkpoints carry no checksums: damaged tensor bytes that still load cannot "
+                            "be found (`mmapckpt convert SRC DST --to mmapckpt` makes a checkpoint with a CRC-32 "
+                            "per entry); non-tensor items were read, not unpickled")
+        _check_directory(place.storage, names, report)
+    finally:
+        files.close()
+
+
+def _check_stock_entry(files: Any, e: EntryInfo, place: Place, report: VerifyReport, bar: Progress) -> None:
+    for c in e.chunks:
+        try:
+            if e.kind == "tensor":
+                files.chunk(e, c)
+            else:
+                files.object_bytes(e)
+        except CheckpointError as err:
+            report.problems.append(Problem.of(err, place.storage.full(c.file)))
+        bar.advance(c.length)
+
+
+# --------------------------------------------------------------------------- unreferenced files
 _COMMITS = (".metadata", "__*.metadata")
 _SHARD = re.compile(r"^__\d+_\d+(\.[0-9a-f]{8})?\.distcp$")
 _TEMP = re.compile(r"^\..*\.tmp-[0-9a-z-]+$")
@@ -454,24 +291,14 @@ def _why_unreferenced(name: str) -> str:
     return "not referenced by the metadata: not part of the checkpoint (kept; verify did not check it)"
 
 
-def _check_directory(storage: CheckpointStorage, p: str, url: bool, referenced: set[str],
-                     report: VerifyReport) -> None:
-    """Every regular file that is neither a commit (metadata) file nor referenced is a warning with its size
-    (at a URL: every file the storage lists that opens)."""
-    for name in sorted(storage.list() if url else os.listdir(p)):
+def _check_directory(storage: CheckpointStorage, referenced: set[str], report: VerifyReport) -> None:
+    """Every file that is neither a commit (metadata) file nor referenced is a warning with its size: every name
+    the storage lists that opens as a regular file."""
+    for name in sorted(storage.list()):
         if name in referenced or any(fnmatch.fnmatchcase(name, c) for c in _COMMITS):
             continue
-        if url:
-            try:
-                with storage.open_file(name) as f:
-                    report.warnings.append(FileWarning(f.path, f.size, _why_unreferenced(name)))
-            except CheckpointError:
-                pass  # gone meanwhile, or no file (an upload in progress)
-            continue
-        full = os.path.join(p, name)
         try:
-            st = os.lstat(full)
-        except OSError:
-            continue
-        if os.path.isfile(full) and not os.path.islink(full):
-            report.warnings.append(FileWarning(full, st.st_size, _why_unreferenced(name)))
+            with storage.open_file(name) as f:
+                report.warnings.append(FileWarning(f.path, f.size, _why_unreferenced(name)))
+        except CheckpointError:
+            pass  # gone meanwhile, or no regular file (a directory, an upload in progress)

@@ -300,8 +300,9 @@ def test_dtensors_are_refused_with_the_dcp_way_named(tmp_path):
     helpers.run_distributed(_dtensor_refusals, 1, path)
 
 
-def test_direct_reads_of_a_shard_removed_after_mapping_fall_back_to_the_mapping(tmp_path):
-    """A later save's clean-up may unlink a shard a load has mapped: the mapping stays the file to read."""
+def test_direct_reads_of_a_shard_removed_after_mapping_read_the_file_mapped(tmp_path):
+    """A later save's clean-up may unlink a shard a load has mapped: direct reads go through the descriptor the
+    file was mapped with (never its path again), so they still read that file."""
     from mmapckpt.reading.shard import Shard
     from mmapckpt.io.direct_reads import DirectReads
 
@@ -311,10 +312,14 @@ def test_direct_reads_of_a_shard_removed_after_mapping_fall_back_to_the_mapping(
     shard = Shard(os.path.join(path, SHARD))
     os.unlink(os.path.join(path, SHARD))
     reads = DirectReads(shard.file, ranges=[(4096, 280_000)])
-    assert not reads.enabled
+    assert reads.enabled
     e = shard.header.entries[0]
     target = torch.empty(70_000)
     src = shard.tensor(e)
-    assert not reads.take(src, target, None, "w")
-    target.copy_(src)
+    try:
+        assert reads.take(src, target, None, "w")
+        reads.run()
+    finally:
+        reads.close()
+        shard.close()
     assert_bitwise_equal(target, sd["w"])

@@ -136,10 +136,27 @@ def test_metadata_problems(ck, tmp_path) -> None:
     assert len(r.problems) == 1 and "incomplete" in r.problems[0].message
 
 
-def test_stock_dcp_is_not_verified_as_sound(tmp_path) -> None:
-    dcp.save({"a": torch.ones(3)}, storage_writer=FileSystemWriter(str(tmp_path / "s")), no_dist=True)
-    r = verify_checkpoint(tmp_path / "s")
-    assert not r.ok and "stock DCP" in r.problems[0].message
+def test_stock_dcp_is_verified_item_by_item(tmp_path) -> None:
+    """A stock DCP checkpoint: its files present and reaching their records, every tensor item loaded as a load
+    reads it; a damaged item is a problem naming its file and entry; an unreferenced file is a warning."""
+    d = tmp_path / "s"
+    dcp.save({"a": torch.ones(3), "b": torch.arange(1000), "step": 7}, storage_writer=FileSystemWriter(str(d)),
+             no_dist=True)
+    r = verify_checkpoint(d)
+    assert r.ok, r.problems
+    assert any("loads as a load reads it" in c for c in r.checked) and any("no checksums" in n for n in r.notes)
+    (shard,) = [n for n in os.listdir(d) if n.endswith(".distcp")]
+    (d / "notes.txt").write_text("x")
+    with open(d / shard, "r+b") as f:  # the zip framing of every item: each torch.save item starts "PK"
+        data = bytearray(f.read())
+        for at in [i for i in range(len(data) - 1) if data[i:i + 4] == b"PK\x03\x04"]:
+            data[at:at + 4] = b"XXXX"
+        f.seek(0)
+        f.write(data)
+    r = verify_checkpoint(d)
+    assert not r.ok and {p.entry.split("@")[0] for p in r.problems} == {"a", "b"}
+    assert all(p.path == str(d / shard) and p.error == "FormatError" for p in r.problems)
+    assert [os.path.basename(w.path) for w in r.warnings] == ["notes.txt"]
 
 
 def test_missing_path_raises(tmp_path) -> None:

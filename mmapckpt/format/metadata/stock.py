@@ -24,10 +24,9 @@ import pickletools
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ...errors import FormatError, UnsafePickleError
 from .. import layout as fmt
+from ..dtypes import any_dtype_name
 from ..entries import ChunkInfo, EntryInfo, safe_relative_path
 from ..stock import raw_record
 from ..tiling import check_entries
@@ -50,6 +49,8 @@ def _dcp() -> Any:
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:
+    import torch  # loaded already by _dcp(): a stock read imports DCP's classes
+
     d = _dcp()
     m, legacy = d.m, d.legacy
     allowed: dict[tuple[str, str], Any] = {
@@ -207,6 +208,8 @@ def _check_stock(md: Any, path: str) -> None:
 
 
 def _is_dims(v: Any) -> bool:
+    import torch  # loaded already: v was unpickled from DCP's classes
+
     return isinstance(v, torch.Size) and len(v) <= fmt.MAX_NDIM and all(0 <= x <= fmt.MAX_INT for x in v)
 
 
@@ -217,6 +220,8 @@ def _tensor_properties() -> tuple[type, ...]:
 
 
 def _stock_item_ok(item: Any) -> bool:
+    import torch  # loaded already: item was unpickled from DCP's classes
+
     m = _dcp().m
     if isinstance(item, m.BytesStorageMetadata):
         return True
@@ -271,5 +276,6 @@ def stock_index(md: Metadata, path: str) -> dict[str, EntryInfo]:
         if isinstance(item, bytes_item):
             out[name] = EntryInfo(name, "object", None, None, tuple(chunks))
         else:
-            out[name] = EntryInfo(name, "tensor", item.properties.dtype, tuple(item.size), tuple(chunks))
+            out[name] = EntryInfo(name, "tensor", any_dtype_name(item.properties.dtype), tuple(item.size),
+                                  tuple(chunks))
     return out

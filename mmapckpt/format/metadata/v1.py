@@ -222,7 +222,7 @@ def decode(doc: Any, path: str) -> MetaIndex:
         if kind != "tensor":
             raise InvalidMetadata(f"state_dict_metadata[{fqn!r}] has an unknown type")
         name = v.get("dtype")
-        dt = fmt.DTYPES.get(name) if type(name) is str else None
+        dt = fmt.NAMED.get(name) if type(name) is str else None
         if dt is None:
             fmt.dtype_from_name(name, path=path, entry=fqn)  # raises UnknownDtypeError
         size_raw = v.get("size")

@@ -181,7 +181,7 @@ def decode(doc: Any, path: str, *, ints_only: bool = False, entries_only: bool =
     files = [safe_relative_path(f, path) for f in _strings(table.get("files"), "files")]
     dtypes = []
     for n in _strings(table.get("dtypes"), "dtypes"):
-        dtypes.append(fmt.DTYPES[n] if n in fmt.DTYPES else fmt.dtype_from_name(n, path=path))  # raises if unknown
+        dtypes.append(fmt.NAMED[n] if n in fmt.NAMED else fmt.dtype_from_name(n, path=path))  # raises if unknown
     name_set = frozenset(names)
     if len(name_set) != len(names):
         raise InvalidMetadata("the table names an entry twice")
