@@ -46,7 +46,7 @@ from ..format.safetensors import entry_infos
 from ..format.transforms import StreamTransforms
 from ..conversion.progress import Progress, human_bytes
 from ..reading.safetensors_files import SafetensorsFile
-from ..reading.shard import Shard, check_size_unchanged, decode_entry, open_named, shard_of
+from ..reading.shard import Shard, check_size_unchanged, decode_entry, file_save_id, open_named, shard_of
 from ..reading.torchfile import TorchSource, flat_torch_file, is_zip, torch_source
 from ..storage.base import CheckpointStorage
 from ..dcp.metadata import read_metadata
@@ -374,7 +374,8 @@ def _check_shard(storage: CheckpointStorage, rel: str, records: list[MetadataInd
         return
     with f:
         try:
-            shard = shard_of(f, save_id, stock=False, check_entries=True)
+            shard = shard_of(f, file_save_id(save_id, rel), stock=False, check_entries=True,
+                             referenced=rel.startswith("../"))
         except CheckpointError as e:
             report.problems.append(Problem.of(e, full))
             return
@@ -416,7 +417,7 @@ def _check_entries(shard: Shard, full: str, rel: str, records: list[MetadataInde
             report.problems.append(Problem.of(err, full))
         bar.advance(e.length)
         report.bytes_checked += e.length
-        if e.key not in used:
+        if e.key not in used and not rel.startswith("../"):  # a sibling step's shard holds its own entries too
             report.notes.append(f"{full}: header entry {e.label!r} is not referenced by the metadata (unused)")
     try:
         check_size_unchanged(shard)

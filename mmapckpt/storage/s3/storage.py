@@ -126,6 +126,18 @@ class S3Storage(CheckpointStorage):
     def full(self, name: str) -> str:
         return f"{self.location}/{name}"
 
+    def sibling(self, name: str) -> S3Storage:
+        if not self.prefix or (name and ("/" in name or name in (".", ".."))):
+            raise UnsafePathError(f"no sibling {name!r} of this prefix", path=self.location)
+        parent = self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else ""
+        key = f"{parent}/{name}".strip("/")
+        other = object.__new__(S3Storage)  # this one's client and settings, another prefix
+        other.__dict__.update(self.__dict__)
+        other.location, other.prefix = f"s3://{self.bucket}/{key}".rstrip("/"), key
+        other.stats = self.stats
+        other._uploads, other._heads, other._first_bytes, other._held, other._versions = {}, {}, {}, None, {}
+        return other
+
     # ------------------------------------------------------------------ reading
     def _head(self, name: str) -> dict[str, Any] | None:
         """What the object ``name`` is (size, ETag), or None where there is none: one GET of its first
