@@ -13,12 +13,13 @@ writing/dedup.py compares each chunk with it.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.util import find_spec
 from typing import Any, Mapping
 
 from ..errors import CheckpointError, CheckpointWriteError
 from ..format import layout as fmt
-from ..format.entries import ROOT_MARKER, reference_parts
+from ..format.entries import ROOT_MARKER, SaveId, reference_parts
 from ..format.metadata import KIND_MMAPCKPT
 from ..reading.shard import file_save_id, open_named, shard_of
 from ..storage.base import CheckpointStorage
@@ -26,7 +27,30 @@ from ..storage.commits import read_index
 from ..storage.location import is_url
 from ..writing.dedup import Reusable, ReuseIndex, require_hasher
 
-__all__ = ["reuse_index", "in_managed_root", "step_name"]
+__all__ = ["reuse_index", "in_managed_root", "step_name", "save_index", "with_references"]
+
+
+def save_index(storage: CheckpointStorage, reuse: Sequence[str]) -> ReuseIndex | None:
+    """What a save at ``storage`` compares its chunks with (``MmapWriter(reuse=...)``): the ``reuse`` steps'
+    chunks; none, but every chunk hashed so that the next step can compare, for a step of a managed root saved
+    without ``reuse`` (where ``blake3`` is installed); None (no hashing: a save outside a root costs nothing
+    more) otherwise."""
+    if reuse:
+        return reuse_index(storage, reuse)
+    if in_managed_root(storage) and find_spec("blake3") is not None:
+        return ReuseIndex({}, {})
+    return None
+
+
+def with_references(save_id: str, storage_data: Mapping[Any, Any], index: Callable[[], ReuseIndex | None]) -> str:
+    """The save id a commit records: with the save ids of the files its records refer to (a ``SaveId``), where
+    some do. Every rank refers only to the reused steps' files, whose save ids ``index()`` holds."""
+    refs = {info.relative_path for info in storage_data.values() if info.relative_path.startswith("../")}
+    if not refs:
+        return save_id
+    ix = index()
+    assert ix is not None  # only a save with reuse= records references (an invariant of ours)
+    return SaveId(save_id, {r: ix.save_ids[r] for r in refs})
 
 
 def step_name(location: str) -> str:

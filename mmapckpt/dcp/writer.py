@@ -11,7 +11,6 @@ import dataclasses
 import os
 import uuid
 from dataclasses import dataclass
-from importlib.util import find_spec
 from typing import Any, Mapping, Sequence
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -28,9 +27,8 @@ from ..storage.commits import commit_files, existing_shards, metadata_name, remo
 from ..storage.local import writable_local_path
 from ..storage.credentials import StorageOptions
 from ..storage.location import is_url, storage_for
-from ..format.entries import SaveId
 from ..writing.dedup import ReuseIndex
-from .reuse import in_managed_root, reuse_index
+from .reuse import save_index, with_references
 from .shard_writer import WriterOptions, chunk_nbytes, write_files
 
 __all__ = ["MmapWriter", "WriterOptions"]
@@ -101,13 +99,8 @@ class MmapWriter(StorageWriter):
         per_thread_copy_ahead: accepted; copies from accelerators run ahead in the writer's own staging.
         cache_staged_state_dict: only False is accepted; True is refused with what to use instead.
         serialization_format: only the default is accepted; others are refused with what to use instead.
-        reuse: paths of committed sibling steps of the same managed root (``ROOT/step-{M}``, a root holding
-            ``.mmapckpt-root``) whose stored chunks this save may refer to: each tensor chunk equal (by its
-            BLAKE3 content hash, same name, chunk offsets, dtype and shape) to one of theirs is recorded as a
-            reference to those bytes instead of written again (docs/format.md 3.4). Needs the ``blake3``
-            package (the ``dedup`` extra); refused with what to do outside a managed root. A step of a managed
-            root always records its chunks' hashes (so the next step can compare), with or without ``reuse``;
-            other saves hash nothing.
+        reuse: committed sibling steps ``ROOT/step-{M}`` of a managed root whose chunks this save may refer to
+            instead of writing equal ones again (dcp/reuse.py; docs/format.md 3.4; needs ``blake3``).
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -214,25 +207,15 @@ class MmapWriter(StorageWriter):
         return fut
 
     def _reusable(self) -> ReuseIndex | None:
-        """What this save compares its chunks with: the ``reuse`` steps' chunks, nothing (but hashing) for a
-        step of a managed root, None (no hashing) otherwise."""
         if self._reuse_index is None and self.options.transforms is None:
-            if self.reuse:
-                self._reuse_index = reuse_index(self.storage, self.reuse)
-            elif in_managed_root(self.storage) and find_spec("blake3") is not None:
-                self._reuse_index = ReuseIndex({}, {})
+            self._reuse_index = save_index(self.storage, self.reuse)
         return self._reuse_index
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
-        refs = {info.relative_path for info in metadata.storage_data.values() if info.relative_path.startswith("../")}
-        if refs:  # every rank's references are to the reused steps' files, whose save ids the index holds
-            index = self._reusable()
-            assert index is not None  # only a save with reuse= records references (an invariant of ours)
-            metadata.storage_meta = StorageMeta(checkpoint_id=self.path,
-                                                save_id=SaveId(self.save_id, {r: index.save_ids[r] for r in refs}))
+        metadata.storage_meta.save_id = with_references(self.save_id, metadata.storage_data, self._reusable)
         per_rank = not self.use_collectives and self.rank is not None
         storage = self.storage
         target = metadata_name(self.rank if per_rank else None)
