@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ..entries import EntryInfo, SaveId, reference_parts
+from ..entries import EntryInfo, SaveId
 
 __all__ = ["InvalidMetadata", "MetaIndex", "need", "opt_str", "top_fields"]
 
@@ -48,10 +48,11 @@ def top_fields(doc: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
 
 
 def references_of(raw: Any) -> dict[str, str]:
-    """``storage_meta.references`` checked: ``{"../step-M/name": the save id that file carries}``."""
-    need(type(raw) is dict and all(
-        reference_parts(k) is not None and type(v) is str and 0 < len(v) <= 256 for k, v in raw.items()),
-        "'references' must map names ../step-M/FILE to save ids")
+    """``storage_meta.references`` checked: ``{"../step-M/name": the save id that file carries}`` (the names
+    are judged where the table's files are, by ``safe_relative_path``: only a listed name of the reference
+    form passes, any other is an UnsafePathError)."""
+    need(type(raw) is dict and all(type(v) is str and 0 < len(v) <= 256 for v in raw.values()),
+         "'references' must map names ../step-M/FILE to save ids")
     return raw
 
 
