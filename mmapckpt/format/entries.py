@@ -12,7 +12,7 @@ import gc
 import os
 import re
 from contextlib import contextmanager
-from typing import Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -125,6 +125,9 @@ class SaveId(str):
         self = super().__new__(cls, value)
         self.references = dict(references)
         return self
+
+    def __reduce__(self) -> tuple[Any, ...]:  # DCP broadcasts the metadata to every rank as a pickle
+        return (SaveId, (str(self), dict(self.references)))
 
     def of(self, rel: str) -> str | None:
         """The save id file ``rel`` must carry: a referenced file's own, else this one."""
