@@ -12,8 +12,8 @@ alternating order every round:
 - ``frozen90``: the same, with 90% of the bytes (the first 90% of the tensors) unchanged since the
   previous step (hashed and referred to; 10% written).
 
-Prints per-round times, the medians, the ratios to ``plain``, each step's bytes on disk, and the
-load average. The state dicts are built once; a step's "changed" tensors flip between two
+Prints per-round times, the medians, the ratios to ``plain``, each step's bytes on disk, the
+process's CPU seconds per save (user + system, every thread), and the load average. The state dicts are built once; a step's "changed" tensors flip between two
 versions, so that every save differs from the previous one there.
 """
 
@@ -65,6 +65,7 @@ def main() -> None:
     with open(os.path.join(root, ROOT_MARKER), "w") as f:
         f.write(json.dumps({"format": "mmapckpt-root", "version": 1}))
     step = 0
+    cpu: dict[str, list[float]] = {"plain": [], "changed": [], "frozen90": []}
     prev: dict[str, str] = {}  # kind -> previous step path (its own chain)
 
     def save(kind: str, r: int) -> tuple[float, int]:
@@ -81,9 +82,10 @@ def main() -> None:
         else:
             path = os.path.join(root, f"step-{step}")
             w = MmapWriter(path, overwrite=False, reuse=[prev[kind]] if kind in prev else [])
-        t = time.perf_counter()
+        t, c = time.perf_counter(), os.times()
         dcp.save(sd, storage_writer=w, no_dist=True)
-        dt = time.perf_counter() - t
+        dt, c2 = time.perf_counter() - t, os.times()
+        cpu[kind].append(c2.user + c2.system - c.user - c.system)
         size = _bytes(path)
         old = prev.get(kind)
         prev[kind] = path
@@ -113,7 +115,8 @@ def main() -> None:
           f"{min(loads):.1f}-{max(loads):.1f}")
     for k in kinds:
         print(f"  {k:9s} median {med[k]:.3f} s ({total / med[k] / 1e9:.2f} GB/s), x{med[k] / med['plain']:.3f} of plain; "
-              f"bytes written per save {statistics.median(sizes[k]) / total:.3f} of the state dict")
+              f"bytes written per save {statistics.median(sizes[k]) / total:.3f} of the state dict; "
+              f"CPU {statistics.median(cpu[k][-args.rounds:]):.3f} s (user+system, all threads)")
     shutil.rmtree(base)
 
 
