@@ -193,3 +193,11 @@ def test_reuse_of_the_step_itself_or_of_no_step_is_refused(tmp_path: Path) -> No
 def test_reuse_without_blake3_fails_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "blake3", None)  # import blake3 raises ImportError
     assert "pip install 'mmapckpt[dedup]'" in _refused(tmp_path, [tmp_path / "root" / "step-1"])
+
+
+def test_reuse_takes_a_list_of_raw_steps() -> None:
+    with pytest.raises(TypeError, match="list of step paths"):
+        mmapckpt.MmapWriter("/nonexistent/root/step-2", reuse="/nonexistent/root/step-1")
+    from torch.distributed.checkpoint._extension import ZStandard
+    with pytest.raises(ValueError, match="_extensions"):
+        mmapckpt.MmapWriter("/nonexistent/root/step-2", reuse=["/nonexistent/root/step-1"], _extensions=[ZStandard()])

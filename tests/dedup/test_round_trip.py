@@ -178,3 +178,25 @@ def test_any_mix_of_changed_and_unchanged_chunks_round_trips(tmp_path_factory: p
         assert_bitwise_equal(got[k], v, k)
     assert not mmapckpt.verify_checkpoint(root / "step-2").problems
     json.dumps(metadata_doc(root / "step-2"))  # the commit is plain JSON
+
+
+def test_a_chunk_whose_head_is_unchanged_is_still_compared_whole(tmp_path: Path) -> None:
+    root = make_root(tmp_path / "root")
+    n = (1 << 18) + 1000  # float32: past the 64 KiB head whose CRC-32 is compared first
+    a = {"w": torch.arange(n, dtype=torch.float32)}
+    save_step(root, 1, a)
+    b = {"w": a["w"].clone()}
+    b["w"][-1] = 7.0  # the head unchanged: only the whole hash can tell
+    save_step(root, 2, b, reuse=(1,))
+    assert files_of(root / "step-2")["w"] == "__0_0.distcp"
+    assert_bitwise_equal(mmapckpt.load(root / "step-2")["w"], b["w"])
+
+
+def test_a_chunk_written_at_once_still_records_its_hash_for_the_next_step(tmp_path: Path) -> None:
+    root = make_root(tmp_path / "root")
+    a, b = {"w": torch.randn(1 << 19)}, {"w": torch.randn(1 << 19)}
+    save_step(root, 1, a)
+    save_step(root, 2, b, reuse=(1,))  # another head: written without waiting for its hash
+    save_step(root, 3, b, reuse=(2,))
+    assert files_of(root / "step-3")["w"] == "../step-2/__0_0.distcp"
+    assert_bitwise_equal(mmapckpt.load(root / "step-3")["w"], b["w"])
