@@ -125,11 +125,11 @@ def _index_step(step: CheckpointStorage, name: str, here: str, chunks: dict[Any,
         for key, offset, length, dt, sizes in recs:
             h = hashes.get(key)
             if h is not None and h[1] == offset:
-                chunks[key] = Reusable(h[0], ref, offset, length, dt, sizes)
+                chunks[key] = Reusable(h[0], ref, offset, length, dt, sizes, h[2])
         save_ids[ref] = sid
 
 
-def _hashes(step: CheckpointStorage, rel: str, save_id: Any, sid: str) -> Mapping[Any, tuple[str, int]]:
+def _hashes(step: CheckpointStorage, rel: str, save_id: Any, sid: str) -> Mapping[Any, tuple[str, int, int | None]]:
     """The content hashes of data file ``rel`` of ``step``, its header checked whole and its save id ``sid``."""
     with open_named(step, rel, save_id) as f:
         shard = shard_of(f, sid, stock=False, check_entries=True, referenced=True)

@@ -50,7 +50,11 @@ FORMAT_MINOR_HASHES = 1
 #: The entry key of a tensor entry's content hash: BLAKE3 of its data bytes, 64 lowercase hex digits
 #: (docs/format.md 2.7); what a later save of the same root compares its chunks with.
 HASH_KEY = "blake3"
-_HASH_FIELD_LEN = len(f',"{HASH_KEY}":""') + 64
+#: The entry key of the CRC-32 of a hashed entry's first ``HEAD_BYTES`` bytes (8 hex digits): a save compares it
+#: first, and writes a chunk whose head differs at once, without waiting for its whole hash (2.7).
+HEAD_KEY = "crc32_head"
+HEAD_BYTES = 1 << 16
+_HASH_FIELD_LEN = len(f',"{HASH_KEY}":"","{HEAD_KEY}":""') + 64 + 8
 PREAMBLE_SIZE = 32
 #: Headers larger than this are refused before they are read (safetensors uses the same bound).
 MAX_HEADER_SIZE = 100 * 1024 * 1024
@@ -223,8 +227,9 @@ def _document(save_id: str | None, objects: list[str]) -> str:
 
 
 _CRC_FIELD = re.compile(r'"crc32":"([0-9a-f]{8})"\}')
-_HASH_FIELD = re.compile(r',"blake3":"[0-9a-f]{64}"')
+_HASH_FIELD = re.compile(r',"blake3":"[0-9a-f]{64}"(,"crc32_head":"[0-9a-f]{8}")?')
 _HASH_VALUE = re.compile(r"[0-9a-f]{64}")
+_HEAD_VALUE = re.compile(r"[0-9a-f]{8}")
 
 
 def header_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any, ...]]) -> list[int] | None:
@@ -250,31 +255,38 @@ def header_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any, .
 
 
 def encode_header(entries: Sequence[Entry], save_id: str | None = None,
-                  hashes: Sequence[str | None] | None = None) -> bytes:
+                  hashes: Sequence[tuple[str, int] | None] | None = None) -> bytes:
     """The preamble followed by the JSON header, ready to be written at offset 0.
 
     ``save_id`` (optional) ties the shard to one save: a reader compares it with the
     metadata's ``storage_meta.save_id`` so that shards of a later save are never read
-    through an earlier save's metadata. ``hashes``: each entry's content hash (``HASH_KEY``, hex), or
-    None; with any, the header is minor version ``FORMAT_MINOR_HASHES``.
+    through an earlier save's metadata. ``hashes``: each entry's content hash (``HASH_KEY``, hex) and the
+    CRC-32 of its head (``HEAD_KEY``), or None; with any, the header is minor version ``FORMAT_MINOR_HASHES``.
     """
     if not hashes or not any(hashes):
         return _framed(save_id, [f'{_entry_head(e)}{e.offset},"length":{e.length},"crc32":"{e.crc32:08x}"}}'
                                  for e in entries])
-    return _framed(save_id, [f'{_entry_head(e)}{e.offset},"length":{e.length},'
-                             f'{"" if h is None else f"{_quote(HASH_KEY)}:{_quote(h)},"}"crc32":"{e.crc32:08x}"}}'
-                             for e, h in zip(entries, hashes)], FORMAT_MINOR_HASHES)
+    return _framed(save_id, [f'{_entry_head(e)}{e.offset},"length":{e.length},{_hash_fields(h)}'
+                             f'"crc32":"{e.crc32:08x}"}}' for e, h in zip(entries, hashes)], FORMAT_MINOR_HASHES)
 
 
-def entry_hashes(doc: Mapping[str, Any]) -> dict[tuple[str, tuple[int, ...]], tuple[str, int]]:
-    """``{(fqn, chunk_offsets): (content hash, offset)}`` of the tensor entries of a decoded header document
-    that carry a well-formed one (2.7); others are left out (a later save writes their bytes again)."""
+def _hash_fields(h: tuple[str, int] | None) -> str:
+    """An entry's content hash and head CRC-32 (2.7), each followed by a comma; "" for none."""
+    return "" if h is None else f'"{HASH_KEY}":"{h[0]}","{HEAD_KEY}":"{h[1]:08x}",'
+
+
+def entry_hashes(doc: Mapping[str, Any]) -> dict[tuple[str, tuple[int, ...]], tuple[str, int, int | None]]:
+    """``{(fqn, chunk_offsets): (content hash, offset, CRC-32 of the head or None)}`` of the tensor entries of a
+    decoded header document that carry a well-formed hash (2.7); others are left out (a later save writes
+    their bytes again)."""
     out = {}
     for e in doc.get("entries", ()):
         h = e.get(HASH_KEY) if isinstance(e, dict) else None
         if isinstance(h, str) and _HASH_VALUE.fullmatch(h) and e.get("kind") == KIND_TENSOR \
                 and isinstance(e.get("chunk_offsets"), list) and type(e.get("offset")) is int:
-            out[(e["fqn"], tuple(e["chunk_offsets"]))] = (h, e["offset"])
+            head = e.get(HEAD_KEY)
+            head = int(head, 16) if isinstance(head, str) and _HEAD_VALUE.fullmatch(head) else None
+            out[(e["fqn"], tuple(e["chunk_offsets"]))] = (h, e["offset"], head)
     return out
 
 

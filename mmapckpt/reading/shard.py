@@ -203,9 +203,9 @@ class Shard:
         self._agreed = save_id
         return True
 
-    def hashes(self) -> dict[tuple[str, tuple[int, ...]], tuple[str, int]]:
-        """``{(fqn, chunk offsets): (content hash, offset)}`` of the tensor entries whose header records a content
-        hash (docs/format.md 2.7; what a save with ``reuse=`` compares its chunks with)."""
+    def hashes(self) -> dict[tuple[str, tuple[int, ...]], tuple[str, int, int | None]]:
+        """``{(fqn, chunk offsets): (content hash, offset, CRC-32 of its head)}`` of the tensor entries whose header
+        records a content hash (docs/format.md 2.7; what a save with ``reuse=`` compares its chunks with)."""
         return fmt.entry_hashes(self._doc)
 
     @cached_property

@@ -8,8 +8,11 @@ bytes (:class:`Reference`: ``../step-M/FILE``, offset, length) and nothing is wr
 other entry is written as the one shard writer writes it, with its hash in the header, so that
 the next save can compare with it.
 
-The hashing overlaps the writes: a helper thread hashes the next chunks (BLAKE3 releases the
-GIL) while this one copies the current chunk to the file and the CRC-32 thread checks it. The
+The hashing overlaps the writes: helper threads hash the next chunks (BLAKE3 releases the GIL)
+while this one copies the current chunk to the file. A chunk is held back for its whole hash only
+where it may equal a stored one: same name, chunk offsets, dtype and shape, and the same CRC-32 of
+its first 64 KiB (recorded beside the hash); any other chunk is written at once while its hash is
+computed, for the header, on a helper thread. The
 header is reserved at the width it would have if every entry were written (writing/shard.py's
 layout); offsets are given as entries are decided, so a file holds only the bytes it writes, and
 it is cut to its size before it is finished. A shard whose every entry is referenced is not
@@ -49,6 +52,7 @@ class Reusable(NamedTuple):
     length: int
     dtype: str
     shape: tuple[int, ...]
+    head: int | None = None  # CRC-32 of the first HEAD_BYTES, where the header records it
 
 
 class ReuseIndex:
@@ -58,6 +62,13 @@ class ReuseIndex:
         self.chunks = dict(chunks)
         #: "../step-M/FILE" -> the save id its header carries (checked when the index was built)
         self.save_ids = dict(save_ids)
+
+    def candidate(self, e: Any, head: int) -> bool:
+        """Whether entry ``e``, whose first bytes have CRC-32 ``head``, may equal a stored chunk (else it is
+        written at once, without waiting for its whole hash)."""
+        r = self.chunks.get((e.fqn, e.chunk_offsets))
+        return r is not None and r.length == e.length and r.dtype == e.dtype and r.shape == e.shape and (
+            r.head is None or r.head == head)
 
     def match(self, e: Any, digest: str) -> Reference | None:
         """The stored chunk equal to entry ``e`` (fqn, chunk offsets, dtype, shape, length) of hash ``digest``."""
@@ -120,29 +131,32 @@ def write_deduplicated(storage: CheckpointStorage, name: str, entries: Sequence[
 
 
 def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve: Callable[[Any], Any],
-           index: ReuseIndex, first: int, alignment: int, at: Any) -> tuple[list[Any], list[str | None], int]:
+           index: ReuseIndex, first: int, alignment: int, at: Any) -> tuple[list[Any], list[Any], int]:
     """Every own entry referenced or written at the next free aligned offset: (per entry its Entry or
     Reference, None for aliases; per entry its hash or None; the end of the last byte written)."""
     placed: list[Any] = [None] * len(entries)
-    hashes: list[str | None] = [None] * len(entries)
+    hashes: list[Any] = [None] * len(entries)  # per entry: (hash, head CRC-32), or a future of the hash first
     crcs: dict[int, Any] = {}
     pos = first
     pool = ThreadPoolExecutor(2, thread_name_prefix="mmapckpt-hash")  # hashes ahead, CRC-32s behind
     try:
         ahead: deque[tuple[int, Any, Any]] = deque()
 
-        def decide(i: int, buf: Any, digest: Any) -> None:
+        def decide(i: int, buf: Any, digest: Any, head: int) -> None:
             nonlocal pos
             e = entries[i]
             if len(buf) != e.length:
                 raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
             if digest is not None:
-                digest = digest if type(digest) is str else digest.result()
-                hashes[i] = digest
-                ref = index.match(e, digest)
-                if ref is not None:
-                    placed[i] = ref
-                    return
+                if not index.candidate(e, head):  # changed: written now, its hash known later
+                    hashes[i] = (digest, head)
+                else:
+                    digest = digest if type(digest) is str else digest.result()
+                    hashes[i] = (digest, head)
+                    ref = index.match(e, digest)
+                    if ref is not None:
+                        placed[i] = ref
+                        return
             pos = fmt._align_up(pos, fmt.entry_alignment(e.length, alignment))
             placed[i] = fmt.Entry(e.fqn, e.chunk_offsets, e.kind, e.dtype, e.shape, pos, e.length, 0)
             crcs[i] = pool.submit(zlib.crc32, buf) if len(buf) >= _THREAD_MIN else zlib.crc32(buf)
@@ -151,10 +165,11 @@ def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve:
 
         for i, buf in entry_bytes(entries, own, resolve, at):
             e = entries[i]
-            digest = None
+            digest, head = None, 0
             if e.kind == fmt.KIND_TENSOR and e.length:
                 digest = pool.submit(chunk_hash, buf) if len(buf) >= _THREAD_MIN else chunk_hash(buf)
-            ahead.append((i, buf, digest))
+                head = zlib.crc32(memoryview(buf)[:fmt.HEAD_BYTES])
+            ahead.append((i, buf, digest, head))
             buf = None
             if len(ahead) > _AHEAD:
                 decide(*ahead.popleft())
@@ -162,12 +177,15 @@ def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve:
             decide(*ahead.popleft())
         for i, c in crcs.items():
             placed[i] = placed[i]._replace(crc32=c if type(c) is int else c.result())
+        for i, h in enumerate(hashes):
+            if h is not None and type(h[0]) is not str:
+                hashes[i] = (h[0].result(), h[1])
         return placed, hashes, pos
     finally:
         pool.shutdown(wait=True)
 
 
-def _add_aliases(entries: Sequence[Any], placed: list[Any], hashes: list[str | None],
+def _add_aliases(entries: Sequence[Any], placed: list[Any], hashes: list[Any],
                  aliases: Mapping[int, int]) -> None:
     """Tied weights: an alias names its canonical entry's bytes, written (an entry of its own name at the same
     place: docs/format.md 2.6) or referenced (the same reference)."""

@@ -26,7 +26,7 @@ def _entries() -> list[fmt.Entry]:
 def test_hashes_are_an_optional_key_that_a_plain_header_lacks_and_readers_ignore() -> None:
     entries = _entries()
     plain = fmt.encode_header(entries, "sid")
-    hashed = fmt.encode_header(entries, "sid", ["ab" * 32, None])
+    hashed = fmt.encode_header(entries, "sid", [("ab" * 32, 0xfeed), None])
     assert b"blake3" not in plain and hashed.count(b'"blake3":"' + b"ab" * 32 + b'"') == 1
     minor, order, hlen, hcrc = fmt.decode_preamble(hashed[:32], len(hashed) + 4096, "f")
     assert (minor, fmt.decode_preamble(plain[:32], len(plain) + 4096, "f")[0]) == (fmt.FORMAT_MINOR_HASHES, 0)
@@ -34,7 +34,7 @@ def test_hashes_are_an_optional_key_that_a_plain_header_lacks_and_readers_ignore
     header = fmt.decode_header(body, header_crc=hcrc, byte_order=order, minor=minor, file_size=1 << 20, path="f")
     assert [e[:8] for e in header.entries] == [e[:8] for e in entries]
     doc, _ = fmt.decode_header_doc(body, header_crc=hcrc, path="f")
-    assert fmt.entry_hashes(doc) == {("w", (0,)): ("ab" * 32, entries[0].offset)}
+    assert fmt.entry_hashes(doc) == {("w", (0,)): ("ab" * 32, entries[0].offset, 0xfeed)}
     # a header with hashes still agrees with the metadata's records (the loaders' quick check)
     records = [(e.fqn, e.chunk_offsets, e.kind, e.dtype, e.shape, e.offset, e.length) for e in entries]
     assert fmt.header_crcs(body, "sid", records) == [0x1234, 0x1234]
@@ -76,5 +76,6 @@ def test_the_spec_names_both_additions() -> None:
     text = DOC.read_text()
     assert f"version {fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR_HASHES}" in text.splitlines()[0]
     assert f"| `{fmt.HASH_KEY}` | tensor, MAY be absent |" in text
+    assert f"| `{fmt.HEAD_KEY}` | tensor with `blake3`, MAY be absent |" in text and str(fmt.HEAD_BYTES) in text
     assert f"Metadata file {framing.META_MAJOR}.{framing.META_MINOR_REFS}" in text
     assert ".mmapckpt-root" in text and "### 3.4 Managed roots and cross-step references" in text

@@ -8,6 +8,7 @@ saves it, and read back through every reader (``open``/``load``, ``load_into``, 
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,9 @@ def test_every_step_of_a_root_records_hashes_and_saves_outside_a_root_none(tmp_p
     assert shard.header.minor == fmt.FORMAT_MINOR_HASHES
     blake3 = pytest.importorskip("blake3")
     e = shard.entry("frozen.w", (0, 0))
-    assert hashes[("frozen.w", (0, 0))] == (blake3.blake3(shard.raw(e).numpy()).hexdigest(), e.offset)
+    data = shard.raw(e).numpy()
+    assert hashes[("frozen.w", (0, 0))] == (blake3.blake3(data).hexdigest(), e.offset,
+                                            zlib.crc32(data[:fmt.HEAD_BYTES]))
     plain = tmp_path / "plain"
     dcp.save(sd, storage_writer=mmapckpt.MmapWriter(plain), no_dist=True)
     assert b"blake3" not in (plain / "__0_0.distcp").read_bytes()[:4096]
