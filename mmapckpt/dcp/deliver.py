@@ -128,7 +128,7 @@ class StoredRegions:
         if rel not in self._files:
             f = self.reads.open_file(rel, label(idx))
             try:
-                self._files[rel] = (f, self.reads.open_shard(f))
+                self._files[rel] = (f, self.reads.open_shard(f, rel))
             except BaseException:
                 f.close()
                 raise

@@ -32,7 +32,7 @@ from ..format.stock import load_tensor
 from ..format.transforms import StreamTransforms, decoded_limit
 from ..io.staging import StagingPool
 from ..reading.moves import Moves
-from ..reading.shard import Shard, check_size_unchanged, encoded_bytes, open_named, shard_of
+from ..reading.shard import Shard, check_size_unchanged, encoded_bytes, file_save_id, open_named, shard_of
 from ..storage.base import CheckpointStorage, StoredFile
 from .bytes_read import BytesRead
 from .fast_planner import FastLoadPlanner
@@ -80,15 +80,18 @@ class FileReads:
         metadata names but the location lacks raises IncompleteCheckpointError."""
         return open_named(self.storage, rel, self.save_id, entry)
 
-    def open_shard(self, f: StoredFile) -> Shard | None:
-        """The mmapckpt shard ``f`` holds (its header read, not yet every entry checked; a shard of another save
-        refused), or None for a stock file (reading/shard.py ``shard_of``)."""
-        return shard_of(f, self.save_id, stock=self.metadata_kind != KIND_MMAPCKPT)
+    def open_shard(self, f: StoredFile, rel: str = "") -> Shard | None:
+        """The mmapckpt shard ``f`` (file ``rel``) holds (its header read, not yet every entry checked; a shard of
+        another save refused: a sibling step's, of a cross-step reference, by the save id the metadata records
+        for it), or None for a stock file (reading/shard.py ``shard_of``)."""
+        ref = rel.startswith("../")
+        return shard_of(f, file_save_id(self.save_id, rel), stock=self.metadata_kind != KIND_MMAPCKPT and not ref,
+                        referenced=ref)
 
     def read_file(self, rel: str, reqs: list[Job], planner: LoadPlanner) -> None:
         """Read the items of one shard file, each with its storage record (resolved once, by read_plan)."""
         with self.open_file(rel, label(reqs[0][0].storage_index)) as f:
-            shard = self.open_shard(f)
+            shard = self.open_shard(f, rel)
             memory = self.memory_moves()  # for items decoded or loaded into memory first
             ok = False
             try:

@@ -50,13 +50,14 @@ def _descriptors(ix: MetaIndex, key: tuple[str, tuple[int, ...] | None]) -> list
     return None if t is None else list(t)
 
 
-def _storage_meta(raw: Any) -> StorageMeta | None:
+def _storage_meta(raw: Any, save_id: str | None) -> StorageMeta | None:
+    """DCP's ``StorageMeta``; ``save_id`` the index's (a ``SaveId`` with the cross-step references' save ids)."""
     if raw is None:
         return None
     mods = raw.get("modules", [])
     need(type(mods) is list and all(isinstance(m, str) for m in mods), "'modules' must be strings")
     return StorageMeta(checkpoint_id=opt_str(raw.get("checkpoint_id"), "checkpoint_id"),
-                       save_id=opt_str(raw.get("save_id"), "save_id"), modules=list(mods))
+                       save_id=save_id, modules=list(mods))
 
 
 def dcp_record(ix: MetaIndex, name: str, e: EntryInfo, zeros: dict[int, torch.Size]
@@ -89,7 +90,7 @@ def dcp_record(ix: MetaIndex, name: str, e: EntryInfo, zeros: dict[int, torch.Si
 
 def _top(ix: MetaIndex, planner_data: Any) -> dict[str, Any]:
     """The fields of DCP's ``Metadata`` other than the entries' records (planner_data, storage_meta, version)."""
-    return {"planner_data": planner_data, "storage_meta": _storage_meta(ix.doc.get("storage_meta")),
+    return {"planner_data": planner_data, "storage_meta": _storage_meta(ix.doc.get("storage_meta"), ix.save_id),
             "version": opt_str(ix.doc.get("version"), "version")}
 
 

@@ -25,6 +25,7 @@ from ..format import layout as fmt
 from ..format.aliases import item_aliases
 from ..format.transforms import StreamTransforms
 from ..storage.base import CheckpointStorage
+from ..writing.dedup import Reference, ReuseIndex
 from ..writing.shard import ShardEntry, ShardOptions, shard_error, write_shard
 from .plan_items import write_result
 from .storable import CHECKED_ATTR, check_storable
@@ -63,21 +64,24 @@ def chunk_nbytes(item: WriteItem) -> int:
 
 
 def write_files(storage: CheckpointStorage, files: list[tuple[str, list[WriteItem]]], planner: SavePlanner,
-                save_id: str, options: WriterOptions, write_paths: dict[str, str]) -> list[WriteResult]:
+                save_id: str, options: WriterOptions, write_paths: dict[str, str],
+                reuse: ReuseIndex | None = None) -> list[WriteResult]:
     """Write one rank's shard files (``thread_count`` at a time), then fsync the directory.
 
     ``write_paths`` receives each finished file's write path. If any file fails, the files
     this call finished are removed again (no commit will name them) and the error is raised.
+    ``reuse``: hash every chunk, and record the chunks equal to ones it holds as references to their stored
+    bytes instead of writing them (writing/dedup.py).
     """
     if not getattr(planner, CHECKED_ATTR, False):
         planner = _Checked(planner, storage.location)  # type: ignore[assignment]
     try:
         if options.thread_count > 1 and len(files) > 1:
             with ThreadPoolExecutor(options.thread_count, thread_name_prefix="mmapckpt-write") as pool:
-                per_file = list(pool.map(lambda f: _write_one(storage, f, planner, save_id, options, write_paths),
+                per_file = list(pool.map(lambda f: _write_one(storage, f, planner, save_id, options, write_paths, reuse),
                                          files))
         else:
-            per_file = [_write_one(storage, f, planner, save_id, options, write_paths) for f in files]
+            per_file = [_write_one(storage, f, planner, save_id, options, write_paths, reuse) for f in files]
         if options.sync_files and files:
             storage.sync()
     except BaseException:
@@ -103,7 +107,7 @@ class _Checked:
 
 
 def _write_one(storage: CheckpointStorage, f: tuple[str, list[WriteItem]], planner: SavePlanner, save_id: str,
-               options: WriterOptions, write_paths: dict[str, str]) -> list[WriteResult]:
+               options: WriterOptions, write_paths: dict[str, str], reuse: ReuseIndex | None) -> list[WriteResult]:
     name, items = f
     try:
         entries = _entries(items, planner, storage.location)
@@ -113,10 +117,12 @@ def _write_one(storage: CheckpointStorage, f: tuple[str, list[WriteItem]], plann
             raise
         raise typed from e
     aliases = None if options.transforms is not None else item_aliases([it.index for it in items], planner)
-    done, write_paths[name] = write_shard(storage, name, entries, planner.resolve_data, save_id=save_id,
-                                          options=options.shard, aliases=aliases)
-    return [write_result(it.index, e.length, _StorageInfo(name, e.offset, e.length,
-                                                          list(e.transforms) if e.transforms else None))
+    done, how = write_shard(storage, name, entries, planner.resolve_data, save_id=save_id,
+                            options=options.shard, aliases=aliases, reuse=reuse)
+    if how != "referenced":  # a file was written (one whose every chunk is referenced is not)
+        write_paths[name] = how
+    return [write_result(it.index, e.length, _StorageInfo(e.file, e.offset, e.length) if type(e) is Reference else
+                         _StorageInfo(name, e.offset, e.length, list(e.transforms) if e.transforms else None))
             for e, it in zip(done, items)]
 
 

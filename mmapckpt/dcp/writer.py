@@ -11,7 +11,7 @@ import dataclasses
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -27,6 +27,8 @@ from ..storage.commits import commit_files, existing_shards, metadata_name, remo
 from ..storage.local import writable_local_path
 from ..storage.credentials import StorageOptions
 from ..storage.location import is_url, storage_for
+from ..writing.dedup import ReuseIndex
+from .reuse import save_index, with_references
 from .shard_writer import WriterOptions, chunk_nbytes, write_files
 
 __all__ = ["MmapWriter", "WriterOptions"]
@@ -97,6 +99,8 @@ class MmapWriter(StorageWriter):
         per_thread_copy_ahead: accepted; copies from accelerators run ahead in the writer's own staging.
         cache_staged_state_dict: only False is accepted; True is refused with what to use instead.
         serialization_format: only the default is accepted; others are refused with what to use instead.
+        reuse: committed sibling steps ``ROOT/step-{M}`` of a managed root whose chunks this save may refer to
+            instead of writing equal ones again (dcp/reuse.py; docs/format.md 3.4; needs ``blake3``).
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -108,7 +112,7 @@ class MmapWriter(StorageWriter):
                  single_file_per_rank: bool = True, per_thread_copy_ahead: int = 10_000_000,
                  cache_staged_state_dict: bool = False, _extensions: Any = None,
                  serialization_format: Any = None, metadata: Mapping[str, str] | None = None,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, reuse: Sequence[str | os.PathLike[str]] = ()) -> None:
         super().__init__()
         transforms = writer_compat(single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
                                    _extensions, serialization_format)
@@ -119,6 +123,12 @@ class MmapWriter(StorageWriter):
         self.storage  # a URL of no medium (or bad storage_options) is refused here, before any plan
         self.options = WriterOptions(thread_count, sync_files, alignment, overwrite, direct_io, transforms)
         self.user_metadata = check_user_metadata(metadata)  # TypeError before any file is touched
+        if isinstance(reuse, (str, os.PathLike)):
+            raise TypeError("reuse= takes a list of step paths, not one path")
+        self.reuse = [os.fspath(p) for p in reuse]
+        if self.reuse and transforms is not None:
+            raise ValueError("reuse= compares raw chunks: it cannot be combined with _extensions")
+        self._reuse_index: ReuseIndex | None = None  # built on first use, per save
         #: shard file name -> "direct" (O_DIRECT), "buffered" or "encoded" (stream transforms), for the last save
         self.write_paths: dict[str, str] = {}
         self.save_id = str(uuid.uuid4())
@@ -140,6 +150,7 @@ class MmapWriter(StorageWriter):
             self.storage
         self.save_id = str(uuid.uuid4())
         self.write_paths = {}
+        self._reuse_index = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -186,7 +197,8 @@ class MmapWriter(StorageWriter):
                    else [[it] for it in plan.items])  # the stock writer's single_file_per_rank=False
         files = [(shard_name(sd.prefix, i, sd.save_id, sd.avoid), bucket) for i, bucket in enumerate(buckets)]
         try:
-            results = write_files(self.storage, files, planner, sd.save_id, self.options, self.write_paths)
+            results = write_files(self.storage, files, planner, sd.save_id, self.options, self.write_paths,
+                                  self._reusable())
         except BaseException:
             self.release()  # this save will not commit: a retry must not find the directory locked
             raise
@@ -194,10 +206,16 @@ class MmapWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
+    def _reusable(self) -> ReuseIndex | None:
+        if self._reuse_index is None and self.options.transforms is None:
+            self._reuse_index = save_index(self.storage, self.reuse)
+        return self._reuse_index
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
+        metadata.storage_meta.save_id = with_references(self.save_id, metadata.storage_data, self._reusable)
         per_rank = not self.use_collectives and self.rank is not None
         storage = self.storage
         target = metadata_name(self.rank if per_rank else None)

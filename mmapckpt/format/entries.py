@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 from contextlib import contextmanager
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
 from ..errors import UnsafePathError
 from .dtypes import _TORCH, ITEMSIZES, torch_dtype
 
-__all__ = ["ChunkInfo", "EntryInfo", "numel", "paused_gc", "safe_relative_path"]
+__all__ = ["ChunkInfo", "EntryInfo", "numel", "paused_gc", "safe_relative_path", "SaveId", "REFERENCE",
+           "reference_parts", "ROOT_MARKER"]
 
 
 class ChunkInfo(NamedTuple):
@@ -108,9 +110,48 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def safe_relative_path(rel: str, where: str) -> str:
+#: The file that makes a directory (or prefix) a managed root: its steps may refer to each other's shards.
+ROOT_MARKER = ".mmapckpt-root"
+#: A cross-step reference (docs/format.md 3.4): one ``..``, a sibling step directory, one shard file name.
+REFERENCE = re.compile(r"\.\./(step-(?:0|[1-9][0-9]{0,18}))/([^/\\\x00]+)")
+
+
+def reference_parts(rel: str) -> tuple[str, str] | None:
+    """(sibling step directory, file name) of a cross-step reference ``../step-{M}/{name}``; None for any other
+    name (which :func:`safe_relative_path` judges)."""
+    m = REFERENCE.fullmatch(rel)
+    if m is None or m.group(2) in (".", ".."):
+        return None
+    return m.group(1), m.group(2)
+
+
+class SaveId(str):
+    """A save id that also carries the save ids of the sibling steps' shard files its records refer to
+    (``references``: ``{"../step-M/name": save id}``, docs/format.md 3.4). It is the metadata's
+    ``storage_meta.save_id`` wherever that travels, so every reader finds a referenced file's save id
+    where it finds its own."""
+
+    references: Mapping[str, str]
+
+    def __new__(cls, value: str, references: Mapping[str, str]) -> "SaveId":
+        self = super().__new__(cls, value)
+        self.references = dict(references)
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:  # DCP broadcasts the metadata to every rank as a pickle
+        return (SaveId, (str(self), dict(self.references)))
+
+    def of(self, rel: str) -> str | None:
+        """The save id file ``rel`` must carry: a referenced file's own, else this one."""
+        return self.references.get(rel) if rel.startswith("../") else str(self)
+
+
+def safe_relative_path(rel: str, where: str, references: Mapping[str, str] | None = None) -> str:
     """A storage path as the metadata gives it, refused (UnsafePathError) where it could leave the checkpoint:
-    empty, absolute, with a NUL, ``..`` or an empty part."""
+    empty, absolute, with a NUL, ``..`` or an empty part; except a cross-step reference ``../step-M/name``
+    listed in the metadata's ``references`` (whose readers check the root and the file's save id)."""
+    if references and rel in references and reference_parts(rel) is not None:
+        return rel
     bad = (not rel or "\x00" in rel or os.path.isabs(rel) or rel.startswith(("/", "\\"))
            or any(part in ("..", "") for part in rel.replace("\\", "/").split("/")))
     if bad:

@@ -40,13 +40,23 @@ DTYPES: dict[str, tuple[Any, int]]  # name -> (torch.dtype, itemsize), made on f
 __all__ = [
     "MAGIC", "FORMAT_MAJOR", "FORMAT_MINOR", "PREAMBLE_SIZE", "MAX_HEADER_SIZE", "MIN_ALIGNMENT", "DTYPES",
     "dtype_name", "dtype_from_name", "Entry", "EntrySpec", "ShardHeader", "ShardPlan", "plan_shard",
-    "layout_entries", "encode_header", "header_crcs", "decode_preamble", "decode_header_doc", "decode_header",
+    "layout_entries", "encode_header", "header_crcs", "entry_hashes", "HASH_KEY", "decode_preamble", "decode_header_doc", "decode_header",
     "host_byte_order",
 ]
 
 MAGIC = b"MMAPCKPT"
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
+#: The minor version of a shard whose tensor entries carry content hashes (``HASH_KEY``; readers of 1.0 ignore it).
+FORMAT_MINOR_HASHES = 1
+#: The entry key of a tensor entry's content hash: BLAKE3 of its data bytes, 64 lowercase hex digits
+#: (docs/format.md 2.7); what a later save of the same root compares its chunks with.
+HASH_KEY = "blake3"
+#: The entry key of the CRC-32 of a hashed entry's first ``HEAD_BYTES`` bytes (8 hex digits): a save compares it
+#: first, and writes a chunk whose head differs at once, without waiting for its whole hash (2.7).
+HEAD_KEY = "crc32_head"
+HEAD_BYTES = 1 << 16
+_HASH_FIELD_LEN = len(f',"{HASH_KEY}":"","{HEAD_KEY}":""') + 64 + 8
 PREAMBLE_SIZE = 32
 #: Headers larger than this are refused before they are read (safetensors uses the same bound).
 MAX_HEADER_SIZE = 100 * 1024 * 1024
@@ -161,7 +171,7 @@ class ShardPlan(NamedTuple):
 
 
 def plan_shard(specs: Sequence[EntrySpec], alignment: int = 4096, save_id: str | None = None,
-               aliases: Mapping[int, int] | None = None) -> ShardPlan:
+               aliases: Mapping[int, int] | None = None, *, hashed: bool = False) -> ShardPlan:
     """Give every entry an aligned data offset after the header.
 
     ``aliases`` {i: j < i}: spec ``i`` is an exact alias of spec ``j`` (format/aliases.py) and
@@ -181,6 +191,8 @@ def plan_shard(specs: Sequence[EntrySpec], alignment: int = 4096, save_id: str |
     tails = [f',"length":{s.length},"crc32":"' for s in specs]
     fixed = len(_framed(save_id, [])) + sum(map(len, heads)) + sum(map(len, tails))
     fixed += len(specs) * 11  # per entry: 8 hex digits, '"}' and a comma
+    if hashed:  # room for every tensor entry's content hash (written by a save that compares chunks)
+        fixed += sum(_HASH_FIELD_LEN for s in specs if s.kind == KIND_TENSOR) + 16  # and the minor version
     most = sum(s.length + entry_alignment(s.length, alignment) for s in specs)  # data and the padding before each
     width = 1
     while len(str(_align_up(fixed + len(specs) * width, MIN_ALIGNMENT) + most)) > width:
@@ -205,10 +217,10 @@ def layout_entries(specs: Sequence[EntrySpec], alignment: int = 4096, save_id: s
     return plan_shard(specs, alignment, save_id, aliases)[:2]  # type: ignore[return-value]  # plan_shard's entries, size
 
 
-def _framed(save_id: str | None, objects: list[str]) -> bytes:
+def _framed(save_id: str | None, objects: list[str], minor: int = FORMAT_MINOR) -> bytes:
     """The preamble and the header document around the entries' objects."""
     body = _document(save_id, objects).encode("ascii")
-    return _PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, host_byte_order(), len(body), zlib.crc32(body)) + body
+    return _PREAMBLE.pack(MAGIC, FORMAT_MAJOR, minor, host_byte_order(), len(body), zlib.crc32(body)) + body
 
 
 def _document(save_id: str | None, objects: list[str]) -> str:
@@ -217,6 +229,9 @@ def _document(save_id: str | None, objects: list[str]) -> str:
 
 
 _CRC_FIELD = re.compile(r'"crc32":"([0-9a-f]{8})"\}')
+_HASH_FIELD = re.compile(r',"blake3":"[0-9a-f]{64}"(,"crc32_head":"[0-9a-f]{8}")?')
+_HASH_VALUE = re.compile(r"[0-9a-f]{64}")
+_HEAD_VALUE = re.compile(r"[0-9a-f]{8}")
 
 
 def header_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any, ...]]) -> list[int] | None:
@@ -226,6 +241,8 @@ def header_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any, .
     if not body.isascii():
         return None
     text = body.decode("ascii")
+    if '"blake3":"' in text:  # content hashes (2.7) are not the metadata's to compare
+        text = _HASH_FIELD.sub("", text)
     crcs = _CRC_FIELD.findall(text)
     if len(crcs) != len(records):
         return None
@@ -239,15 +256,40 @@ def header_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any, .
     return [int(c, 16) for c in crcs] if _document(save_id, objects) == text else None
 
 
-def encode_header(entries: Sequence[Entry], save_id: str | None = None) -> bytes:
+def encode_header(entries: Sequence[Entry], save_id: str | None = None,
+                  hashes: Sequence[tuple[str, int] | None] | None = None) -> bytes:
     """The preamble followed by the JSON header, ready to be written at offset 0.
 
     ``save_id`` (optional) ties the shard to one save: a reader compares it with the
     metadata's ``storage_meta.save_id`` so that shards of a later save are never read
-    through an earlier save's metadata.
+    through an earlier save's metadata. ``hashes``: each entry's content hash (``HASH_KEY``, hex) and the
+    CRC-32 of its head (``HEAD_KEY``), or None; with any, the header is minor version ``FORMAT_MINOR_HASHES``.
     """
-    return _framed(save_id, [f'{_entry_head(e)}{e.offset},"length":{e.length},"crc32":"{e.crc32:08x}"}}'
-                             for e in entries])
+    if not hashes or not any(hashes):
+        return _framed(save_id, [f'{_entry_head(e)}{e.offset},"length":{e.length},"crc32":"{e.crc32:08x}"}}'
+                                 for e in entries])
+    return _framed(save_id, [f'{_entry_head(e)}{e.offset},"length":{e.length},{_hash_fields(h)}'
+                             f'"crc32":"{e.crc32:08x}"}}' for e, h in zip(entries, hashes)], FORMAT_MINOR_HASHES)
+
+
+def _hash_fields(h: tuple[str, int] | None) -> str:
+    """An entry's content hash and head CRC-32 (2.7), each followed by a comma; "" for none."""
+    return "" if h is None else f'"{HASH_KEY}":"{h[0]}","{HEAD_KEY}":"{h[1]:08x}",'
+
+
+def entry_hashes(doc: Mapping[str, Any]) -> dict[tuple[str, tuple[int, ...]], tuple[str, int, int | None]]:
+    """``{(fqn, chunk_offsets): (content hash, offset, CRC-32 of the head or None)}`` of the tensor entries of a
+    decoded header document that carry a well-formed hash (2.7); others are left out (a later save writes
+    their bytes again)."""
+    out = {}
+    for e in doc.get("entries", ()):
+        h = e.get(HASH_KEY) if isinstance(e, dict) else None
+        if isinstance(h, str) and _HASH_VALUE.fullmatch(h) and e.get("kind") == KIND_TENSOR \
+                and isinstance(e.get("chunk_offsets"), list) and type(e.get("offset")) is int:
+            head = e.get(HEAD_KEY)
+            head = int(head, 16) if isinstance(head, str) and _HEAD_VALUE.fullmatch(head) else None
+            out[(e["fqn"], tuple(e["chunk_offsets"]))] = (h, e["offset"], head)
+    return out
 
 
 def decode_preamble(pre: bytes, file_size: int, path: str) -> tuple[int, int, int, int]:

@@ -18,7 +18,7 @@ from ..format.stock import load_tensor
 from ..io.mapped import MappedFile
 from ..storage.base import CheckpointStorage, StoredFile
 from .dcp_safetensors import SafetensorsChunks, raw_record, stock_safetensors
-from .shard import Shard, check_reach, check_size_unchanged, open_named, shard_of
+from .shard import Shard, check_reach, check_size_unchanged, file_save_id, open_named, shard_of
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +78,8 @@ class ChunkFiles:
         try:
             last = max(records, key=lambda r: r[5] + r[6])
             check_reach(f, last[5] + last[6], last[0] if last[1] is None else f"{last[0]}@{list(last[1])}")
-            shard = shard_of(f, save_id, stock=stock, records=records)
+            ref = rel.startswith("../")  # a sibling step's shard (cross-step reference): of its own save
+            shard = shard_of(f, file_save_id(save_id, rel), stock=stock and not ref, records=records, referenced=ref)
         except BaseException:
             f.close()
             raise

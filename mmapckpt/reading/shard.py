@@ -17,6 +17,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
+    UnsafePathError,
     CheckpointError,
     ChecksumError,
     EntryBoundsError,
@@ -26,6 +27,7 @@ from ..errors import (
     TruncatedFileError,
 )
 from ..format import layout as fmt
+from ..format.entries import ROOT_MARKER, SaveId, reference_parts
 from ..format.transforms import StreamTransforms
 from ..io.mapped import MappedFile
 from ..storage.base import CheckpointStorage, StoredFile
@@ -35,7 +37,8 @@ from ..storage.local import LocalFile
 if TYPE_CHECKING:  # torch is imported where a tensor is made: opening a shard, checking its header and its
     import torch   # checksums need none (inspect and verify of an mmapckpt checkpoint import no torch)
 
-__all__ = ["Shard", "is_mmapckpt_shard", "encoded_bytes", "decode_entry", "open_named", "shard_of", "check_reach"]
+__all__ = ["Shard", "is_mmapckpt_shard", "encoded_bytes", "decode_entry", "open_named", "shard_of", "check_reach",
+           "file_save_id"]
 
 
 def is_mmapckpt_shard(file: StoredFile) -> bool:
@@ -47,33 +50,68 @@ def is_mmapckpt_shard(file: StoredFile) -> bool:
 # Every reader of a DCP directory (ChunkFiles for open/load/convert/inspect, dcp/read_paths.FileReads for
 # MmapReader, tools/verify.py) opens its data files with these, so that the same damage is the same error.
 def open_named(storage: CheckpointStorage, rel: str, save_id: str | None, entry: str | None = None) -> StoredFile:
-    """Data file ``rel``, which the metadata of save ``save_id`` names, opened through ``storage``.
+    """Data file ``rel``, which the metadata of save ``save_id`` names, opened through ``storage``. A cross-step
+    reference ``../step-M/FILE`` (docs/format.md 3.4) is opened in the sibling step, only inside a managed root.
 
     Raises:
         IncompleteCheckpointError: the location lacks it (saying so where the checkpoint was replaced meanwhile).
+        UnsafePathError: a reference outside a managed root, to the step itself, or through a link.
     """
+    if rel.startswith("../"):
+        storage, rel = _referenced(storage, rel, entry)
+        save_id = None
     try:
         return storage.open_file(rel)
     except IncompleteCheckpointError:
         raise missing_shard_error(storage, storage.full(rel), save_id, entry) from None
 
 
+def _referenced(storage: CheckpointStorage, rel: str, entry: str | None) -> tuple[CheckpointStorage, str]:
+    """(the sibling step's storage, the file's name there) of a cross-step reference, checked: a name of the
+    reference form, a step other than this one, a parent that holds the root marker."""
+    parts = reference_parts(rel)
+    if parts is None:
+        raise UnsafePathError(f"storage path {rel!r} leaves the checkpoint directory", path=storage.location,
+                              entry=entry)
+    step, name = parts
+    if step == storage.location.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]:
+        raise UnsafePathError(f"cross-step reference {rel!r} names this step itself", path=storage.location,
+                              entry=entry)
+    if not storage.sibling("").exists(ROOT_MARKER):
+        raise UnsafePathError(f"cross-step reference {rel!r}, but the parent of this checkpoint is no managed root "
+                              f"(it has no {ROOT_MARKER}): a checkpoint outside a root refers to nothing outside "
+                              "itself; copy the root whole", path=storage.location, entry=entry)
+    return storage.sibling(step), name
+
+
+def file_save_id(save_id: str | None, rel: str) -> str | None:
+    """The save id data file ``rel`` must carry: a referenced file's own (the metadata's ``references``), else
+    the metadata's."""
+    return save_id.of(rel) if isinstance(save_id, SaveId) else save_id
+
+
 def shard_of(f: StoredFile, save_id: str | None, *, stock: bool = True, records: list[tuple[Any, ...]] | None = None,
-             check_entries: bool = False) -> "Shard | None":
+             check_entries: bool = False, referenced: bool = False) -> "Shard | None":
     """The mmapckpt shard ``f`` holds, written by save ``save_id``; None for a stock DCP file (``stock``: the
     metadata is a stock one, whose files may be either). ``records``: the file's entries as the metadata places
     them (see :meth:`Shard.agrees`), which spares decoding the header where it agrees. ``f`` is not closed here.
+    ``referenced``: a sibling step's shard (a cross-step reference), which must carry ``save_id`` exactly.
 
     Raises:
         IncompleteCheckpointError: a shard of another save (replaced meanwhile, or copied in from another).
         FormatError: no valid shard (also a stock file where the metadata is mmapckpt's).
     """
-    if stock and not is_mmapckpt_shard(f):
+    if stock and not referenced and not is_mmapckpt_shard(f):
         return None
     shard = Shard(f, check_entries=check_entries)
     if records is not None and shard.agrees(save_id, records):  # the usual case: no entry of the header decoded
         return shard
     sid = shard.save_id
+    if referenced and sid != save_id:
+        raise IncompleteCheckpointError(
+            f"referenced shard was written by save {sid}, but the metadata refers to save {save_id}'s: the step "
+            "it belongs to was replaced, or the file was copied in from elsewhere; this step cannot be loaded",
+            path=shard.path)
     if None not in (sid, save_id) and sid != save_id:
         raise IncompleteCheckpointError(
             f"shard was written by save {sid}, but the metadata belongs to save {save_id}: the checkpoint was "
@@ -163,6 +201,11 @@ class Shard:
             return False
         self._agreed = save_id
         return True
+
+    def hashes(self) -> dict[tuple[str, tuple[int, ...]], tuple[str, int, int | None]]:
+        """``{(fqn, chunk offsets): (content hash, offset, CRC-32 of its head)}`` of the tensor entries whose header
+        records a content hash (docs/format.md 2.7; what a save with ``reuse=`` compares its chunks with)."""
+        return fmt.entry_hashes(self._doc)
 
     @cached_property
     def header(self) -> fmt.ShardHeader:

@@ -36,7 +36,8 @@ import abc
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..errors import BadMagicError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError, TruncatedFileError
+from ..errors import (BadMagicError, CheckpointError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError,
+                      TruncatedFileError)
 from ..format.metadata import MAX_METADATA_SIZE, METADATA_NAME, metadata_kind
 from ..io.mapped import MappedFile
 
@@ -125,6 +126,13 @@ class FileOutput(abc.ABC):
     def finish(self, head: bytes) -> None:
         """Write ``head`` at offset 0 (it precedes every piece), make the file durable and put it in place."""
 
+    def shrink(self, size: int) -> None:
+        """Before :meth:`finish`: the file ends at ``size``, at most the size it was created with (a save that
+        referred to stored chunks instead of writing them, writing/dedup.py). A medium that pads the file to its
+        created size at :meth:`finish` keeps that size in ``self.size``, which this lowers."""
+        if getattr(self, "size", None) is not None:
+            self.size = size  # type: ignore[attr-defined]
+
     @abc.abstractmethod
     def abort(self) -> None:
         """Give up: remove what was written (also after a failed :meth:`finish`)."""
@@ -174,6 +182,18 @@ class CheckpointStorage(abc.ABC):
     @abc.abstractmethod
     def full(self, name: str) -> str:
         """The full name of file ``name`` (a path, a URL), for messages."""
+
+    def sibling(self, name: str) -> CheckpointStorage:
+        """The location ``name`` beside this one (in the same parent directory or prefix), with this one's
+        settings; ``name`` ``""``: the parent itself. Steps of a managed root reach each other's shards through it
+        (cross-step references, docs/format.md 3.4; reading/shard.py checks the root first).
+
+        Raises:
+            UnsafePathError: this location has no parent, or the sibling resolves outside it.
+            CheckpointError: the medium cannot name siblings.
+        """
+        raise CheckpointError("this storage medium cannot reach a sibling location (cross-step references "
+                              "between the steps of a managed root)", path=self.location)
 
     # ------------------------------------------------------------------ reading
     @abc.abstractmethod

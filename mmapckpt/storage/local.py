@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, TruncatedFileError
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, TruncatedFileError, UnsafePathError
 from ..io.files import atomic_write, fsync_dir, open_inside, opened_inside, pread_into, pwrite_all, unlink_quietly
 from .hub import hub_blobs
 from ..io.mapped import MappedFile, open_regular
@@ -116,6 +116,11 @@ class LocalOutput(FileOutput):
         elif len(memoryview(data)):
             pwrite_all(self.fd, data, offset)
 
+    def shrink(self, size: int) -> None:
+        self.size = size
+        if self._direct is None:  # O_DIRECT output is cut to its size by its finish
+            os.ftruncate(self.fd, size)
+
     def finish(self, head: bytes) -> None:
         if self._direct is not None:
             self._direct.finish(head, self.size)  # type: ignore[arg-type]
@@ -149,6 +154,20 @@ class LocalStorage(CheckpointStorage):
 
     def full(self, name: str) -> str:
         return os.path.join(self.location, name)
+
+    def sibling(self, name: str) -> LocalStorage:
+        here = os.path.abspath(self.location)
+        parent = os.path.dirname(here)
+        if parent == here or (name and (os.sep in name or name in (".", ".."))):
+            raise UnsafePathError(f"no sibling {name!r} of this directory", path=self.location)
+        if not name:
+            return LocalStorage(parent)
+        there = os.path.join(parent, name)
+        # the step directory itself (a link elsewhere, even to inside the root, would pair names and bytes
+        # of different places): it must be a directory of the parent, as found
+        if os.path.islink(there) or os.path.dirname(os.path.realpath(there)) != os.path.realpath(parent):
+            raise UnsafePathError(f"sibling {name!r} is a link or resolves outside {parent}", path=there)
+        return LocalStorage(there)
 
     def exists(self, name: str) -> bool:
         return os.path.isfile(os.path.join(self.location, name))

@@ -33,6 +33,7 @@ from ..errors import CheckpointError, CheckpointWriteError
 from ..format import layout as fmt
 from ..format.transforms import StreamTransforms
 from ..storage.base import CheckpointStorage, FileOutput
+from .dedup import ReuseIndex, write_deduplicated
 from .encoded import write_encoded_entries
 from .tensors import entry_bytes
 
@@ -90,7 +91,7 @@ class _At:
 def write_shard(storage: CheckpointStorage, name: str, entries: Sequence[ShardEntry],
                 resolve: Callable[[Any], Any], *, save_id: str | None, options: ShardOptions,
                 aliases: Mapping[int, int] | None = None, advance: Callable[[int], None] | None = None,
-                one_at_a_time: bool = False) -> tuple[list[fmt.Entry], str]:
+                one_at_a_time: bool = False, reuse: ReuseIndex | None = None) -> tuple[list[fmt.Entry], str]:
     """Write ``entries`` as shard ``name`` of ``storage``; return the written entries (offset, length, CRC-32),
     in input order, and how the bytes travelled (``FileOutput.how``, or ``"encoded"``).
 
@@ -105,6 +106,9 @@ def write_shard(storage: CheckpointStorage, name: str, entries: Sequence[ShardEn
             one's checksum is awaited once it is written, and it is let go before the next is resolved, so
             at most one is held. Otherwise (a state dict's tensors, which live on anyway) checksums may lag
             behind the writes.
+        reuse: hash every tensor chunk and refer to the equal chunks this index holds instead of writing them
+            (writing/dedup.py): those come back as ``Reference`` records, and how the bytes travelled is
+            ``"referenced"`` when no entry was written (no file then). Raw entries only (no transforms).
     """
     out: FileOutput | None = None
     at = _At()
@@ -112,6 +116,10 @@ def write_shard(storage: CheckpointStorage, name: str, entries: Sequence[ShardEn
         if options.transforms is not None:
             out = storage.create_file(name, None, head=0, direct=False, sync=options.sync)
             return write_encoded_entries(out, entries, resolve, options.transforms, save_id, at), "encoded"
+        if reuse is not None:
+            return write_deduplicated(storage, name, entries, resolve, save_id=save_id,  # type: ignore[return-value]
+                                      alignment=options.alignment, direct=options.direct, sync=options.sync,
+                                      aliases=aliases, index=reuse, at=at)
         plan = fmt.plan_shard(entries, options.alignment, save_id, aliases)
         own = [i for i in range(len(entries)) if i not in aliases] if aliases else range(len(entries))
         first = min((plan.entries[i].offset for i in own), default=plan.file_size)

@@ -26,6 +26,7 @@ from .framing import (
     META_MAJOR,
     META_MINOR,
     META_MINOR_USER,
+    META_MINOR_REFS,
     USER_METADATA_KEY,
     body_of,
     check_user_metadata,
@@ -60,13 +61,19 @@ def encode_metadata(md: Metadata, user_metadata: Mapping[str, str] | None = None
         raise ValueError(f"cannot write metadata version {major}")
     doc["storage_meta"] = None if sm is None else {
         "checkpoint_id": None if sm.checkpoint_id is None else os.fspath(sm.checkpoint_id),
-        "save_id": sm.save_id,
+        "save_id": None if sm.save_id is None else str(sm.save_id),
         "modules": list(sm.modules),
     }
+    refs = getattr(sm, "save_id", None) and getattr(sm.save_id, "references", None)
+    if refs:  # cross-step references (docs/format.md 3.4): only version 2 reads them
+        if major != META_MAJOR:
+            raise ValueError("cross-step references need metadata version 2")
+        doc["storage_meta"]["references"] = dict(sorted(refs.items()))
     if user is not None:
         doc[USER_METADATA_KEY] = user
     body = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    return frame(major, META_MINOR_USER if user is not None and major == 1 else META_MINOR, body)
+    minor = META_MINOR_USER if user is not None and major == 1 else META_MINOR_REFS if refs else META_MINOR
+    return frame(major, minor, body)
 
 
 def _decoding(data: bytes, path: str, build: Callable[[MetaIndex, int], Any], *, entries_only: bool = False) -> Any:

@@ -26,7 +26,7 @@ from typing import Any
 from ...errors import BadMagicError, FormatError, UnsupportedVersionError
 
 __all__ = [
-    "METADATA_NAME", "META_MAGIC", "META_PREAMBLE", "META_MAJOR", "META_MINOR", "META_MINOR_USER",
+    "METADATA_NAME", "META_MAGIC", "META_PREAMBLE", "META_MAJOR", "META_MINOR", "META_MINOR_USER", "META_MINOR_REFS",
     "MAX_METADATA_SIZE", "KIND_MMAPCKPT", "KIND_STOCK", "USER_METADATA_KEY", "frame", "major_of", "body_of",
     "parse_body", "metadata_kind", "check_user_metadata", "decode_user_metadata",
 ]
@@ -38,6 +38,9 @@ META_MAJOR = 2
 META_MINOR = 0
 #: The minor version of a metadata file that carries ``user_metadata`` (an optional key: 1.0 readers ignore it).
 META_MINOR_USER = 1
+#: The minor version of a version-2 file whose ``storage_meta`` has ``references`` (cross-step references:
+#: a 2.0 reader refuses their ``../`` names as paths leaving the checkpoint, and never misreads them).
+META_MINOR_REFS = 1
 USER_METADATA_KEY = "user_metadata"
 META_PREAMBLE = struct.Struct("<8sHHIQ")
 #: A metadata file larger than this is refused before it is read.

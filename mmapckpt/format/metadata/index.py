@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ..entries import EntryInfo
+from ..entries import EntryInfo, SaveId
 
 __all__ = ["InvalidMetadata", "MetaIndex", "need", "opt_str", "top_fields"]
 
@@ -41,7 +41,19 @@ def top_fields(doc: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     sm = doc.get("storage_meta")
     need(sm is None or type(sm) is dict, "'storage_meta' must be an object")
     save_id = None if sm is None else opt_str(sm.get("save_id"), "save_id")
+    refs = None if sm is None else sm.get("references")
+    if refs is not None:
+        save_id = SaveId(save_id or "", references_of(refs))
     return save_id, {k: doc.get(k) for k in ("version", "planner_data", "storage_meta")}
+
+
+def references_of(raw: Any) -> dict[str, str]:
+    """``storage_meta.references`` checked: ``{"../step-M/name": the save id that file carries}`` (the names
+    are judged where the table's files are, by ``safe_relative_path``: only a listed name of the reference
+    form passes, any other is an UnsafePathError)."""
+    need(type(raw) is dict and all(type(v) is str and 0 < len(v) <= 256 for v in raw.values()),
+         "'references' must map names ../step-M/FILE to save ids")
+    return raw
 
 
 class MetaIndex(NamedTuple):

@@ -178,7 +178,8 @@ def decode(doc: Any, path: str, *, ints_only: bool = False, entries_only: bool =
     if type(table) is not dict:
         raise InvalidMetadata("'table' must be an object")
     names = _strings(table.get("names"), "names")
-    files = [safe_relative_path(f, path) for f in _strings(table.get("files"), "files")]
+    refs = getattr(save_id, "references", None)
+    files = [safe_relative_path(f, path, refs) for f in _strings(table.get("files"), "files")]
     dtypes = []
     for n in _strings(table.get("dtypes"), "dtypes"):
         dtypes.append(fmt.NAMED[n] if n in fmt.NAMED else fmt.dtype_from_name(n, path=path))  # raises if unknown

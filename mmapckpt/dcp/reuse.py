@@ -1,0 +1,137 @@
+"""What a save with ``MmapWriter(path, reuse=[...])`` may refer to: the chunks its sibling steps hold.
+
+The steps of a managed root (a directory or prefix holding ``.mmapckpt-root``, docs/manager.md)
+are ordinary checkpoints ``ROOT/step-{N}/``. A save of one step with ``reuse`` names committed
+sibling steps; :func:`reuse_index` reads their metadata and the headers of the shard files it
+names (each opened the one way every reader opens a data file, its save id checked: a file a
+step refers to in turn is checked against the save id that step recorded for it) and keeps, per
+(fqn, chunk offsets), the content hash each header recorded and where the bytes are, named from
+the step being written (``../step-M/FILE``, the file that holds them, never a chain of references).
+writing/dedup.py compares each chunk with it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from importlib.util import find_spec
+from typing import Any, Mapping
+
+from ..errors import CheckpointError, CheckpointWriteError
+from ..format import layout as fmt
+from ..format.entries import ROOT_MARKER, SaveId, reference_parts
+from ..format.metadata import KIND_MMAPCKPT
+from ..reading.shard import file_save_id, open_named, shard_of
+from ..storage.base import CheckpointStorage
+from ..storage.commits import read_index
+from ..storage.location import is_url
+from ..writing.dedup import Reusable, ReuseIndex, require_hasher
+
+__all__ = ["reuse_index", "in_managed_root", "step_name", "save_index", "with_references"]
+
+
+def save_index(storage: CheckpointStorage, reuse: Sequence[str]) -> ReuseIndex | None:
+    """What a save at ``storage`` compares its chunks with (``MmapWriter(reuse=...)``): the ``reuse`` steps'
+    chunks; none, but every chunk hashed so that the next step can compare, for a step of a managed root saved
+    without ``reuse`` (where ``blake3`` is installed); None (no hashing: a save outside a root costs nothing
+    more) otherwise."""
+    if reuse:
+        return reuse_index(storage, reuse)
+    if in_managed_root(storage) and find_spec("blake3") is not None:
+        return ReuseIndex({}, {})
+    return None
+
+
+def with_references(save_id: str, storage_data: Mapping[Any, Any], index: Callable[[], ReuseIndex | None]) -> str:
+    """The save id a commit records: with the save ids of the files its records refer to (a ``SaveId``), where
+    some do. Every rank refers only to the reused steps' files, whose save ids ``index()`` holds."""
+    refs = {info.relative_path for info in storage_data.values() if info.relative_path.startswith("../")}
+    if not refs:
+        return save_id
+    ix = index()
+    assert ix is not None  # only a save with reuse= records references (an invariant of ours)
+    return SaveId(save_id, {r: ix.save_ids[r] for r in refs})
+
+
+def step_name(location: str) -> str:
+    """The last part of a location (a step directory's name)."""
+    return location.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+
+
+def in_managed_root(storage: CheckpointStorage) -> bool:
+    """Whether the location's parent holds the root marker (a step of a managed root)."""
+    try:
+        return storage.sibling("").exists(ROOT_MARKER)
+    except CheckpointError:  # no parent, or a medium without siblings
+        return False
+
+
+def _same_place(a: str, b: str) -> bool:
+    if is_url(a) or is_url(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def reuse_index(storage: CheckpointStorage, paths: Sequence[str | os.PathLike[str]]) -> ReuseIndex:
+    """The chunks the steps ``paths`` hold, for a save at ``storage`` to refer to (hashing needs ``blake3``).
+
+    Raises:
+        CheckpointWriteError: blake3 missing; the location is not a step of a managed root; a path is not a
+            committed sibling step ``step-{N}`` of it (or is the step itself).
+        CheckpointError: a reused step is damaged (as any reader of it would raise).
+    """
+    require_hasher(storage.location)
+    here = step_name(storage.location)
+    if not in_managed_root(storage):
+        raise CheckpointWriteError(f"reuse= refers to sibling steps, which only a managed root allows: its parent has "
+                                   f"no {ROOT_MARKER} (CheckpointManager writes it)", path=storage.location)
+    chunks: dict[tuple[str, tuple[int, ...]], Reusable] = {}
+    save_ids: dict[str, str] = {}
+    for p in paths:
+        name = step_name(os.fspath(p))
+        if reference_parts(f"../{name}/x") is None or name == here:
+            raise CheckpointWriteError(f"reuse= names {os.fspath(p)!r}: not a sibling step directory step-N of this "
+                                       "one", path=storage.location)
+        step = storage.sibling(name)
+        if not _same_place(step.location, os.fspath(p)):
+            raise CheckpointWriteError(f"reuse= names {os.fspath(p)!r}, which is not in this step's root",
+                                       path=storage.location)
+        _index_step(step, name, here, chunks, save_ids)
+    return ReuseIndex(chunks, save_ids)
+
+
+def _index_step(step: CheckpointStorage, name: str, here: str, chunks: dict[Any, Reusable],
+                save_ids: dict[str, str]) -> None:
+    kind, entries, save_id = read_index(step)
+    if kind != KIND_MMAPCKPT:
+        raise CheckpointWriteError("reuse= names a stock DCP checkpoint; only mmapckpt steps record content hashes",
+                                   path=step.location)
+    by_file: dict[str, list[tuple[Any, ...]]] = {}
+    for e in entries.values():
+        if e.kind != "tensor":
+            continue
+        dt = fmt.dtype_name(e.dtype)
+        for c in e.chunks:
+            if c.length:
+                by_file.setdefault(c.file, []).append(((e.name, c.offsets), c.file_offset, c.length, dt, c.sizes))
+    for rel, recs in by_file.items():
+        ref = rel if rel.startswith("../") else f"../{name}/{rel}"  # the file holding the bytes, from us
+        if reference_parts(ref) is None or ref.startswith(f"../{here}/"):
+            continue  # a file of the step being written (it is being replaced): nothing to refer to
+        sid = file_save_id(save_id, rel)
+        if sid is None:
+            continue  # no save id to check a reference by: write those chunks again
+        hashes = _hashes(step, rel, save_id, sid)
+        for key, offset, length, dt, sizes in recs:
+            h = hashes.get(key)
+            if h is not None and h[1] == offset:
+                chunks[key] = Reusable(h[0], ref, offset, length, dt, sizes, h[2])
+        save_ids[ref] = sid
+
+
+def _hashes(step: CheckpointStorage, rel: str, save_id: Any, sid: str) -> Mapping[Any, tuple[str, int, int | None]]:
+    """The content hashes of data file ``rel`` of ``step``, its header checked whole and its save id ``sid``."""
+    with open_named(step, rel, save_id) as f:
+        shard = shard_of(f, sid, stock=False, check_entries=True, referenced=True)
+        assert shard is not None  # stock=False (an invariant of ours)
+        return shard.hashes()
