@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+from importlib.util import find_spec
 from collections.abc import Mapping
 from typing import Any
 
@@ -118,10 +119,10 @@ class CheckpointManager:
             raise TypeError("stager= is for asynchronous saves: pass async_=True with it")
         self.wait()
         prior = decided(lambda: self._prepare(step), process_group)  # the newest committed step, [] before the first
-        writer = MmapWriter(self.path(step), overwrite=False, storage_options=self._root.options,
-                            # dedup: reuse=[self.path(s) for s in prior],
-                            )
-        del prior  # until the line above is wired (docs/manager.md: unchanged chunks stored once)
+        # chunks equal to the newest step's are stored once (dcp/reuse.py; hashing needs blake3: without it
+        # every step is written whole, as docs/manager.md says)
+        reuse = [self.path(s) for s in prior] if find_spec("blake3") is not None else []
+        writer = MmapWriter(self.path(step), overwrite=False, storage_options=self._root.options, reuse=reuse)
         if not async_:
             result = dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=not distributed())
             self._retain(process_group)
