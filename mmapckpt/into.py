@@ -23,12 +23,7 @@ from .format.entries import EntryInfo, paused_gc
 from .reading.fill import fill_targets
 from .reading.regions import read_tensor
 from .reading.stager import chunk_stager
-from .io.staging import (
-    DEFAULT_STAGING_BUFFERS,
-    DEFAULT_STAGING_BYTES,
-    StagingPool,
-    needs_staging,
-)
+from .io.staging_options import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, needs_staging
 from .lazy import LazyCheckpoint
 
 __all__ = ["load_into", "fill_from"]
@@ -125,6 +120,8 @@ def fill_from(ckpt: LazyCheckpoint, targets: Mapping[str, torch.Tensor], *, stri
 def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]], staging_bytes: int,
                   staging_buffers: int) -> None:
     """Accelerator targets: every chunk read into the pinned staging ring and copied into its region."""
+    from .io.staging import StagingPool  # the pipeline, imported by loads that have accelerator targets only
+
     by_device: dict[torch.device, list[tuple[str, torch.Tensor, EntryInfo]]] = {}
     for p in plan:
         by_device.setdefault(p[1].device, []).append(p)

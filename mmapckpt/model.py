@@ -34,7 +34,7 @@ from .errors import ModelMismatchError, SizeMismatchError
 from .format.aliases import shared_names
 from .format.casts import check_cast
 from .into import fill_from
-from .io.staging import check_device
+from .io.staging_options import check_device
 from .lazy import LazyCheckpoint, read_tensors
 
 __all__ = ["load_model"]
