@@ -94,11 +94,13 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
 
 def fill_from(ckpt: LazyCheckpoint, targets: Mapping[str, torch.Tensor], *, strict: bool = True,
               allow_cast: bool = False, staging_bytes: int = DEFAULT_STAGING_BYTES,
-              staging_buffers: int = DEFAULT_STAGING_BUFFERS) -> list[str]:
+              staging_buffers: int = DEFAULT_STAGING_BUFFERS, values_first: bool = False) -> list[str]:
     """:func:`load_into`'s work on the open ``ckpt`` (its names: ``strip_prefix`` applied when it was opened):
     every target's name, shape and dtype checked before any is written, then filled (the values of casts that may
-    not hold them checked as they are copied: :func:`_fill_checked`). Returns the missing names.
-    ``load_model`` calls it with the checkpoint it has already opened."""
+    not hold them checked as they are copied: :func:`_fill_checked`; with ``values_first``, every such value checked
+    before any target is written, which reads those tensors twice). Returns the missing names.
+    ``load_model`` calls it with the checkpoint it has already opened, ``values_first``: a refusal leaves its
+    model as it was."""
     with paused_gc(), torch.no_grad():
         missing = [n for n in targets if n not in ckpt]
         if missing and strict:
@@ -113,7 +115,11 @@ def fill_from(ckpt: LazyCheckpoint, targets: Mapping[str, torch.Tensor], *, stri
         # the values, where the target's dtype may not hold them all (none of it with allow_cast)
         checked = [] if allow_cast else [p for p in plan if p[2].dtype != p[1].dtype
                                          and range_can_shrink(p[2].dtype, p[1].dtype)]
-        if checked:
+        if checked and values_first:
+            for name, t, info in checked:
+                check_cast(read_tensor(ckpt.backend, info), info.dtype, t.dtype, allow_cast=False, path=ckpt.path,
+                           entry=info.name)
+        elif checked:
             plan = _fill_checked(ckpt, plan, checked)
         # needs_staging per target, with the tests' switch asked once
         cpu = [] if stage_cpu_targets() else [p for p in plan if p[1].is_cpu]

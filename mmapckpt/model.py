@@ -163,7 +163,7 @@ def load_model(model: nn.Module, path: str | os.PathLike[str], *, strict: bool =
         given = _assigned(ckpt, slots, {n: source[n] for n in assign}, groups, dev, allow_cast)
         fill = {source[n]: slots[n].get() for n in source if n not in assign}
         if fill:
-            fill_from(ckpt, fill, allow_cast=allow_cast)
+            fill_from(ckpt, fill, allow_cast=allow_cast, values_first=True)  # a refusal leaves the model as it was
         _put(model, slots, given)
     for group in groups:  # assignment made one Parameter per name: one again
         for n in group[1:]:

@@ -189,3 +189,15 @@ def test_load_into_checks_each_piece_as_it_copies(tmp_path) -> None:
     mmapckpt.load_into({"ok": other, "big": target}, tmp_path / "d")
     assert_bitwise_equal(target, _torch_cast(big, torch.float16))
     assert_bitwise_equal(other, torch.ones(3))
+
+
+def test_load_model_checks_every_value_before_it_changes_the_model(tmp_path) -> None:
+    # two in-place targets whose values are checked: the first fits, the second does not; load_model's refusal
+    # must leave both as they were (load_into's one-pass check would have written the first)
+    mmapckpt.save({"a": torch.tensor([1.0, 2.0]), "z": torch.tensor([1.0, 1e30])}, tmp_path / "c")
+    model = nn.Module()
+    model.register_buffer("a", torch.zeros(2, dtype=torch.float16))
+    model.register_buffer("z", torch.zeros(2, dtype=torch.float16))
+    with pytest.raises(CastError, match=r"entry 'z'"):
+        mmapckpt.load_model(model, tmp_path / "c")
+    assert not model.a.any() and not model.z.any()
