@@ -105,9 +105,12 @@ def fill_from(ckpt: LazyCheckpoint, targets: Mapping[str, torch.Tensor], *, stri
         missing = [n for n in targets if n not in ckpt]
         if missing and strict:
             raise KeyError(f"not in the checkpoint at {ckpt.path}: {sorted(missing)[:20]}")
-        plan = [(n, t, ckpt.tensor_info(n)) for n, t in targets.items() if n in ckpt]
+        skip = set(missing)
+        info_of = ckpt.tensor_info
+        plan = [(n, t, info_of(n)) for n, t in targets.items() if n not in skip] if skip else \
+            [(n, t, info_of(n)) for n, t in targets.items()]
         for name, t, info in plan:
-            if tuple(t.shape) != info.shape:
+            if t.shape != info.shape:  # torch.Size is a tuple: equal to the stored shape's tuple
                 raise SizeMismatchError(f"stored tensor is {list(info.shape or ())} but the target is {list(t.shape)}",
                                         path=ckpt.path, entry=info.name)
             if info.dtype != t.dtype:
