@@ -18,17 +18,12 @@ from typing import Any, Mapping
 import torch
 
 from .errors import SizeMismatchError
-from .format.casts import check_cast, range_can_shrink
+from .format.casts import check_cast, copy_in_range, range_can_shrink
 from .format.entries import EntryInfo, paused_gc
 from .reading.fill import fill_targets
 from .reading.regions import read_tensor
 from .reading.stager import chunk_stager
-from .io.staging import (
-    DEFAULT_STAGING_BUFFERS,
-    DEFAULT_STAGING_BYTES,
-    StagingPool,
-    needs_staging,
-)
+from .io.staging_options import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, needs_staging, stage_cpu_targets
 from .lazy import LazyCheckpoint
 
 __all__ = ["load_into", "fill_from"]
@@ -44,8 +39,10 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
     name, cast to its dtype as ``Tensor.copy_`` does; other values are left alone. A cast
     that would change values beyond rounding (floating point or complex into integers,
     complex into real, a value outside the target dtype's range: int64 1000 into int8,
-    float32 ``1e30`` into float16) is refused before any target is written, unless
-    ``allow_cast`` (docs/lazy.md, "Casts"). Use
+    float32 ``1e30`` into float16) is refused, unless ``allow_cast`` (docs/lazy.md, "Casts"): a
+    refusal by kind before any target is written; by range as the values are copied, targets
+    whose dtype may not hold every stored value being filled first (each piece checked before it
+    is written), so that a refusal leaves the others unwritten. Use
     ``dcp.load`` for DTensors and other sharded targets, and ``load`` with
     ``model.load_state_dict(sd, assign=True)`` for a model on the meta device.
 
@@ -58,9 +55,9 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
         allow_cast: also copy into targets whose dtype changes the stored values beyond rounding
             (floating point or complex into integers or bool, complex into real, values outside the
             target dtype's range, which then wrap or become inf as ``Tensor.copy_`` makes them);
-            refused by default. Checking the range reads the stored values once more, only for
-            pairs of dtypes where a value can fall outside (int64 into int32, float32 into float16
-            or bfloat16).
+            refused by default. The range is checked only for pairs of dtypes where a value can fall
+            outside (int64 into int32, float32 into float16 or bfloat16), as the values are copied
+            into CPU targets (one read of the stored bytes), before the fill of accelerator ones.
         staging_bytes: the size of each buffer of the pinned staging ring for accelerator
             targets (allocated for this call only when a target is on one).
         staging_buffers: the number of buffers in that ring.
@@ -97,34 +94,67 @@ def load_into(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, st
 
 def fill_from(ckpt: LazyCheckpoint, targets: Mapping[str, torch.Tensor], *, strict: bool = True,
               allow_cast: bool = False, staging_bytes: int = DEFAULT_STAGING_BYTES,
-              staging_buffers: int = DEFAULT_STAGING_BUFFERS) -> list[str]:
+              staging_buffers: int = DEFAULT_STAGING_BUFFERS, values_first: bool = False) -> list[str]:
     """:func:`load_into`'s work on the open ``ckpt`` (its names: ``strip_prefix`` applied when it was opened):
-    every target checked (names, shapes, casts) before any is written, then filled. Returns the missing names.
-    ``load_model`` calls it with the checkpoint it has already opened."""
+    every target's name, shape and dtype checked before any is written, then filled (the values of casts that may
+    not hold them checked as they are copied: :func:`_fill_checked`; with ``values_first``, every such value checked
+    before any target is written, which reads those tensors twice). Returns the missing names.
+    ``load_model`` calls it with the checkpoint it has already opened, ``values_first``: a refusal leaves its
+    model as it was."""
     with paused_gc(), torch.no_grad():
         missing = [n for n in targets if n not in ckpt]
         if missing and strict:
             raise KeyError(f"not in the checkpoint at {ckpt.path}: {sorted(missing)[:20]}")
-        plan = [(n, t, ckpt.tensor_info(n)) for n, t in targets.items() if n in ckpt]
+        skip = set(missing)
+        info_of = ckpt.tensor_info
+        plan = [(n, t, info_of(n)) for n, t in targets.items() if n not in skip] if skip else \
+            [(n, t, info_of(n)) for n, t in targets.items()]
         for name, t, info in plan:
-            if tuple(t.shape) != info.shape:
+            if t.shape != info.shape:  # torch.Size is a tuple: equal to the stored shape's tuple
                 raise SizeMismatchError(f"stored tensor is {list(info.shape or ())} but the target is {list(t.shape)}",
                                         path=ckpt.path, entry=info.name)
-            check_cast(None, info.dtype, t.dtype, allow_cast=allow_cast, path=ckpt.path, entry=info.name)
-        for name, t, info in plan:  # the values, where the target's dtype may not hold them all: read twice
-            if not allow_cast and range_can_shrink(info.dtype, t.dtype):
+            if info.dtype != t.dtype:
+                check_cast(None, info.dtype, t.dtype, allow_cast=allow_cast, path=ckpt.path, entry=info.name)
+        # the values, where the target's dtype may not hold them all (none of it with allow_cast)
+        checked = [] if allow_cast else [p for p in plan if p[2].dtype != p[1].dtype
+                                         and range_can_shrink(p[2].dtype, p[1].dtype)]
+        if checked and values_first:
+            for name, t, info in checked:
                 check_cast(read_tensor(ckpt.backend, info), info.dtype, t.dtype, allow_cast=False, path=ckpt.path,
                            entry=info.name)
-        fill_targets(ckpt.backend, [p for p in plan if not needs_staging(p[1])])
-        on_device = [p for p in plan if needs_staging(p[1])]
-        if on_device:
-            _fill_devices(ckpt, on_device, staging_bytes, staging_buffers)
+        elif checked:
+            plan = _fill_checked(ckpt, plan, checked)
+        # needs_staging per target, with the tests' switch asked once
+        cpu = [] if stage_cpu_targets() else [p for p in plan if p[1].is_cpu]
+        fill_targets(ckpt.backend, cpu)
+        if len(cpu) < len(plan):
+            _fill_devices(ckpt, [p for p in plan if needs_staging(p[1])], staging_bytes, staging_buffers)
     return missing
+
+
+def _fill_checked(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]],
+                  checked: list[tuple[str, torch.Tensor, EntryInfo]]) -> list[tuple[str, torch.Tensor, EntryInfo]]:
+    """Fill the CPU targets of ``checked`` (whose dtype may not hold every stored value) first, each piece's values
+    checked as it is copied (format/casts.py, one read of the stored bytes); check the accelerator ones' values
+    (read once more: they are staged later). Return the rest of ``plan``, to fill: a refusal leaves it unwritten."""
+    done: set[str] = set()
+    for name, t, info in checked:
+        if needs_staging(t):
+            check_cast(read_tensor(ckpt.backend, info), info.dtype, t.dtype, allow_cast=False, path=ckpt.path,
+                       entry=info.name)
+    for name, t, info in checked:
+        if not needs_staging(t):
+            copy_in_range(read_tensor(ckpt.backend, info), t.detach(), path=ckpt.path, entry=info.name)
+            done.add(name)
+    ckpt.backend.check_unchanged(c for _, _, info in checked for c in info.chunks)
+    return [p for p in plan if p[0] not in done]
 
 
 def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, EntryInfo]], staging_bytes: int,
                   staging_buffers: int) -> None:
     """Accelerator targets: every chunk read into the pinned staging ring and copied into its region."""
+    from .io.staging import StagingPool  # the pipeline, imported by loads that have accelerator targets only
+
     by_device: dict[torch.device, list[tuple[str, torch.Tensor, EntryInfo]]] = {}
     for p in plan:
         by_device.setdefault(p[1].device, []).append(p)

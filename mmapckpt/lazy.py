@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
-from typing import Any, Callable, Collection, Iterator, Mapping, Union, overload
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Mapping, Union, overload
 
 import torch
 
@@ -39,13 +39,10 @@ from .reading.locate import open_backend
 from .reading.regions import normalize_index, read_selection, read_tensor
 from .reading.stager import chunk_stager
 from .storage.base import StoredFile
-from .io.staging import (
-    DEFAULT_STAGING_BUFFERS,
-    DEFAULT_STAGING_BYTES,
-    StagingPool,
-    check_device,
-    staging_options,
-)
+from .io.staging_options import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, check_device, staging_options
+
+if TYPE_CHECKING:  # the pipeline (io/staging.py) is imported by loads onto an accelerator only
+    from .io.staging import StagingPool
 
 __all__ = ["open", "load", "read_tensors", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
 
@@ -461,6 +458,8 @@ def read_tensors(ckpt: LazyCheckpoint, names: list[str], device: torch.device, *
                 if n not in out:
                     out[n] = read_tensor(files, ckpt.info(n))
     else:
+        from .io.staging import StagingPool
+
         with StagingPool(device, staging_bytes=staging_bytes, staging_buffers=staging_buffers) as pool:
             out.update(_load_to_device(ckpt, names, pool))
         pool.close()

@@ -34,7 +34,7 @@ from .errors import ModelMismatchError, SizeMismatchError
 from .format.aliases import shared_names
 from .format.casts import check_cast
 from .into import fill_from
-from .io.staging import check_device
+from .io.staging_options import check_device
 from .lazy import LazyCheckpoint, read_tensors
 
 __all__ = ["load_model"]
@@ -163,7 +163,7 @@ def load_model(model: nn.Module, path: str | os.PathLike[str], *, strict: bool =
         given = _assigned(ckpt, slots, {n: source[n] for n in assign}, groups, dev, allow_cast)
         fill = {source[n]: slots[n].get() for n in source if n not in assign}
         if fill:
-            fill_from(ckpt, fill, allow_cast=allow_cast)
+            fill_from(ckpt, fill, allow_cast=allow_cast, values_first=True)  # a refusal leaves the model as it was
         _put(model, slots, given)
     for group in groups:  # assignment made one Parameter per name: one again
         for n in group[1:]:

@@ -14,7 +14,9 @@ rounding:
   float16 would become inf; into a float8 without inf it would saturate or become NaN). Decided from
   the values: the stored tensor's smallest and largest (finite) values, one reduction over it, only
   for pairs of dtypes where some value could fall outside (:func:`range_can_shrink`). inf and NaN
-  stay inf and NaN and are not refused.
+  stay inf and NaN and are not refused. A load checks the values as it copies them
+  (:func:`copy_in_range`): each piece is checked, then written while its bytes are still in the
+  CPU's cache, so the stored bytes are read once, not once for the check and again for the copy.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ import torch
 
 from ..errors import CastError
 
-__all__ = ["kind_loss", "range_can_shrink", "out_of_range", "check_cast", "CastError"]
+__all__ = ["kind_loss", "range_can_shrink", "out_of_range", "check_cast", "copy_in_range", "CastError"]
 
 #: elements reduced at a time: bounds the temporary memory of a source holding inf or NaN
 _PIECE = 1 << 24
+#: elements checked then copied at a time by copy_in_range: 1-4 MiB of most dtypes, so that the copy
+#: reads the piece the check just read from the CPU's cache, not from memory again
+_COPY_PIECE = 1 << 20
 
 
 def kind_loss(stored: torch.dtype, target: torch.dtype) -> str | None:
@@ -72,14 +77,14 @@ def _limit(dtype: torch.dtype) -> float:
     return info.max + 2.0 ** (math.floor(math.log2(info.max)) - mantissa - 1)
 
 
-def _pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """``t`` as views of at most about ``_PIECE`` elements (whole rows), to reduce one at a time."""
+def _pieces(t: torch.Tensor, piece: int = _PIECE) -> Iterator[torch.Tensor]:
+    """``t`` as views of at most about ``piece`` elements (whole rows), to reduce one at a time."""
     if t.numel() == 0:
         return
     if t.dim() == 0:
         yield t.reshape(1)
         return
-    rows = max(1, _PIECE // max(1, t[0].numel()))
+    rows = max(1, piece // max(1, t[0].numel()))
     for i in range(0, t.shape[0], rows):
         yield t[i:i + rows]
 
@@ -136,6 +141,21 @@ def out_of_range(stored: torch.Tensor, target: torch.dtype) -> str | None:
                     return f"it holds {v}, outside {target}'s range ({what} {lo} to {hi}): the cast would give " \
                            f"{_cast_of(v, t)}"
     return None
+
+
+def copy_in_range(stored: torch.Tensor, target: torch.Tensor, *, path: str, entry: str,
+                  fix: str = "pass allow_cast=True to cast anyway") -> None:
+    """``target.copy_(stored)``, one piece at a time, each piece's values checked (:func:`out_of_range`) before
+    it is written: :class:`CastError` naming ``path`` and ``entry`` at the first piece ``target``'s dtype cannot
+    hold, with the pieces before it written. One pass over the stored bytes (the check's read brings a piece
+    into the CPU's cache, the copy takes it from there), where checking the whole tensor first and copying
+    it after reads it twice. Shapes must be equal."""
+    for src, dst in zip(_pieces(stored, _COPY_PIECE), _pieces(target, _COPY_PIECE)):
+        why = out_of_range(src, target.dtype)
+        if why is not None:
+            raise CastError(f"the stored {stored.dtype} values cannot be cast to {target.dtype}: {why}; {fix}",
+                            path=path, entry=entry)
+        dst.copy_(src)  # a 0-dim target's piece is its reshape(1), a view: written too
 
 
 def check_cast(stored: torch.Tensor | None, stored_dtype: torch.dtype, target: torch.dtype, *,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
@@ -83,6 +82,13 @@ def parse(text: str) -> Strategy:
     raise ValueError(f"{_ENV}={text!r}: expected stream, buffered-N or direct-N")
 
 
+def _median(xs: Sequence[float]) -> float:
+    """``statistics.median``, without importing it (with ``fractions`` and ``decimal``) into every load."""
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
 def choose(samples: Mapping[Strategy, Sequence[float]], *, margin: float = MARGIN) -> Strategy:
     """The way to read, given measured throughputs (any unit, higher is faster) of each way.
 
@@ -92,10 +98,10 @@ def choose(samples: Mapping[Strategy, Sequence[float]], *, margin: float = MARGI
     base = samples.get(STREAM)
     if not base:
         return STREAM
-    best, best_rate = STREAM, statistics.median(base) * margin
+    best, best_rate = STREAM, _median(base) * margin
     for s, rates in samples.items():
-        if s != STREAM and rates and statistics.median(rates) > best_rate:
-            best, best_rate = s, statistics.median(rates)
+        if s != STREAM and rates and _median(rates) > best_rate:
+            best, best_rate = s, _median(rates)
     return best
 
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -56,16 +55,12 @@ import torch
 from .host_register import registry_from_env
 from .reads import reader_pool
 from .ring import DeviceSide, Filler, Gather, Ring, Slot
+from .staging_options import (DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, check_device, needs_staging,
+                              staging_options)
 
 __all__ = ["Block", "plan_blocks", "StagingPool", "DEFAULT_STAGING_BYTES", "DEFAULT_STAGING_BUFFERS",
            "FILL_THREADS", "staging_options", "stage", "needs_staging", "STAGE_CPU_TARGETS", "check_device"]
 
-#: 32 MiB a buffer: a copy's fixed cost (~10 us to launch) is under 2% of moving 32 MiB at
-#: 25-50 GB/s, and one buffer still holds the largest layer of most models in a few pieces.
-DEFAULT_STAGING_BYTES = 32 << 20
-#: Three buffers: one being filled by the host, one being copied by the device, one spare so
-#: that a slow read or copy does not stall the other side. 96 MiB of pinned memory in all.
-DEFAULT_STAGING_BUFFERS = 3
 #: Threads that fill a buffer from cached files. On H200 hosts (16 cores), three runs of
 #: benchmarks/cuda_bench.py moved 4.7-9.9 GB/s with 1 thread, 15-21 with 4, 22-49 with 8 and 19-23 with 16.
 FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
@@ -76,7 +71,8 @@ _FILL_PIECE = 1 << 20
 _ALIGN = 64
 
 #: Tests only: route CPU targets through the pipeline too (ordinary buffers), so that the
-#: same code that serves accelerators is checked on a machine without one.
+#: same code that serves accelerators is checked on a machine without one. Read through
+#: staging_options.stage_cpu_targets, which finds it only once this module is imported.
 STAGE_CPU_TARGETS = False
 
 #: Benchmarks only: called with a pool's :attr:`StagingPool.stats` (and its size) when it closes.
@@ -141,39 +137,6 @@ def plan_blocks(shape: tuple[int, ...], itemsize: int, cap: int) -> Iterator[Blo
                 yield from rec(prefix + (r,), dims[1:], base + r * row)
 
     yield from rec((), tuple(shape), 0)
-
-
-def check_device(device: torch.device) -> None:
-    """Raise a clear RuntimeError, before any work, for an accelerator this process cannot use (ValueError for
-    the meta device, which no build can load onto)."""
-    if device.type == "cpu":
-        return
-    if device.type == "meta":  # torch has it in every build; it has no memory, so nothing can be loaded there
-        raise ValueError("device 'meta' holds no data, so nothing can be loaded onto it: load to a device with "
-                         "memory ('cpu', the default, or an accelerator). To load a model built on the meta "
-                         "device, pass it to mmapckpt.load_model, which replaces its meta tensors with the "
-                         "checkpoint's on the CPU (or on device=)")
-    try:
-        mod = torch.get_device_module(device)
-        available = bool(mod.is_available())
-    except (AttributeError, RuntimeError):
-        available = False
-    if not available:
-        raise RuntimeError(f"device {str(device)!r} is not available in this process (torch {torch.__version__}"
-                           f"{', built without CUDA' if device.type == 'cuda' and torch.version.cuda is None else ''}"
-                           "); load to device='cpu', or install a torch build for that device")
-
-
-def staging_options(staging_bytes: int | None, staging_buffers: int | None, buffer_bytes: int | None,
-                    num_buffers: int | None, where: str) -> tuple[int, int]:
-    """The staging size and count, taking the deprecated ``buffer_bytes``/``num_buffers`` aliases."""
-    for old, new, value in (("buffer_bytes", "staging_bytes", buffer_bytes), ("num_buffers", "staging_buffers",
-                                                                              num_buffers)):
-        if value is not None:
-            warnings.warn(f"{where}: {old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
-    nbytes = staging_bytes if staging_bytes is not None else buffer_bytes
-    count = staging_buffers if staging_buffers is not None else num_buffers
-    return (DEFAULT_STAGING_BYTES if nbytes is None else nbytes, DEFAULT_STAGING_BUFFERS if count is None else count)
 
 
 def _align_up(n: int) -> int:
@@ -450,11 +413,6 @@ def run_fills(fills: list[_Fill], threads: int) -> None:
 def _run_group(group: list[_Fill]) -> None:
     for read, staged, start, nbytes in group:
         read(staged, start, nbytes)
-
-
-def needs_staging(t: torch.Tensor) -> bool:
-    """Whether a copy into ``t`` goes through the staging pipeline: accelerator targets (and CPU ones in tests)."""
-    return t.device.type != "cpu" or STAGE_CPU_TARGETS
 
 
 def stage(pool: StagingPool, src: torch.Tensor, dst: torch.Tensor, done: Callable[[], None],

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..format.entries import EntryInfo
+from ..format.entries import ChunkInfo, EntryInfo
 from ..io.mapped import MappedFile
 from ..storage.base import StoredFile
 from .backend import ChunkBackend
@@ -23,27 +23,42 @@ __all__ = ["fill_targets"]
 
 
 def fill_targets(files: ChunkBackend, plan: Sequence[tuple[str, torch.Tensor, EntryInfo]]) -> None:
-    """Copy each ``(name, target, info)`` of ``plan``: the stored tensor ``info`` of ``files`` into CPU ``target``."""
-    ranges: dict[str, tuple[MappedFile | StoredFile, list[tuple[int, int]]]] = {}
-    direct: set[str] = set()  # names whose one chunk is a view over a mapped file, or a region of an object
-    for name, _, info in plan:
+    """Copy each ``(name, target, info)`` of ``plan``: the stored tensor ``info`` of ``files`` into CPU ``target``.
+
+    Per tensor only what its move needs: its one chunk and mapping looked up once, the targets' moves grouped
+    by file, a target detached only where it requires grad (a detached copy is a new tensor object).
+    """
+    # per file: its mapping (or the file, for an object), the (offset, length) of its regions, its items
+    by_file: dict[str, tuple[MappedFile | StoredFile, list[tuple[int, int]], list[tuple[str, torch.Tensor, EntryInfo,
+                                                                                       ChunkInfo]]]] = {}
+    assembled = []  # assembled from their chunks, or stock items
+    for item in plan:
+        info = item[2]
         c = info.whole
         mapped = files.mapped(info, c) if c is not None else None
-        if mapped is not None:
-            ranges.setdefault(c.file, (mapped, []))[1].append((c.file_offset, c.length))  # type: ignore[union-attr]
-            direct.add(name)
-    moves = {rel: Moves(m, ranges=sorted(r)) for rel, (m, r) in ranges.items()}
-    memory = Moves(None)
+        if mapped is None:
+            assembled.append(item)
+            continue
+        group = by_file.get(c.file)  # type: ignore[union-attr]
+        if group is None:
+            group = by_file[c.file] = (mapped, [], [])  # type: ignore[union-attr]
+        group[1].append((c.file_offset, c.length))  # type: ignore[union-attr]
+        group[2].append((item[0], item[1], info, c))  # type: ignore[arg-type]
+    moves = {rel: Moves(mapped, ranges=sorted(ranges)) for rel, (mapped, ranges, _) in by_file.items()}
     ok = False
     try:
-        for name, t, info in plan:
-            if name in direct:
-                c = info.whole
-                unmapped = isinstance(ranges[c.file][0], StoredFile)  # type: ignore[union-attr]
-                src = files.chunk(info, c, lazy=True) if unmapped else files.chunk(info, c)  # type: ignore[arg-type]
-                moves[c.file].move(src, t.detach(), lambda: name, _nothing)  # type: ignore[union-attr]
-            else:  # assembled from its chunks, or a stock item
-                memory.move(read_tensor(files, info), t.detach(), lambda: name, _nothing)
+        chunk = files.chunk
+        for rel, (mapped, _, items) in by_file.items():
+            move = moves[rel].move
+            if isinstance(mapped, StoredFile):  # no mapping: placeholders, read at finish
+                for name, t, info, c in items:
+                    move(chunk(info, c, lazy=True), t.detach() if t.requires_grad else t, lambda: name, _nothing)
+            else:
+                for name, t, info, c in items:
+                    move(chunk(info, c), t.detach() if t.requires_grad else t, lambda: name, _nothing)
+        memory = Moves(None)
+        for name, t, info in assembled:
+            memory.move(read_tensor(files, info), t.detach() if t.requires_grad else t, lambda: name, _nothing)
         for m in moves.values():
             m.finish()
         ok = True

@@ -26,16 +26,18 @@ rank's own items to these.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 import torch
 
-from ..io import staging
 from ..io.direct_reads import DirectReads
 from ..io.mapped import MappedFile
-from ..io.staging import StagingPool, stage
+from ..io.staging_options import stage_cpu_targets
 from ..storage.base import StoredFile
 from .fetches import FetchReads, is_placeholder
+
+if TYPE_CHECKING:  # the pipeline (io/staging.py) is imported by the staged moves only, on their first use
+    from ..io.staging import StagingPool
 
 __all__ = ["Move", "MappedCopy", "DirectRead", "Fetched", "Staged", "Moves", "close_all"]
 
@@ -106,6 +108,8 @@ class Staged:
         self.devices: set[torch.device] = set()
 
     def take(self, src: torch.Tensor, dst: torch.Tensor, label: Label, done: Done) -> bool:
+        from ..io.staging import stage  # imported by now: the caller made the pool
+
         read = self.reads.reader_for(src, label()) if self.reads is not None else None
         if read is None and isinstance(self.reads, FetchReads):
             src = self.reads.materialize(src, label())  # a placeholder not contiguous in the file
@@ -156,7 +160,7 @@ class Moves:
     def strategy(self, dst: torch.Tensor) -> Move:
         """The strategy for a target: staged for accelerators, else a direct read where reads are on, else a copy."""
         # needs_staging(dst), without the device object dst.device makes (0.8 us)
-        if self.staged is not None and (self.stage_all or not dst.is_cpu or staging.STAGE_CPU_TARGETS):
+        if self.staged is not None and (self.stage_all or not dst.is_cpu or stage_cpu_targets()):
             return self.staged
         return self.direct if self.direct is not None else self.copy
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from ..io.mapped import MappedFile
-from ..io.staging import StagingPool
 from ..storage.base import StoredFile
 from ..format.entries import ChunkInfo, EntryInfo
 from .backend import ChunkBackend
 from .moves import Moves, close_all
+
+if TYPE_CHECKING:
+    from ..io.staging import StagingPool
 
 __all__ = ["chunk_stager"]
 

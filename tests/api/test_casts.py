@@ -171,3 +171,33 @@ def test_convert_dtype_refuses_values_outside_its_range(tmp_path) -> None:
     assert_bitwise_equal(sd["big"], torch.tensor([1.0, float("inf")], dtype=torch.float16))
     mmapckpt.convert(tmp_path / "c", tmp_path / "bf16", dtype="bf16")  # within range: converted
     assert_bitwise_equal(mmapckpt.load(tmp_path / "bf16")["big"], torch.tensor([1.0, 1e30]).to(torch.bfloat16))
+
+
+def test_load_into_checks_each_piece_as_it_copies(tmp_path) -> None:
+    # the check runs as the values are copied, a piece (2**20 elements) at a time: a value outside the target's
+    # range in the last piece is found there; targets that need no check are filled after, so they stay unwritten
+    big = torch.zeros((1 << 20) + 5)
+    big[-1] = 1e30
+    mmapckpt.save({"big": big, "ok": torch.ones(3)}, tmp_path / "c")
+    target, other = torch.zeros(big.shape, dtype=torch.float16), torch.zeros(3)
+    with pytest.raises(CastError, match=r"e\+30, outside") as e:
+        mmapckpt.load_into({"ok": other, "big": target}, tmp_path / "c")
+    assert e.value.entry == "big"
+    assert not other.any()
+    big[-1] = -65504.0
+    mmapckpt.save({"big": big, "ok": torch.ones(3)}, tmp_path / "d")
+    mmapckpt.load_into({"ok": other, "big": target}, tmp_path / "d")
+    assert_bitwise_equal(target, _torch_cast(big, torch.float16))
+    assert_bitwise_equal(other, torch.ones(3))
+
+
+def test_load_model_checks_every_value_before_it_changes_the_model(tmp_path) -> None:
+    # two in-place targets whose values are checked: the first fits, the second does not; load_model's refusal
+    # must leave both as they were (load_into's one-pass check would have written the first)
+    mmapckpt.save({"a": torch.tensor([1.0, 2.0]), "z": torch.tensor([1.0, 1e30])}, tmp_path / "c")
+    model = nn.Module()
+    model.register_buffer("a", torch.zeros(2, dtype=torch.float16))
+    model.register_buffer("z", torch.zeros(2, dtype=torch.float16))
+    with pytest.raises(CastError, match=r"entry 'z'"):
+        mmapckpt.load_model(model, tmp_path / "c")
+    assert not model.a.any() and not model.z.any()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ...errors import FormatError
 from ..entries import EntryInfo, paused_gc
-from . import v1, v2
+from . import v2
 from .framing import (
     KIND_MMAPCKPT,
     META_MAJOR,
@@ -35,7 +35,6 @@ from .framing import (
     parse_body,
 )
 from .index import InvalidMetadata, MetaIndex
-from .stock import decode_stock_index
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -54,6 +53,8 @@ def encode_metadata(md: Metadata, user_metadata: Mapping[str, str] | None = None
     sm = md.storage_meta
     doc: dict[str, Any] = {"version": md.version}
     if major == 1:
+        from . import v1
+
         doc.update(v1.encode(md))
     elif major == META_MAJOR:
         doc.update(v2.encode(md))
@@ -76,6 +77,13 @@ def encode_metadata(md: Metadata, user_metadata: Mapping[str, str] | None = None
     return frame(major, minor, body)
 
 
+def _v1() -> Any:
+    """The version-1 codec, imported for files of that version only (files written before version 2)."""
+    from . import v1
+
+    return v1
+
+
 def _decoding(data: bytes, path: str, build: Callable[[MetaIndex, int], Any], *, entries_only: bool = False) -> Any:
     """``build(index, major)`` of a file's bytes, every defect a FormatError naming ``path``."""
     body = body_of(data, path)
@@ -83,7 +91,7 @@ def _decoding(data: bytes, path: str, build: Callable[[MetaIndex, int], Any], *,
     try:
         with paused_gc():
             doc, ints_only = parse_body(body)
-            ix = v1.decode(doc, path) if major == 1 else \
+            ix = _v1().decode(doc, path) if major == 1 else \
                 v2.decode(doc, path, ints_only=ints_only, entries_only=entries_only)
             del doc  # freed before the collector resumes, so that it never walks the document
             return build(ix, major)
@@ -98,7 +106,7 @@ def _decoding(data: bytes, path: str, build: Callable[[MetaIndex, int], Any], *,
 def _planner_data(ix: MetaIndex, major: int) -> Any:
     """DCP's ``planner_data`` of an index, from the form its version stores."""
     raw = ix.doc.get("planner_data")
-    return v1.planner_data(raw) if major == 1 else v2.planner_paths(raw, ix.entries)
+    return _v1().planner_data(raw) if major == 1 else v2.planner_paths(raw, ix.entries)
 
 
 def decode_index(data: bytes, path: str) -> MetaIndex:
@@ -124,5 +132,7 @@ def decode_index_file(kind: str, data: bytes, path: str) -> tuple[Mapping[str, E
     """
     if kind == KIND_MMAPCKPT:
         return _decoding(data, path, lambda ix, major: (ix.entries, ix.save_id), entries_only=True)
+    from .stock import decode_stock_index  # pickle's tables: imported for a stock checkpoint only
+
     md, entries = decode_stock_index(data, path)  # the index the check was made through, not built again
     return entries, getattr(md.storage_meta, "save_id", None)
