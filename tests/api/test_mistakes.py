@@ -57,20 +57,20 @@ def test_load_into_keeps_casts_that_keep_the_kind_of_value(ckpt, name, dtype):
 
 
 @pytest.mark.parametrize("call", [
-    lambda: mmapckpt.save({"w": torch.ones(1)}, "gs://bucket/ckpt"),
-    lambda: mmapckpt.MmapWriter("gs://bucket/ckpt"),
-    lambda: mmapckpt.open("gs://bucket/ckpt"),
-    lambda: mmapckpt.load("gs://bucket/ckpt"),
-    lambda: mmapckpt.load_into({"w": torch.ones(1)}, "gs://bucket/ckpt"),
-    lambda: mmapckpt.MmapReader("gs://bucket/ckpt").read_metadata(),
-    lambda: mmapckpt.convert("gs://bucket/ckpt", "out", to="safetensors"),
+    lambda: mmapckpt.save({"w": torch.ones(1)}, "hdfs://bucket/ckpt"),
+    lambda: mmapckpt.MmapWriter("hdfs://bucket/ckpt"),
+    lambda: mmapckpt.open("hdfs://bucket/ckpt"),
+    lambda: mmapckpt.load("hdfs://bucket/ckpt"),
+    lambda: mmapckpt.load_into({"w": torch.ones(1)}, "hdfs://bucket/ckpt"),
+    lambda: mmapckpt.MmapReader("hdfs://bucket/ckpt").read_metadata(),
+    lambda: mmapckpt.convert("hdfs://bucket/ckpt", "out", to="safetensors"),
 ])
 def test_a_url_is_refused_with_what_to_do(tmp_path, monkeypatch, call):
-    """A URL of a scheme no storage serves (s3:// is served: tests/s3) is refused, never made a directory."""
+    """A URL of a scheme no storage serves (s3://, az:// and gs:// are served: tests/s3, tests/azure, tests/gcs) is refused, never made a directory."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(mmapckpt.CheckpointError, match="is a URL of a scheme no storage serves: .*s3://"):
         call()
-    assert not (tmp_path / "s3:").exists() and not (tmp_path / "gs:").exists()
+    assert not (tmp_path / "s3:").exists() and not (tmp_path / "hdfs:").exists()
 
 
 def test_s3_without_the_extra_says_which_extra_to_install(tmp_path):

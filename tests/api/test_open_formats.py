@@ -323,7 +323,7 @@ def test_what_is_not_a_checkpoint(tmp_path) -> None:
     with pytest.raises(mmapckpt.CheckpointNotFoundError, match="model.safetensors"):
         mmapckpt.load(tmp_path / "empty")
     with pytest.raises(mmapckpt.CheckpointNotFoundError, match="URL"):
-        mmapckpt.open("gs://bucket/model.safetensors")  # a scheme no storage serves (s3:// is: tests/s3)
+        mmapckpt.open("hdfs://bucket/model.safetensors")  # a scheme no storage serves (s3://, az://, gs:// are)
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(struct.pack("<Q", 4) + b"{}")
     with pytest.raises(mmapckpt.TruncatedFileError):

@@ -473,6 +473,7 @@ def test_a_failed_read_closes_every_file_of_the_load(tmp_path, monkeypatch):
             os.truncate(victim, os.path.getsize(victim) - 40_000)
 
     monkeypatch.setattr(direct_reads.DirectReads, "_open", open_then_cut)
+    gc.collect()  # earlier tests' mappings (each holds a descriptor) go now, not during the count below
     before = len(os.listdir("/proc/self/fd"))
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     try:

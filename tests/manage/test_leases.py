@@ -55,14 +55,15 @@ def _lease_file(root, step, holder, expires):
         json.dump({"step": step, "expires": expires, "lease": 5.0, "holder": holder}, f)
 
 
-@pytest.mark.parametrize("holder, expires, kept", [
-    ({"host": "another-node", "pid": 7}, time.time() + 600, True),  # live, elsewhere: respected
-    ({"host": "another-node", "pid": 7}, time.time() - 11, False),  # past expiry plus one more lease
-    ("dead here", time.time() + 600, False),  # a process of this machine that is gone: at once
+@pytest.mark.parametrize("holder, expires_in, kept", [
+    ({"host": "another-node", "pid": 7}, 600, True),  # live, elsewhere: respected
+    ({"host": "another-node", "pid": 7}, -11, False),  # past expiry plus one more lease
+    ("dead here", 600, False),  # a process of this machine that is gone: at once
 ], ids=["live-elsewhere", "expired", "dead-here"])
-def test_leases_that_no_live_loader_holds_are_ignored(tmp_path, holder, expires, kept):
+def test_leases_that_no_live_loader_holds_are_ignored(tmp_path, holder, expires_in, kept):
     m = mmapckpt.CheckpointManager(tmp_path / "run", keep_last=1)
     m.save(state(1), 1)
+    expires = time.time() + expires_in  # from now, not from the collection (a long run outlived a fixed time)
     if holder == "dead here":
         from mmapckpt.storage.holders import this_process
         child = subprocess.Popen([sys.executable, "-c", "pass"])
