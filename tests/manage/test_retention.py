@@ -17,7 +17,7 @@ CASES = {
     (None, None): set(range(1, 21)),
 }
 #: the pairs run on the object store too (each S3 save costs a few requests)
-S3_CASES = {(2, 5), (1, 7)}
+S3_CASES = {(2, 5)}
 
 
 _RUNS = [pytest.param(kind, keep, id=f"{kind}-last{keep[0]}-every{keep[1]}",

@@ -53,7 +53,7 @@ def unmapped_media(tmp_path) -> Iterator[Locations]:
 def s3_media(s3_server: s3server.RadosGW) -> Iterator[Locations]:
     bucket = s3_server.new_bucket("contract")
     options = {"endpoint_url": s3_server.endpoint_url, "key": s3_server.access_key, "secret": s3_server.secret_key,
-               "region_name": s3_server.region, "addressing_style": "path", "lock_lease": 30.0}
+               "region_name": s3_server.region, "addressing_style": "path", "lock_lease": 30.0, "lock_wait": 1}
     try:
         yield lambda: storage_for(f"s3://{bucket}/{uuid.uuid4().hex}", options=options)
     finally:
