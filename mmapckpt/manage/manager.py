@@ -13,8 +13,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-from importlib.util import find_spec
 from collections.abc import Mapping
+from importlib.util import find_spec
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
