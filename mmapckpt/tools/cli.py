@@ -213,6 +213,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 def _run_convert(args: argparse.Namespace) -> int:
     from ..conversion.driver import convert, sharded_formats, target_format
     from ..conversion.progress import human_bytes
+    _Interrupt.check()  # a Ctrl-C during those imports (torch's) that an import swallowed: stop before any work
 
     to = args.to or target_format(args.dst)
     sharded = sharded_formats()
@@ -277,7 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupt = _Interrupt()
     try:
         with interrupt:
-            return int(run(args) or 0)
+            code = int(run(args) or 0)
+            _Interrupt.check()  # a Ctrl-C that a library swallowed whole: still reported as one
+            return code
     except _StdoutClosed:
         _silence_stdout()
         return EXIT_PIPE_CLOSED
@@ -304,9 +307,19 @@ class _Interrupt:
     removed) is not cut short. Outside the main thread, or where SIGINT is not Python's default, nothing
     changes."""
 
+    #: the one installed in this process (main thread), for check()
+    current: "_Interrupt | None" = None
+
     def __init__(self) -> None:
         self.hit = False
         self._old: Any = None
+
+    @classmethod
+    def check(cls) -> None:
+        """Raise KeyboardInterrupt if Ctrl-C came and was swallowed (a bare ``except:`` in an imported library
+        catches the KeyboardInterrupt the handler raised; the hit stays recorded)."""
+        if cls.current is not None and cls.current.hit:
+            raise KeyboardInterrupt
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.hit = True
@@ -317,11 +330,13 @@ class _Interrupt:
         if threading.current_thread() is threading.main_thread() and \
                 signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self._old = signal.signal(signal.SIGINT, self._handler)
+            _Interrupt.current = self
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
+            _Interrupt.current = None
 
 
 def _silence_stdout() -> None:

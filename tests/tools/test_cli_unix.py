@@ -170,6 +170,27 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path) -> None:
     assert _temps(str(tmp_path), "m.safetensors") == []
 
 
+def _swallowing_import(*args, **kwargs):
+    """An import that catches everything (some of torch's optional imports do): the Ctrl-C it receives is lost."""
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # the handler runs here and its KeyboardInterrupt is swallowed below
+    except BaseException:  # noqa: BLE001 - what the library does, not what we do
+        pass
+
+
+def test_a_ctrl_c_that_a_library_swallows_still_ends_the_command(tmp_path, monkeypatch, capsys) -> None:
+    """SIGINT whose KeyboardInterrupt a library catches (a bare except, as in some of torch's optional imports;
+    in a CI run the Ctrl-C of test_ctrl_c_while_starting_is_one_line landed in one and the command exited 0):
+    the command still ends with one line and 130."""
+    from mmapckpt.tools import cli
+
+    src = _big_checkpoint(tmp_path, 1)
+    monkeypatch.setattr(cli, "_run_convert", lambda args: _swallowing_import() or 0)  # the command then succeeds
+    assert cli.main(["convert", src, str(tmp_path / "m.safetensors")]) == 130
+    assert capsys.readouterr().err.splitlines() == ["mmapckpt: interrupted"]
+
+
 def _host() -> str:
     return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 
