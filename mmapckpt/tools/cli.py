@@ -213,7 +213,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 def _run_convert(args: argparse.Namespace) -> int:
     from ..conversion.driver import convert, sharded_formats, target_format
     from ..conversion.progress import human_bytes
-    _Interrupt.check()  # a Ctrl-C during those imports (torch's) that an import swallowed: stop before any work
+    _Interrupt.check()  # a Ctrl-C during those imports that a library swallowed: stop before any work
 
     to = args.to or target_format(args.dst)
     sharded = sharded_formats()

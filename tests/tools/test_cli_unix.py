@@ -23,8 +23,17 @@ import mmapckpt
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
 
+def _sigint_as_a_terminal_gives_it() -> None:
+    """In the child, before exec: SIGINT handled by default and not blocked, whatever the test runner's process
+    had (an ignored or blocked SIGINT is inherited through exec, and a CLI started so never sees Ctrl-C: a CI run
+    under pytest-xdist had it so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _cli(*argv: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mmapckpt", *argv], env=ENV, **kw)
+    return subprocess.Popen([sys.executable, "-m", "mmapckpt", *argv], env=ENV,
+                            preexec_fn=_sigint_as_a_terminal_gives_it, **kw)
 
 
 def _stop(p: subprocess.Popen) -> None:
@@ -155,7 +164,7 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path) -> None:
     src = _big_checkpoint(tmp_path, 1)
     p = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "mmapckpt", "convert", src,
                           str(tmp_path / "m.safetensors")], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, preexec_fn=_sigint_as_a_terminal_gives_it)
     try:
         for line in p.stderr:  # -X importtime reports each import as it completes
             if line.rsplit("|", 1)[-1].strip().startswith("torch."):
@@ -171,7 +180,7 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path) -> None:
 
 
 def _swallowing_import(*args, **kwargs):
-    """An import that catches everything (some of torch's optional imports do): the Ctrl-C it receives is lost."""
+    """Library code that catches everything: the Ctrl-C it receives is lost."""
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1)  # the handler runs here and its KeyboardInterrupt is swallowed below
@@ -180,14 +189,19 @@ def _swallowing_import(*args, **kwargs):
 
 
 def test_a_ctrl_c_that_a_library_swallows_still_ends_the_command(tmp_path, monkeypatch, capsys) -> None:
-    """SIGINT whose KeyboardInterrupt a library catches (a bare except, as in some of torch's optional imports;
-    in a CI run the Ctrl-C of test_ctrl_c_while_starting_is_one_line landed in one and the command exited 0):
-    the command still ends with one line and 130."""
+    """SIGINT whose KeyboardInterrupt a library catches whole (a bare except): the command still ends with one
+    line and 130 (before, it ran on and exited 0)."""
     from mmapckpt.tools import cli
 
     src = _big_checkpoint(tmp_path, 1)
     monkeypatch.setattr(cli, "_run_convert", lambda args: _swallowing_import() or 0)  # the command then succeeds
-    assert cli.main(["convert", src, str(tmp_path / "m.safetensors")]) == 130
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts, whatever ran before
+    old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        assert cli.main(["convert", src, str(tmp_path / "m.safetensors")]) == 130
+    finally:
+        signal.signal(signal.SIGINT, old_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     assert capsys.readouterr().err.splitlines() == ["mmapckpt: interrupted"]
 
 
