@@ -117,11 +117,15 @@ def test_a_second_save_is_refused_while_one_holds_the_lock(s3_env, s3_bucket, s3
 
 def test_a_dead_saves_lock_is_taken_over_after_its_own_lease(s3_env, s3_bucket, s3_server):
     url = f"s3://{s3_bucket}/stale"
-    # a lock object as a save killed on another machine leaves it: present, never renewed, its lease 1 s
-    body = json.dumps({"owner": "dead", "host": "another-node", "pid": 7, "lease": 1}).encode()
-    s3_server.client().put_object(Bucket=s3_bucket, Key="stale/.mmapckpt-lock", Body=body)
+    def lock_object(lease):  # as a save on another machine leaves it: present, not renewed since
+        body = json.dumps({"owner": "dead", "host": "another-node", "pid": 7, "lease": lease}).encode()
+        s3_server.client().put_object(Bucket=s3_bucket, Key="stale/.mmapckpt-lock", Body=body)
+
+    # within its lease (a long one: a loaded machine may take seconds to reach the check) it is respected
+    lock_object(600)
     with pytest.raises(CheckpointWriteError, match="holds this location's lock"):
-        mmapckpt.save({"a": torch.ones(3)}, url, storage_options={"lock_wait": 0})
+        mmapckpt.save({"a": torch.ones(3)}, url, storage_options={"lock_wait": 0, "lock_lease": 1})
+    lock_object(1)
     time.sleep(3.2)  # the store's clock counts whole seconds: older than 1 s + 1 s by it
     # the contender's own (long) lease is not what judges the holder
     mmapckpt.save({"a": torch.ones(3)}, url, storage_options={"lock_lease": 600, "lock_wait": 0})
