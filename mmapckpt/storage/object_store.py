@@ -108,6 +108,10 @@ class ObjectStorage(CheckpointStorage):
         """(name relative to the prefix, size) of every object under the prefix, at any depth."""
         raise NotImplementedError
 
+    def _any_object(self) -> bool:
+        """Whether any object is under the prefix (at any depth): one listing of one key."""
+        raise NotImplementedError
+
     def _unfinished_below(self) -> list[str]:
         """Names relative to the prefix of writes in progress below it that are no objects (S3's uploads)."""
         return []
@@ -169,6 +173,15 @@ class ObjectStorage(CheckpointStorage):
                 return []
             raise err from e
         return [n for n in names if n and "/" not in n and n != LOCK_NAME]
+
+    def is_location(self) -> bool:
+        try:
+            return self._any_object()
+        except Exception as e:
+            err = self.failures.storage_error(e, self.location, what="listing the checkpoint")
+            if isinstance(err, CheckpointNotFoundError):
+                return False
+            raise err from e
 
     def files_below(self) -> dict[str, int]:
         """Every object one level below the prefix, ``CHILD/NAME`` -> its size (lock objects included), in one

@@ -19,26 +19,29 @@ from typing import Any, ClassVar
 from ..errors import CheckpointError
 from .credentials import redact_value
 
-__all__ = ["StoreOptions", "Clients", "MiB"]
+__all__ = ["StoreOptions", "Clients", "MiB", "bucket_and_prefix"]
 
 MiB = 1 << 20
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
 class StoreOptions:
-    """The rules of a store's options dataclass (see the module docstring); ``scheme`` names the store's URLs."""
+    """The options every store has, and the rules of a store's options dataclass, which extends this one (see the
+    module docstring); ``scheme`` names the store's URLs."""
 
     scheme: ClassVar[str]
-    part_size: int
-    concurrency: int
-    upload_part_size: int
-    upload_concurrency: int
-    retries: int
-    lock_lease: float
-    lock_wait: float
+    part_size: int = 16 * MiB
+    concurrency: int = 16
+    upload_part_size: int = 16 * MiB
+    upload_concurrency: int = 4
+    retries: int = 5
+    lock_lease: float = 30.0
+    lock_wait: float = 60.0
+    lock_job: str | None = None
 
     @classmethod
     def refuse_unknown(cls, given: Mapping[str, Any]) -> None:
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(given) - names)
         if unknown:
             raise CheckpointError(f"storage_options: unknown option(s) {unknown} for {cls.scheme}:// (known: "
@@ -56,8 +59,17 @@ class StoreOptions:
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={redact_value(f.name, getattr(self, f.name))!r}"
-                          for f in dataclasses.fields(self))  # type: ignore[arg-type]
+                          for f in dataclasses.fields(self))
         return f"{type(self).__name__}({shown})"
+
+
+def bucket_and_prefix(url: str) -> tuple[str, str]:
+    """``(bucket, prefix)`` of ``SCHEME://BUCKET/PREFIX`` (the prefix without slashes at either end; may be empty)."""
+    scheme, _, rest = url.partition("://")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise CheckpointError(f"a {scheme}:// URL needs a bucket: {scheme}://BUCKET/PREFIX", path=url)
+    return bucket, prefix.strip("/")
 
 
 class Clients:

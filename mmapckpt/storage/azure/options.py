@@ -57,16 +57,8 @@ class AzureOptions(StoreOptions):
     sas_token: str | None = None
     account_url: str | None = None
     anon: bool = False
-    part_size: int = 16 * MiB
-    concurrency: int = 16
-    upload_part_size: int = 16 * MiB
-    upload_concurrency: int = 4
-    retries: int = 5
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
-    lock_lease: float = 30.0
-    lock_wait: float = 60.0
-    lock_job: str | None = None
 
     scheme = "az"
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ...errors import CheckpointNotFoundError, CheckpointWriteError, IncompleteCheckpointError
+from ...errors import CheckpointWriteError, IncompleteCheckpointError
 from ..holders import job_identity
 from ..leased_lock import LeasedLock
 from ..object_store import ObjectFile, ObjectStorage, TransferStats
@@ -75,14 +75,8 @@ class AzureStorage(ObjectStorage):
     def exists(self, name: str) -> bool:
         return self._properties(name) is not None
 
-    def is_location(self) -> bool:
-        try:
-            return any(True for _ in self.client.list_blobs(name_starts_with=self._dir(), results_per_page=1))
-        except Exception as e:
-            err = storage_error(e, self.location, what="listing the checkpoint")
-            if isinstance(err, CheckpointNotFoundError):
-                return False
-            raise err from e
+    def _any_object(self) -> bool:
+        return any(True for _ in self.client.list_blobs(name_starts_with=self._dir(), results_per_page=1))
 
     def open_file(self, name: str) -> BlobFile:
         p = self._properties(name)

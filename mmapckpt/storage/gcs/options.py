@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import CheckpointError
-from ..store_options import Clients, MiB, StoreOptions
+from ..store_options import Clients, StoreOptions, bucket_and_prefix
 
 __all__ = ["GCSOptions", "parse_url", "client_for", "gcs"]
 
@@ -40,15 +40,7 @@ class GCSOptions(StoreOptions):
     token: str | None = None
     anon: bool = False
     endpoint_url: str | None = None
-    part_size: int = 16 * MiB
-    concurrency: int = 16
-    upload_part_size: int = 16 * MiB
-    upload_concurrency: int = 4
-    retries: int = 5
     timeout: float = 60.0
-    lock_lease: float = 30.0
-    lock_wait: float = 60.0
-    lock_job: str | None = None
     require_preconditions: bool = True
 
     scheme = "gs"
@@ -68,12 +60,8 @@ class GCSOptions(StoreOptions):
 
 
 def parse_url(url: str) -> tuple[str, str]:
-    """``(bucket, prefix)`` of ``gs://BUCKET/PREFIX`` (the prefix without slashes at either end)."""
-    rest = url.split("://", 1)[1]
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise CheckpointError("a gs:// URL needs a bucket: gs://BUCKET/PREFIX", path=url)
-    return bucket, prefix.strip("/")
+    """``(bucket, prefix)`` of ``gs://BUCKET/PREFIX`` (the prefix without slashes at either end; may be empty)."""
+    return bucket_and_prefix(url)
 
 
 def gcs() -> Any:

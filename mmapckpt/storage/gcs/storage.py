@@ -84,15 +84,9 @@ class GCSStorage(ObjectStorage):
         except CheckpointNotFoundError:
             return False
 
-    def is_location(self) -> bool:
-        try:
-            return any(True for _ in self.client.list_blobs(self.bucket_name, prefix=self._dir(), max_results=1,
-                                                              retry=self.retry))
-        except Exception as e:
-            err = storage_error(e, self.location, what="listing the checkpoint")
-            if isinstance(err, CheckpointNotFoundError):
-                return False
-            raise err from e
+    def _any_object(self) -> bool:
+        return any(True for _ in self.client.list_blobs(self.bucket_name, prefix=self._dir(), max_results=1,
+                                                          retry=self.retry))
 
     def open_file(self, name: str) -> GCSFile:
         blob = self._blob(name)

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import CheckpointError
-from ..store_options import Clients, MiB, StoreOptions
+from ..store_options import Clients, MiB, StoreOptions, bucket_and_prefix
 
 __all__ = ["S3Options", "parse_url", "client_for", "boto"]
 
@@ -57,16 +57,8 @@ class S3Options(StoreOptions):
     endpoint_url: str | None = None
     region_name: str | None = None
     addressing_style: str | None = None
-    part_size: int = 16 * MiB
-    concurrency: int = 16
-    upload_part_size: int = 16 * MiB
-    upload_concurrency: int = 4
-    retries: int = 5
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
-    lock_lease: float = 30.0
-    lock_wait: float = 60.0
-    lock_job: str | None = None
 
     scheme = "s3"
 
@@ -110,11 +102,7 @@ class S3Options(StoreOptions):
 
 def parse_url(url: str) -> tuple[str, str]:
     """``(bucket, prefix)`` of ``s3://BUCKET/PREFIX`` (the prefix without slashes at either end; may be empty)."""
-    rest = url.split("://", 1)[1]
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise CheckpointError("an s3:// URL needs a bucket: s3://BUCKET/PREFIX", path=url)
-    return bucket, prefix.strip("/")
+    return bucket_and_prefix(url)
 
 
 def boto() -> tuple[Any, Any]:

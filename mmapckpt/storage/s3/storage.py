@@ -121,6 +121,7 @@ class S3Storage(ObjectVersions, ObjectStorage):
         return self._head(name) is not None
 
     def is_location(self) -> bool:
+        """As every store's, but a missing bucket is raised (``CheckpointNotFoundError`` naming it), not "no"."""
         try:
             r = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._dir(), MaxKeys=1)
         except Exception as e:
