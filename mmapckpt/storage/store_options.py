@@ -68,7 +68,7 @@ def bucket_and_prefix(url: str) -> tuple[str, str]:
     scheme, _, rest = url.partition("://")
     bucket, _, prefix = rest.partition("/")
     if not bucket:
-        raise CheckpointError(f"this {scheme}:// URL names no bucket; it needs one: {scheme}://BUCKET/PREFIX", path=url)
+        raise CheckpointError(f"this {scheme}:// URL needs a bucket: {scheme}://BUCKET/PREFIX", path=url)
     return bucket, prefix.strip("/")
 
 
