@@ -157,7 +157,7 @@ class LeasedLock(Lock):
                     return
                 continue
             if now >= deadline:
-                raise self._busy(holder, _age(age, lease))
+                raise _busy(self, holder, _age(age, lease))
             if not logged:
                 logged = True
                 _log.warning("waiting up to %g s for the save lock %s, held by %s (%s)", self.wait, self.url,
@@ -189,13 +189,6 @@ class LeasedLock(Lock):
         self.version = written if written is not None else back[1]
         self._valid_until = sent + self.lease
         return True
-
-    def _busy(self, holder: dict[str, Any], state: str) -> CheckpointWriteError:
-        return CheckpointWriteError(
-            f"another save or conversion holds this location's lock ({LOCK_NAME}: {describe(holder)}, "
-            f"{state}) and it did not end within lock_wait={self.wait:g} s; try again when it has "
-            f"finished, or raise lock_wait. A lock whose save stopped renewing it expires after its lease",
-            path=self.url)
 
     # ------------------------------------------------------------------ holding
     def _renew_once(self) -> None:
@@ -280,6 +273,13 @@ def lease_of(holder: dict[str, Any], own: float) -> float:
     if isinstance(lease, (int, float)) and not isinstance(lease, bool) and 0 < lease < 1e6:
         return float(lease)
     return max(own, LEGACY_LEASE)
+
+
+def _busy(lock: LeasedLock, holder: dict[str, Any], state: str) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"another save or conversion holds this location's lock ({LOCK_NAME}: {describe(holder)}, {state}) and it "
+        f"did not end within lock_wait={lock.wait:g} s; try again when it has finished, or raise lock_wait. A lock "
+        "whose save stopped renewing it expires after its lease", path=lock.url)
 
 
 def _age(age: float | None, lease: float) -> str:
