@@ -198,7 +198,7 @@ class CheckpointStorage(abc.ABC):
     # ------------------------------------------------------------------ below this location
     def files_below(self) -> dict[str, int]:
         """Every file of the locations one level below this one (a managed root's steps), ``CHILD/NAME`` -> its
-        size in bytes, lock files included; nothing where this location does not exist. On an object store, one
+        size in bytes, lock files included; none where nothing is below this location. On an object store, one
         listing (``storage/object_store.py``).
 
         Raises:

@@ -185,18 +185,15 @@ class ObjectStorage(CheckpointStorage):
 
     def files_below(self) -> dict[str, int]:
         """Every object one level below the prefix, ``CHILD/NAME`` -> its size (lock objects included), in one
-        listing; an absent bucket has none."""
+        listing (a missing bucket raises ``CheckpointNotFoundError``)."""
         out: dict[str, int] = {}
         try:
             for name, size in self._below():
                 top, _, rest = name.partition("/")
                 if top and rest and "/" not in rest:
                     out[name] = size
-        except Exception as e:
-            err = self.failures.storage_error(e, self.location, what="listing the locations below")
-            if isinstance(err, CheckpointNotFoundError):
-                return {}
-            raise err from e
+        except Exception as e:  # a missing bucket too: a root that names one is a mistake to show, not "no steps"
+            raise self.failures.storage_error(e, self.location, what="listing the locations below") from e
         return out
 
     def unfinished_below(self) -> list[str]:
