@@ -105,3 +105,11 @@ def test_a_killed_saves_leftovers_are_cleared(object_root: ObjectRoot) -> None:
     assert {n.split("/")[0] for n in files if n.startswith("step-")} == {"step-4"}
     got = blank()
     assert m.load(got) == 4 and same(got, state(4))
+
+
+def test_a_root_in_a_missing_bucket_is_named_not_empty(object_root: ObjectRoot) -> None:
+    scheme, _, rest = object_root.root.partition("://")
+    missing = f"{scheme}://nosuch-{uuid.uuid4().hex[:8]}/{rest.partition('/')[2]}"
+    # a mistyped bucket must not look like a run with no steps yet (which would start from scratch)
+    with pytest.raises(mmapckpt.CheckpointNotFoundError, match="no such"):
+        mmapckpt.CheckpointManager(missing, storage_options=object_root.options).steps()
