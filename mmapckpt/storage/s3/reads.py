@@ -1,10 +1,10 @@
 """Ranged GETs of one object straight into the callers' buffers, many in flight.
 
 A batch of reads (``(offset, buffer)`` pairs: target tensors, staging buffers, broadcast
-buffers) becomes requests of at most ``part_size`` bytes: a long read is split, short reads
-of neighbouring ranges are joined into one request whose body is scattered into their
-buffers (gaps of at most ``_GAP`` bytes are read into a scratch buffer and dropped).
-Requests run on a shared pool of ``concurrency`` threads. Each response body is read with
+buffers) becomes requests of at most ``part_size`` bytes, planned and run on a shared pool of
+``concurrency`` threads as on every store (``storage/ranged.py``): a long read is split, short
+reads of neighbouring ranges are joined into one request whose body is scattered into their
+buffers (gaps read into a scratch buffer and dropped). Each response body is read with
 ``readinto`` into the buffers themselves: no temporary file, no copy of the object, memory
 beyond the callers' buffers bounded by one scratch gap per request.
 

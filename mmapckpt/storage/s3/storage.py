@@ -13,11 +13,12 @@ checkpoint here, and back).
   object or the new one); what no commit references is removed after it.
 - Removing: after a commit, what no commit references (``storage/commits.py`` ``remove_stale``);
   uploads left in progress by a killed save are listed as files and aborted as they are removed.
-- Locking: a leased lock object created with a conditional write (``lock.py``). The commit is
-  fenced by it: while this storage's lock is held, :meth:`S3Storage.commit` checks the lock first
-  and then PUTs conditionally on the version of the object the save saw when it took the lock
-  (``If-Match`` its ETag, ``If-None-Match: *`` where there was none), and :meth:`S3Storage.remove`
-  removes nothing once the lock is lost.
+- Locking: a leased lock object created with a conditional write (``lock.py``, over
+  ``storage/leased_lock.py``). The commit is fenced by it (``storage/object_store.py``, for every
+  store): while this storage's lock is held, a commit checks the lock first and then PUTs
+  conditionally on the version of the object the save saw when it took the lock (``If-Match`` its
+  ETag, ``If-None-Match: *`` where there was none), and :meth:`remove` removes nothing once the lock
+  is lost.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A shard written to an object store: a multipart upload streamed from the tensors' bytes.
+"""A shard written to S3: a multipart upload streamed from the tensors' bytes (the part bookkeeping every
+store shares: ``storage/parts.py``).
 
 The shard writer hands pieces at ascending offsets and the head (offset 0) last. Pieces are
 gathered into parts of ``upload_part_size`` bytes (at least 5 MiB, as S3 requires of every
