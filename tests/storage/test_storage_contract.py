@@ -331,10 +331,12 @@ _SAVER = textwrap.dedent("""
         print(i % 2, flush=True)
         i += 1
 """)
-#: medium -> (kills, seed, the kill's delay after "ready" in seconds, several parts a shard at these sizes)
-_KILLS = {"s3": (12, 1234, (0.1, 3.0), {"part_size": 1 << 20, "upload_part_size": 5 << 20}),
-          "az": (5, 46, (0.5, 4.0), {"part_size": 1 << 20, "upload_part_size": 2 << 20}),
-          "gs": (5, 7, (0.5, 4.0), {"part_size": 1 << 20, "upload_part_size": 2 << 20})}
+#: medium -> (kills, seed, the kill's delay after "ready" in seconds, several parts a shard at these sizes, whether
+#: some child must have finished a save: the kills also cover whole saves; the delays of the copies this trial
+#: replaced, tests/s3/test_s3_crash_and_lock.py and tests/azure/test_azure_crash.py, and what each asserted)
+_KILLS = {"s3": (12, 1234, (0.1, 3.0), {"part_size": 1 << 20, "upload_part_size": 5 << 20}, False),
+          "az": (5, 46, (0.5, 4.0), {"part_size": 1 << 20, "upload_part_size": 2 << 20}, True),
+          "gs": (5, 7, (0.5, 4.0), {"part_size": 1 << 20, "upload_part_size": 2 << 20}, False)}
 
 
 @pytest.mark.slow
@@ -346,7 +348,7 @@ def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint_and_its_restart_s
     restarted job, whose first save must take the killed one's lock over at once (``lock_wait=0``: never waiting
     for the 30 s lease: its holder's pid is gone). After every kill the checkpoint loads bitwise as one of the two
     versions; after the next save only ``.metadata`` and its shard remain (no object, no upload in progress)."""
-    kills, seed, delay, parts = _KILLS[medium]
+    kills, seed, delay, parts, whole_saves = _KILLS[medium]
     media: ObjectMedia = request.getfixturevalue(_MEDIA[medium])
     url = media.url()
     options = {**media.options, **parts, "lock_wait": 0}
@@ -355,7 +357,7 @@ def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint_and_its_restart_s
     rng = random.Random(seed)
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "s3")
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
-    left_behind = 0
+    left_behind = saved = 0
     for trial in range(kills):
         child = subprocess.Popen([sys.executable, "-c", _SAVER, url, here, json.dumps(options)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -373,6 +375,7 @@ def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint_and_its_restart_s
         child.stdout.close()  # type: ignore[union-attr]
         child.stderr.close()  # type: ignore[union-attr]
         assert "Traceback" not in err, err
+        saved += len(out.split())
         got = mmapckpt.load(url, storage_options=options)
         match = [i for i, v in enumerate(versions)
                  if all(torch.equal(got[n].view(torch.uint8), v[n].view(torch.uint8)) if v[n].numel() else True
@@ -381,6 +384,7 @@ def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint_and_its_restart_s
         left_behind += len(media.stored(url)) - 2  # the killed save's lock object, parts, uploads
     # some kill caught a save in progress (a count, not a timing)
     assert left_behind > 0, "no kill caught a save in progress: the trial timing no longer covers a save"
+    assert saved > 0 or not whole_saves, "no child finished a save: the kills no longer cover whole saves"
     mmapckpt.save(versions[1], url, storage_options=options)  # at once: the last killed save's lock is taken over
     stored = media.stored(url)
     assert len(stored) == 2 and ".metadata" in stored, stored
