@@ -28,7 +28,7 @@ from ..storage.local import writable_local_path
 from ..storage.credentials import StorageOptions
 from ..storage.location import is_url, storage_for
 from ..writing.dedup import ReuseIndex
-from .reuse import save_index, with_references
+from .reuse import HeaderCache, save_index, with_references
 from .shard_writer import WriterOptions, chunk_nbytes, write_files
 
 __all__ = ["MmapWriter", "WriterOptions"]
@@ -101,6 +101,7 @@ class MmapWriter(StorageWriter):
         serialization_format: only the default is accepted; others are refused with what to use instead.
         reuse: committed sibling steps ``ROOT/step-{M}`` of a managed root whose chunks this save may refer to
             instead of writing equal ones again (dcp/reuse.py; docs/format.md 3.4; needs ``blake3``).
+        _reuse_cache: the shard headers earlier saves read for ``reuse`` (``CheckpointManager`` keeps one).
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -112,7 +113,8 @@ class MmapWriter(StorageWriter):
                  single_file_per_rank: bool = True, per_thread_copy_ahead: int = 10_000_000,
                  cache_staged_state_dict: bool = False, _extensions: Any = None,
                  serialization_format: Any = None, metadata: Mapping[str, str] | None = None,
-                 storage_options: Mapping[str, Any] | None = None, reuse: Sequence[str | os.PathLike[str]] = ()) -> None:
+                 storage_options: Mapping[str, Any] | None = None, reuse: Sequence[str | os.PathLike[str]] = (),
+                 _reuse_cache: HeaderCache | None = None) -> None:
         super().__init__()
         transforms = writer_compat(single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
                                    _extensions, serialization_format)
@@ -129,6 +131,7 @@ class MmapWriter(StorageWriter):
         if self.reuse and transforms is not None:
             raise ValueError("reuse= compares raw chunks: it cannot be combined with _extensions")
         self._reuse_index: ReuseIndex | None = None  # built on first use, per save
+        self._reuse_cache = _reuse_cache
         #: shard file name -> "direct" (O_DIRECT), "buffered" or "encoded" (stream transforms), for the last save
         self.write_paths: dict[str, str] = {}
         self.save_id = str(uuid.uuid4())
@@ -208,7 +211,7 @@ class MmapWriter(StorageWriter):
 
     def _reusable(self) -> ReuseIndex | None:
         if self._reuse_index is None and self.options.transforms is None:
-            self._reuse_index = save_index(self.storage, self.reuse)
+            self._reuse_index = save_index(self.storage, self.reuse, self._reuse_cache)
         return self._reuse_index
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
