@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from ..errors import CheckpointError, CheckpointWriteError
 from ..format import layout as fmt
-from ..format.entries import ROOT_MARKER, SaveId, paused_gc, reference_parts
+from ..format.entries import ROOT_MARKER, paused_gc, reference_parts
 from ..format.metadata import KIND_MMAPCKPT
 from ..reading.shard import file_save_id, open_named, shard_of
 from ..storage.base import CheckpointStorage
@@ -33,7 +33,7 @@ from ..storage.commits import read_index
 from ..storage.location import is_url
 from ..writing.dedup import Reusable, ReuseIndex, require_hasher
 
-__all__ = ["HeaderCache", "reuse_index", "in_managed_root", "step_name", "save_index", "with_references"]
+__all__ = ["HeaderCache", "reuse_index", "in_managed_root", "step_name", "save_index", "references"]
 
 
 _Hashes = Mapping[Any, tuple[str, int, "int | None"]]
@@ -77,15 +77,16 @@ def save_index(storage: CheckpointStorage, reuse: Sequence[str], cache: HeaderCa
     return None
 
 
-def with_references(save_id: str, storage_data: Mapping[Any, Any], index: Callable[[], ReuseIndex | None]) -> str:
-    """The save id a commit records: with the save ids of the files its records refer to (a ``SaveId``), where
-    some do. Every rank refers only to the reused steps' files, whose save ids ``index()`` holds."""
+def references(storage_data: Mapping[Any, Any], index: Callable[[], ReuseIndex | None]) -> dict[str, str]:
+    """What a commit's ``storage_meta.references`` records (docs/format.md 3.4): the save id of each sibling
+    step's file its records refer to; empty where none do. Every rank refers only to the reused steps' files,
+    whose save ids ``index()`` holds."""
     refs = {info.relative_path for info in storage_data.values() if info.relative_path.startswith("../")}
     if not refs:
-        return save_id
+        return {}
     ix = index()
     assert ix is not None  # only a save with reuse= records references (an invariant of ours)
-    return SaveId(save_id, {r: ix.save_ids[r] for r in refs})
+    return {r: ix.save_ids[r] for r in sorted(refs)}
 
 
 def step_name(location: str) -> str:

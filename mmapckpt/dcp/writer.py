@@ -28,7 +28,7 @@ from ..storage.local import writable_local_path
 from ..storage.credentials import StorageOptions
 from ..storage.location import is_url, storage_for
 from ..writing.dedup import ReuseIndex
-from .reuse import HeaderCache, save_index, with_references
+from .reuse import HeaderCache, references, save_index
 from .shard_writer import WriterOptions, chunk_nbytes, write_files
 
 __all__ = ["MmapWriter", "WriterOptions"]
@@ -218,14 +218,14 @@ class MmapWriter(StorageWriter):
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
-        metadata.storage_meta.save_id = with_references(self.save_id, metadata.storage_data, self._reusable)
+        refs = references(metadata.storage_data, self._reusable)  # cross-step references' save ids, if any
         per_rank = not self.use_collectives and self.rank is not None
         storage = self.storage
         target = metadata_name(self.rank if per_rank else None)
         try:
             try:
                 with paused_gc():  # one object per entry to encode: the collector's passes would dominate
-                    data = encode_metadata(metadata, self.user_metadata)
+                    data = encode_metadata(metadata, self.user_metadata, references=refs)
             except (TypeError, ValueError) as e:
                 raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}",
                                            path=storage.full(target)) from e
