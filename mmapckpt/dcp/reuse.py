@@ -9,11 +9,13 @@ step refers to in turn is checked against the save id that step recorded for it)
 the step being written (``../step-M/FILE``, the file that holds them, never a chain of references).
 writing/dedup.py compares each chunk with it.
 
-A :class:`HeaderCache` (one per ``CheckpointManager``) keeps what was read of each shard header between
-saves, by the file's reference and the save id the reused step's metadata (read every time) records for
-it: a later save reads only the headers of files it has not seen, typically the one the step before
-wrote. The headers are decoded with the cyclic collector paused (format/entries.paused_gc): their many
-small objects otherwise set off full collections that took 0.2-0.5 s of a save here.
+A :class:`HeaderCache` (one per ``CheckpointManager``) keeps what each save wrote into its shard headers
+(the chunks' hashes, as the writer encoded them) and what it read of others, by the file's reference
+and the save id that the reused step's metadata (read every time) records for it, for as long as the
+file has the size and preamble it was written or read with: a manager's later saves decode no header
+of the files it wrote, and any other once. Headers are decoded with the cyclic collector paused
+(format/entries.paused_gc): their many small objects otherwise set off full collections that took
+0.2-0.5 s of a save here.
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ class HeaderCache:
             got = (stamp, read())
         self._used[key] = got
         return got[1]
+
+    def wrote(self, storage: CheckpointStorage, save_id: str, written: Mapping[str, tuple[Any, _Hashes]]) -> None:
+        """The shard files a save at ``storage`` (a step of the root) wrote, with what their headers hold
+        (``ReuseIndex.written``): the next save reads them from here, as long as the files are as written."""
+        root, step = storage.sibling("").location, step_name(storage.location)
+        for name, (stamp, hashes) in written.items():
+            self._used[(root, f"../{step}/{name}", save_id)] = (stamp, hashes)
 
     def next_save(self) -> None:
         """Keep only what the last save used (called as a save starts to build its index)."""

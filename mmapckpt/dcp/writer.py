@@ -199,12 +199,14 @@ class MmapWriter(StorageWriter):
         buckets = (_split_into_files(self.options.thread_count, plan.items) if self.single_file_per_rank
                    else [[it] for it in plan.items])  # the stock writer's single_file_per_rank=False
         files = [(shard_name(sd.prefix, i, sd.save_id, sd.avoid), bucket) for i, bucket in enumerate(buckets)]
+        index = self._reusable()
         try:
-            results = write_files(self.storage, files, planner, sd.save_id, self.options, self.write_paths,
-                                  self._reusable())
+            results = write_files(self.storage, files, planner, sd.save_id, self.options, self.write_paths, index)
         except BaseException:
             self.release()  # this save will not commit: a retry must not find the directory locked
             raise
+        if self._reuse_cache is not None and index is not None:  # what the next save would read of these files
+            self._reuse_cache.wrote(self.storage, sd.save_id, index.written)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut

@@ -67,6 +67,9 @@ class ReuseIndex:
         self.chunks = dict(chunks)
         #: "../step-M/FILE" -> the save id its header carries (checked when the index was built)
         self.save_ids = dict(save_ids)
+        #: shard file name -> ((its size, its preamble), its header's hashes as ``Shard.hashes`` gives them), of
+        #: the files this save wrote: what the next save of the same manager would read of them (dcp/reuse.py)
+        self.written: dict[str, tuple[tuple[int, bytes], dict[tuple[str, tuple[int, ...]], tuple[str, int, int]]]] = {}
 
     def candidate(self, e: Any, head: int) -> bool:
         """Whether entry ``e``, whose first bytes have CRC-32 ``head``, may equal a stored chunk (else it is
@@ -149,12 +152,16 @@ def write_deduplicated(storage: CheckpointStorage, name: str, entries: Sequence[
         if not written:
             out.abort()
             return placed, "referenced"
-        out.shrink(fmt._align_up(max(end, first), alignment))
-        out.finish(fmt.encode_header([placed[i] for i in written], save_id,  # type: ignore[misc]
-                                     [hashes[i] for i in written]))
+        size = fmt._align_up(max(end, first), alignment)
+        out.shrink(size)
+        head = fmt.encode_header([placed[i] for i in written], save_id, [hashes[i] for i in written])
+        out.finish(head)
     except BaseException:
         out.abort()
         raise
+    index.written[name] = ((size, head[:fmt.PREAMBLE_SIZE]), {
+        (placed[i].fqn, placed[i].chunk_offsets): (hashes[i][0], placed[i].offset, hashes[i][1])
+        for i in written if hashes[i] is not None and placed[i].kind == fmt.KIND_TENSOR})
     return placed, out.how
 
 

@@ -13,6 +13,7 @@ from helpers import assert_bitwise_equal
 from mmapckpt import CheckpointError, CheckpointManager
 from mmapckpt.dcp import reuse
 from mmapckpt.dcp.unwrap import checkpoint_error
+from mmapckpt.reading.shard import Shard
 from roots import files_of, frozen_and_trained
 
 pytest.importorskip("blake3")
@@ -38,27 +39,49 @@ def decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-def test_a_later_save_decodes_only_the_header_it_has_not_read(tmp_path: Path, decoded: list[str]) -> None:
+def test_a_manager_decodes_no_header_it_wrote_or_read_before(tmp_path: Path, decoded: list[str]) -> None:
     manager = CheckpointManager(tmp_path / "root")
     for step in (1, 2, 3):
-        decoded.clear()
         manager.save(_state(step), step)
-    # step 3 reused step 2: its metadata names step 1's file (the frozen chunks) and step 2's own (head.w);
-    # step 1's header was decoded by step 2's save, so only step 2's file is decoded now
-    assert [Path(p).parent.name for p in decoded] == ["step-2"]
+    # each save compared with the step before, whose files this manager wrote: their hashes were kept as written
+    assert decoded == []
     files = files_of(tmp_path / "root" / "step-3")
     assert files["frozen.w"].startswith("../step-1/") and not files["head.w"].startswith("../")
+    # what was kept is what the headers say
+    kept = manager._headers._used
+    assert {ref for _, ref, _ in kept} == {f"../step-{s}/{p.name}" for s in (2, 3)
+                                          for p in (tmp_path / "root" / f"step-{s}").glob("*.distcp")} | {
+        f"../step-1/{p.name}" for p in (tmp_path / "root" / "step-1").glob("*.distcp")}
+    for (_, ref, sid), (stamp, hashes) in kept.items():
+        shard = Shard(str(tmp_path / "root" / ref[3:]))
+        try:
+            assert shard.save_id == sid and shard.hashes() == hashes and stamp[0] == shard.size, ref
+        finally:
+            shard.close()
     target = {k: torch.zeros_like(v) for k, v in _state(3).items() if isinstance(v, torch.Tensor)}
     assert manager.load(target) == 3
     for k, v in target.items():
         assert_bitwise_equal(v, _state(3)[k])
 
 
+def test_another_manager_decodes_each_header_once(tmp_path: Path, decoded: list[str]) -> None:
+    CheckpointManager(tmp_path / "root").save(_state(1), 1)
+    CheckpointManager(tmp_path / "root").save(_state(2), 2)  # a resumed job: step 1's header is read
+    assert [Path(p).parent.name for p in decoded] == ["step-1"]
+    manager = CheckpointManager(tmp_path / "root")
+    decoded.clear()
+    manager.save(_state(3), 3)  # step 2 refers to step 1's file and holds its own: both read, once
+    assert sorted(Path(p).parent.name for p in decoded) == ["step-1", "step-2"]
+    decoded.clear()
+    manager.save(_state(4), 4)
+    assert decoded == []
+
+
 def test_a_header_that_changed_since_it_was_read_is_read_again_and_refused(tmp_path: Path,
                                                                           decoded: list[str]) -> None:
     manager = CheckpointManager(tmp_path / "root")
     manager.save(_state(1), 1)
-    manager.save(_state(2), 2)  # reads step 1's header
+    manager.save(_state(2), 2)  # keeps step 1's header as it wrote it
     (shard,) = (tmp_path / "root" / "step-1").glob("*.distcp")
     raw = bytearray(shard.read_bytes())
     raw[24] ^= 0xFF  # the preamble's header CRC-32: the header no longer checks
