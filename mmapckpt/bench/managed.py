@@ -11,6 +11,10 @@ Two state dicts of ``--size``, saved step after step:
   step before, which shares nothing) against plain ones: the median time ratio, which says what
   hashing costs a normal save.
 
+Each save's CPU seconds (this process, every thread: ``time.process_time``) beside its wall time: on a
+machine shared with other work the wall time says as much about the others as about the save; what the
+save itself costs in hashing shows in its CPU time.
+
 The last managed step of each is loaded (``CheckpointManager.load``) and checked bitwise.
 """
 
@@ -84,16 +88,17 @@ def _series(sd: StateDict, names: list[str], root: str, keep_plain: bool) -> dic
             os.sync()  # the previous save's writeback is not this one's
             if kind == "managed":
                 before = _disk_bytes(manager.root)
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 manager.save(sd, step)
-                seconds = time.perf_counter() - t0
-                managed.append({"step": step, "seconds": seconds, "bytes_added": _disk_bytes(manager.root) - before})
+                seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+                managed.append({"step": step, "seconds": seconds, "cpu_seconds": cpu,
+                                "bytes_added": _disk_bytes(manager.root) - before})
             else:
                 path = os.path.join(root, f"plain-{step}")
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 dcp.save(sd, storage_writer=MmapWriter(path), no_dist=True)
-                seconds = time.perf_counter() - t0
-                plain.append({"step": step, "seconds": seconds, "bytes_added": _disk_bytes(path)})
+                seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+                plain.append({"step": step, "seconds": seconds, "cpu_seconds": cpu, "bytes_added": _disk_bytes(path)})
                 if not keep_plain:
                     shutil.rmtree(path)  # untimed: the next plain save goes into a fresh directory
     targets = {k: torch.zeros_like(v) for k, v in sd.items()}
@@ -127,9 +132,13 @@ def managed_saves(*, size: int, dtype: torch.dtype, layers: int, bench_dir: str,
     for row, p in zip(frozen["managed"], frozen["plain"]):
         row["ratio_to_plain"] = row["seconds"] / p["seconds"]
     ratio = statistics.median(m["seconds"] / p["seconds"] for m, p in zip(full["managed"], full["plain"]))
+    cpu_ratio = statistics.median(m["cpu_seconds"] / max(p["cpu_seconds"], 1e-9)
+                                  for m, p in zip(full["managed"], full["plain"]))
     later = frozen["managed"][1:]
     return {"bytes": nbytes, "changing_bytes": changing, "tensors": tensors, "dtype": str(dtype).removeprefix("torch."), "saves": SAVES,
             "frozen": frozen, "full": full, "full_ratio_managed_to_plain": ratio,
+            "full_cpu_ratio_managed_to_plain": cpu_ratio,
+            "later_cpu_fraction_max": max(r["cpu_seconds"] / max(first["cpu_seconds"], 1e-9) for r in later),
             "later_time_fraction_max": max(r["time_fraction_of_first"] for r in later),
             "later_bytes_fraction_max": max(r["bytes_fraction_of_first"] for r in later),
             "correct": frozen["correct"] and full["correct"]}
@@ -140,15 +149,18 @@ def render(doc: dict[str, Any]) -> str:
     lines = [f"managed saves: {doc['bytes'] / 1e9:.3f} GB {doc['dtype']}, "
              f"{doc['changing_bytes'] / doc['bytes']:.0%} of the bytes changing between saves, {doc['saves']} saves", "",
              f"{'save':<6}{'managed s':>11}{'added':>12}{'time/1st':>10}{'bytes/1st':>11}"
-             f"{'plain s':>10}{'added':>12}{'managed/plain':>15}"]
+             f"{'plain s':>10}{'added':>12}{'managed/plain':>15}{'cpu s':>8}{'plain cpu':>11}"]
     for m, p in zip(doc["frozen"]["managed"], doc["frozen"]["plain"]):
         lines.append(f"{m['step']:<6}{m['seconds']:>11.3f}{m['bytes_added'] / 2**20:>9.1f}MiB"
                      f"{m['time_fraction_of_first']:>10.3f}{m['bytes_fraction_of_first']:>11.3f}"
-                     f"{p['seconds']:>10.3f}{p['bytes_added'] / 2**20:>9.1f}MiB{m['ratio_to_plain']:>15.3f}")
+                     f"{p['seconds']:>10.3f}{p['bytes_added'] / 2**20:>9.1f}MiB{m['ratio_to_plain']:>15.3f}"
+                     f"{m['cpu_seconds']:>8.3f}{p['cpu_seconds']:>11.3f}")
     full = doc["full"]
     lines += ["", "fully changing state dict, managed/plain save time: "
               + ", ".join(f"{m['seconds'] / p['seconds']:.3f}" for m, p in zip(full["managed"], full["plain"]))
-              + f" (median {doc['full_ratio_managed_to_plain']:.3f})",
+              + f" (median {doc['full_ratio_managed_to_plain']:.3f}); CPU time: "
+              + ", ".join(f"{m['cpu_seconds'] / max(p['cpu_seconds'], 1e-9):.3f}" for m, p in zip(full["managed"], full["plain"]))
+              + f" (median {doc['full_cpu_ratio_managed_to_plain']:.3f})",
               f"bitwise check of the last managed step's load: mostly frozen "
               f"{'ok' if doc['frozen']['correct'] else 'FAILED'}, fully changing {'ok' if full['correct'] else 'FAILED'}"]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from ..storage.local import writable_local_path
 from ..storage.credentials import StorageOptions
 from ..storage.location import is_url, storage_for
 from ..writing.dedup import ReuseIndex
-from .reuse import save_index, with_references
+from .reuse import HeaderCache, references, save_index
 from .shard_writer import WriterOptions, chunk_nbytes, write_files
 
 __all__ = ["MmapWriter", "WriterOptions"]
@@ -101,6 +101,7 @@ class MmapWriter(StorageWriter):
         serialization_format: only the default is accepted; others are refused with what to use instead.
         reuse: committed sibling steps ``ROOT/step-{M}`` of a managed root whose chunks this save may refer to
             instead of writing equal ones again (dcp/reuse.py; docs/format.md 3.4; needs ``blake3``).
+        _reuse_cache: the shard headers earlier saves read for ``reuse`` (``CheckpointManager`` keeps one).
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -112,7 +113,8 @@ class MmapWriter(StorageWriter):
                  single_file_per_rank: bool = True, per_thread_copy_ahead: int = 10_000_000,
                  cache_staged_state_dict: bool = False, _extensions: Any = None,
                  serialization_format: Any = None, metadata: Mapping[str, str] | None = None,
-                 storage_options: Mapping[str, Any] | None = None, reuse: Sequence[str | os.PathLike[str]] = ()) -> None:
+                 storage_options: Mapping[str, Any] | None = None, reuse: Sequence[str | os.PathLike[str]] = (),
+                 _reuse_cache: HeaderCache | None = None) -> None:
         super().__init__()
         transforms = writer_compat(single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
                                    _extensions, serialization_format)
@@ -129,6 +131,7 @@ class MmapWriter(StorageWriter):
         if self.reuse and transforms is not None:
             raise ValueError("reuse= compares raw chunks: it cannot be combined with _extensions")
         self._reuse_index: ReuseIndex | None = None  # built on first use, per save
+        self._reuse_cache = _reuse_cache
         #: shard file name -> "direct" (O_DIRECT), "buffered" or "encoded" (stream transforms), for the last save
         self.write_paths: dict[str, str] = {}
         self.save_id = str(uuid.uuid4())
@@ -196,33 +199,35 @@ class MmapWriter(StorageWriter):
         buckets = (_split_into_files(self.options.thread_count, plan.items) if self.single_file_per_rank
                    else [[it] for it in plan.items])  # the stock writer's single_file_per_rank=False
         files = [(shard_name(sd.prefix, i, sd.save_id, sd.avoid), bucket) for i, bucket in enumerate(buckets)]
+        index = self._reusable()
         try:
-            results = write_files(self.storage, files, planner, sd.save_id, self.options, self.write_paths,
-                                  self._reusable())
+            results = write_files(self.storage, files, planner, sd.save_id, self.options, self.write_paths, index)
         except BaseException:
             self.release()  # this save will not commit: a retry must not find the directory locked
             raise
+        if self._reuse_cache is not None and index is not None:  # what the next save would read of these files
+            self._reuse_cache.wrote(self.storage, sd.save_id, index.written)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def _reusable(self) -> ReuseIndex | None:
         if self._reuse_index is None and self.options.transforms is None:
-            self._reuse_index = save_index(self.storage, self.reuse)
+            self._reuse_index = save_index(self.storage, self.reuse, self._reuse_cache)
         return self._reuse_index
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
-        metadata.storage_meta.save_id = with_references(self.save_id, metadata.storage_data, self._reusable)
+        refs = references(metadata.storage_data, self._reusable)  # cross-step references' save ids, if any
         per_rank = not self.use_collectives and self.rank is not None
         storage = self.storage
         target = metadata_name(self.rank if per_rank else None)
         try:
             try:
                 with paused_gc():  # one object per entry to encode: the collector's passes would dominate
-                    data = encode_metadata(metadata, self.user_metadata)
+                    data = encode_metadata(metadata, self.user_metadata, references=refs)
             except (TypeError, ValueError) as e:
                 raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}",
                                            path=storage.full(target)) from e

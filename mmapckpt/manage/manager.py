@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ..dcp.reader import MmapReader
+from ..dcp.reuse import HeaderCache
 from ..dcp.unwrap import checkpoint_error
 from ..dcp.writer import MmapWriter
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError
@@ -67,6 +68,7 @@ class CheckpointManager:
         self._pending: concurrent.futures.Future[Any] | None = None
         self._marked = False
         self._known: Known = {}  # what retention read of each committed step's .metadata (retention.py)
+        self._headers = HeaderCache()  # the reused shard headers, read once across saves (dcp/reuse.py)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self._root.location!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
@@ -122,7 +124,8 @@ class CheckpointManager:
         # chunks equal to the newest step's are stored once (dcp/reuse.py; hashing needs blake3: without it
         # every step is written whole, as docs/manager.md says)
         reuse = [self.path(s) for s in prior] if find_spec("blake3") is not None else []
-        writer = MmapWriter(self.path(step), overwrite=False, storage_options=self._root.options, reuse=reuse)
+        writer = MmapWriter(self.path(step), overwrite=False, storage_options=self._root.options, reuse=reuse,
+                            _reuse_cache=self._headers)
         if not async_:
             result = dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=not distributed())
             self._retain(process_group)

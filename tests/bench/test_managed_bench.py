@@ -24,6 +24,7 @@ def test_managed_row_appears_and_last_step_loads_bitwise(tmp_path, capsys) -> No
         assert [r["step"] for r in doc[series]["managed"]] == list(range(1, managed.SAVES + 1))
         assert [r["step"] for r in doc[series]["plain"]] == list(range(1, managed.SAVES + 1))
         assert all(r["seconds"] > 0 for r in doc[series]["managed"] + doc[series]["plain"])
+        assert all(r["cpu_seconds"] > 0 for r in doc[series]["managed"] + doc[series]["plain"])
     rows = doc["frozen"]["managed"]
     assert rows[0]["bytes_fraction_of_first"] == 1.0
     # the frozen 90% is stored once: each later step adds about the changing part only (sizes, not times)
@@ -31,8 +32,9 @@ def test_managed_row_appears_and_last_step_loads_bitwise(tmp_path, capsys) -> No
     assert all(p["bytes_added"] >= 0.9 * rows[0]["bytes_added"] for p in doc["frozen"]["plain"])
     # a fully changing state dict shares nothing: every managed step is written whole
     assert all(r["bytes_added"] >= 0.9 * doc["full"]["managed"][0]["bytes_added"] for r in doc["full"]["managed"])
-    assert doc["full_ratio_managed_to_plain"] > 0
-    assert "managed saves:" in out and "managed/plain" in out and "fully changing ok" in out
+    assert doc["full_ratio_managed_to_plain"] > 0 and doc["full_cpu_ratio_managed_to_plain"] > 0
+    assert doc["later_cpu_fraction_max"] > 0
+    assert "managed saves:" in out and "managed/plain" in out and "fully changing ok" in out and "CPU time:" in out
     assert len([ln for ln in out.splitlines() if ln.split()[:1] in (["1"], ["2"], ["3"], ["4"], ["5"])]) == managed.SAVES
     assert not list((tmp_path / "work").iterdir())  # the run's directory is removed
 

@@ -42,12 +42,15 @@ if TYPE_CHECKING:
 __all__ = ["encode_metadata", "decode_index", "decode_built", "decode_index_file"]
 
 
-def encode_metadata(md: Metadata, user_metadata: Mapping[str, str] | None = None, *, major: int = META_MAJOR) -> bytes:
+def encode_metadata(md: Metadata, user_metadata: Mapping[str, str] | None = None, *, major: int = META_MAJOR,
+                    references: Mapping[str, str] | None = None) -> bytes:
     """Encode DCP ``Metadata`` whose storage_data values are ``_StorageInfo`` records.
 
     ``user_metadata`` ({str: str}, as safetensors' ``__metadata__``) is stored as the body's
     ``user_metadata`` key. ``major``: 2 (the entry table, v2.py) or 1 (one JSON object per
     item and record, what mmapckpt wrote before; a 1.x file with user metadata is minor 1).
+    ``references``: ``{"../step-M/FILE": its save id}`` of the cross-step references among the storage data
+    (docs/format.md 3.4; a save with ``MmapWriter(reuse=...)``), kept as ``storage_meta.references``.
     """
     user = check_user_metadata(user_metadata)
     sm = md.storage_meta
@@ -65,10 +68,12 @@ def encode_metadata(md: Metadata, user_metadata: Mapping[str, str] | None = None
         "save_id": None if sm.save_id is None else str(sm.save_id),
         "modules": list(sm.modules),
     }
-    refs = getattr(sm, "save_id", None) and getattr(sm.save_id, "references", None)
+    refs = dict(references or {})
     if refs:  # cross-step references (docs/format.md 3.4): only version 2 reads them
         if major != META_MAJOR:
             raise ValueError("cross-step references need metadata version 2")
+        if sm is None:
+            raise ValueError("cross-step references need the storage_meta that holds them")
         doc["storage_meta"]["references"] = dict(sorted(refs.items()))
     if user is not None:
         doc[USER_METADATA_KEY] = user
