@@ -20,10 +20,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...errors import CheckpointError, IncompleteCheckpointError
+from ...format.metadata import METADATA_NAME
 from ..base import CheckpointStorage, FileOutput, Lock, StoredFile
 from ..replacement import Owned, Replacement
-from .entry import Entry, ident_of
+from .entry import CachedFile, Entry, ident_of
 from .evict import evict
+from .listing import record_listing, recorded_listing
 from .settings import CacheSettings
 
 __all__ = ["CachedStorage"]
@@ -50,6 +52,7 @@ class CachedStorage(CheckpointStorage):
         # medium's own storage keeps what it found: storage/s3/storage.py)
         self._versions: dict[str, list[Any] | None] = {}
         self._listed: dict[str, Any] | None = None
+        self._to_record = False  # the listing came from the medium: recorded once its commit is found mmapckpt
         self._writing = False  # once it writes, it asks the medium itself (listings with uploads in progress)
 
     def __getattr__(self, name: str) -> Any:
@@ -59,6 +62,11 @@ class CachedStorage(CheckpointStorage):
 
     def full(self, name: str) -> str:
         return self.remote.full(name)
+
+    def sibling(self, name: str) -> CachedStorage:
+        """The medium's sibling location (``CheckpointStorage.sibling``: another step of a managed root, its
+        parent), read through the same cache: a step's references to an earlier step's files map their copies."""
+        return CachedStorage(self.remote.sibling(name), self.settings)
 
     def _version(self, name: str) -> list[Any] | None:
         """The version of file ``name``: from the medium's one listing where the location was listed (S3:
@@ -83,13 +91,35 @@ class CachedStorage(CheckpointStorage):
         return version
 
     def _listing(self) -> dict[str, Any] | None:
-        """``{name: (size, version)}`` of the location's files from one listing (None: the medium has none)."""
+        """``{name: (size, version)}`` of the location's files: recorded with its commit where that is the version
+        the medium has now (one look at ``.metadata``: listing.py), else from one listing (None: the medium has
+        none)."""
         if self._listed is None and not self._writing:
             ask = getattr(self.remote, "versions", None)
             if ask is None:
                 return None
-            self._listed = ask()
+            self._listed = self._recorded()
+            if self._listed is None:
+                self._listed = ask()
+                self._to_record = True
         return self._listed
+
+    def _recorded(self) -> dict[str, Any] | None:
+        look = getattr(self.remote, "version", None)
+        found = None if look is None else look(METADATA_NAME)
+        if found is None:
+            return None
+        listed = recorded_listing(self.settings.root, self.location, ident_of(*found))
+        if listed is not None:
+            self._versions[METADATA_NAME] = ident_of(*found)
+        return listed
+
+    def _record(self, f: StoredFile, version: list[Any]) -> None:
+        """The listing taken at this load, recorded with the commit ``f`` of ``version`` it found (listing.py)."""
+        self._to_record = False
+        listed = self._listed
+        if listed is not None and METADATA_NAME in listed and ident_of(*listed[METADATA_NAME]) == version:
+            record_listing(self.settings.root, self.location, version, bytes(f.read(0, min(8, f.size))), listed)
 
     def _version_of(self, f: StoredFile) -> list[Any]:
         of = getattr(self.remote, "version_of", None)
@@ -112,6 +142,13 @@ class CachedStorage(CheckpointStorage):
         version = self._version(name)
         if version is None:
             raise IncompleteCheckpointError("no such object", path=self.full(name))
+        f = self._open(name, version)
+        if name == METADATA_NAME and self._to_record and not self._writing and isinstance(f, CachedFile):
+            self._record(f, self._versions[name] or version)
+        return f
+
+    def _open(self, name: str, version: list[Any]) -> StoredFile:
+        """The copy of file ``name`` at ``version``, fetched first where there is none (else the medium's file)."""
         entry = Entry(self.settings.root, self.full(name))
         f = entry.open_hit(version)
         if f is not None:
