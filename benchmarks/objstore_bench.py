@@ -83,17 +83,21 @@ def _cpu_self() -> float:
 
 
 def _server_pids(words: tuple[str, ...]) -> list[int]:
-    """The object store's processes on this machine (a command line naming one of ``words``), if any."""
+    """The object store's processes on this machine, if any: a process named one of ``words`` (radosgw), or a
+    node or Python process whose command line names one (Azurite, gcp-storage-emulator)."""
     out = []
     for d in os.listdir("/proc"):
-        if d.isdigit() and int(d) != os.getpid():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if any(w in cmd for w in words):
-                out.append(int(d))
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if comm in words or (comm.startswith(("node", "python")) and any(w in cmd for w in words)):
+            out.append(int(d))
     return out
 
 
@@ -211,7 +215,7 @@ class _S3:
 class _Azure:
     """Azure Blob through azure-storage-blob (mmapckpt's ``ContainerClient`` for the ``AZURE_STORAGE_*`` settings)."""
 
-    label, servers = "az", ("azurite",)
+    label, servers = "az", ("azurite-blob", "azurite/dist")
     fsspec, peer_hint = "adlfs", "pip install adlfs"
 
     def __init__(self, url: str) -> None:

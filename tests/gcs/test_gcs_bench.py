@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from helpers import bench_script
+from helpers import bench_script, check_objstore_bench
 
 objstore = bench_script("objstore_bench")
 
@@ -19,20 +19,7 @@ def test_bench_storage_quick_on_gcs(gs_bucket, gcs_emulator, tmp_path, capsys):
     assert objstore.main([f"gs://{gs_bucket}/bench", "--storage-options", '{"require_preconditions": false}',
                           "--quick", "--repeats", "2", "--out", str(tmp_path / "out"), "--dir", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "out" / "bench_gs.json").read_text())
-    rows = doc["rows"]
-    for row in ("save: dcp.save + MmapWriter", "load: mmapckpt.load_into", "load: dcp.load + MmapReader",
-                "load: dcp.load + MmapReader + FastLoadPlanner", "load: mmapckpt.load (new tensors)",
-                "load: load_into, cache cold"):
-        assert rows[row]["gb_per_s"] > 0 and "of_limit" in rows[row], row
-    for row in ("load: load_into, cache warm", "load: load_into, local disk warm",
-                "load: 4 processes, one URL, cache cold"):
-        assert rows[row]["gb_per_s"] > 0, row
-    assert doc["limits"]["get"].startswith("limit: GET") and doc["limits"]["put"].startswith("limit: PUT")
-    assert doc["correct"] and all(doc["correct"].values()), doc["correct"]
-    assert "load: 4 processes, one URL, cache cold" in doc["correct"]
-    assert doc["cache"]["fetched_of_size_together"] == 1.0  # each byte fetched once across the processes
-    assert doc["server_pids_found"]  # the fixture's gcp-storage-emulator runs here: its CPU is counted
-    assert "DCP FsspecWriter/FsspecReader" in rows or "load: dcp.load + FsspecReader (gcsfs)" in rows
+    check_objstore_bench(doc, "gcsfs")
     assert not objstore.store_for(f"gs://{gs_bucket}/bench").objects("bench")
     assert not list(tmp_path.glob("objstore-bench-*"))  # its local checkpoint and cache removed
     assert "limits: limit: GET" in capsys.readouterr().out
