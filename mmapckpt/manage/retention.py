@@ -24,13 +24,12 @@ from collections.abc import Collection, Iterable
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from ..format.metadata import METADATA_NAME, decode_index_file
+from ..storage.leased_lock import LOCK_NAME  # an object store's save lock object, which a killed save leaves behind
 from .leases import live_leases
 from .root import Root, root_relative, step_dir
 
 __all__ = ["retained", "names_of", "apply_retention", "clear_step", "references", "prepare_step", "LOCK_NAME", "Known"]
 
-#: An object store's save lock object (``storage/s3/lock.py``), which a killed save leaves in its step's prefix.
-LOCK_NAME = ".mmapckpt-lock"
 
 
 def retained(steps: Iterable[int], keep_last: int | None, keep_every: int | None) -> set[int]:

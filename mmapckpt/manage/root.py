@@ -1,16 +1,16 @@
 """A managed root: its marker, its step directories, and what is stored under it.
 
-A root is a local directory or an ``s3://BUCKET/PREFIX`` laid out as docs/manager.md says:
+A root is a local directory or an object-store prefix (``s3://``, ``az://``, ``gs://``) laid out as
+docs/manager.md says:
 
 - ``ROOT/.mmapckpt-root``: the marker, JSON ``{"format": "mmapckpt-root", "version": 1}``, written
   by the manager before its first step; readers allow cross-step references only under it;
 - ``ROOT/step-{N}/``: step N, an ordinary mmapckpt checkpoint, committed when its ``.metadata`` is;
 - ``ROOT/.leases/``: one small file per load in progress (``leases.py``).
 
-Every file is read and written through the storage seam (``storage_for``); only listing the
-children of the root is medium-specific (a directory's entries; an object store's keys), since
-``CheckpointStorage.list`` lists the files of one location and not those below it. A new storage
-object is made for every question asked of the store, so that nothing another process changed
+Every file is read and written through the storage seam (``storage_for``), listing what is below
+the root included (``CheckpointStorage.files_below``, ``unfinished_below``: one listing of an object
+store, whichever); a local root's directories are read here. A new storage object is made for every question asked of the store, so that nothing another process changed
 is answered from a cache.
 """
 
@@ -133,25 +133,9 @@ class Root:
         return out
 
     def _keys(self) -> dict[str, int]:
-        """:meth:`objects` of an object store: one listing of the keys under the root (medium-specific)."""
-        storage = self.storage()
-        client, bucket, prefix = (getattr(storage, a, None) for a in ("client", "bucket", "prefix"))
-        if client is None:
-            raise CheckpointError("a checkpoint root must be a local directory or an s3:// prefix (listing the "
-                                  f"steps of a {type(storage).__name__} is not supported)", path=self.location)
-        d = f"{prefix}/" if prefix else ""
-        out: dict[str, int] = {}
-        try:
-            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=d):
-                for o in page.get("Contents", ()):
-                    name = o["Key"][len(d):]
-                    top, _, rest = name.partition("/")
-                    if step_of(top) is not None and rest and "/" not in rest:
-                        out[name] = int(o["Size"])
-        except Exception as e:
-            from ..storage.s3.failures import storage_error  # the store's errors as typed errors
-            raise storage_error(e, self.location, what="listing the steps of the root") from e
-        return out
+        """:meth:`objects` of an object store: one listing of what is below the root (``files_below``)."""
+        return {name: size for name, size in self.storage().files_below().items()
+                if step_of(name.partition("/")[0]) is not None}
 
     def step_dirs(self, objects: Mapping[str, int] | None = None, *, uploads: bool = False) -> dict[int, bool]:
         """Every step that has a directory (or objects), and whether it is committed (holds ``.metadata``).
@@ -171,18 +155,9 @@ class Root:
         return out
 
     def _uploads(self) -> list[str]:
-        """The root-relative names of the uploads in progress in step directories (an object store's)."""
-        storage = self.storage()
-        client, bucket, prefix = (getattr(storage, a, None) for a in ("client", "bucket", "prefix"))
-        if client is None:
-            return []
-        d = f"{prefix}/" if prefix else ""
-        try:
-            pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=d)
-            return [u["Key"][len(d):] for page in pages for u in page.get("Uploads", ())]
-        except Exception as e:
-            from ..storage.s3.failures import storage_error
-            raise storage_error(e, self.location, what="listing the uploads under the root") from e
+        """The root-relative names of the writes in progress in step directories that are no files (an object
+        store's uploads a killed save left: ``unfinished_below``)."""
+        return self.storage().unfinished_below()
 
     def remove_dir(self, step: int) -> None:
         """Remove step ``step``'s directory once it is empty (nothing to do on an object store)."""

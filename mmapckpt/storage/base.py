@@ -195,6 +195,24 @@ class CheckpointStorage(abc.ABC):
         raise CheckpointError("this storage medium cannot reach a sibling location (cross-step references "
                               "between the steps of a managed root)", path=self.location)
 
+    # ------------------------------------------------------------------ below this location
+    def files_below(self) -> dict[str, int]:
+        """Every file of the locations one level below this one (a managed root's steps), ``CHILD/NAME`` -> its
+        size in bytes, lock files included; none where nothing is below this location. On an object store, one
+        listing (``storage/object_store.py``).
+
+        Raises:
+            CheckpointError: the medium cannot list below a location (this default).
+        """
+        raise CheckpointError("a checkpoint root must be a local directory or an object-store prefix (s3://, az://, "
+                              f"gs://): listing the locations below a {type(self).__name__} is not supported",
+                              path=self.location)
+
+    def unfinished_below(self) -> list[str]:
+        """``CHILD/NAME`` of the writes in progress one level below this location that are no files and that
+        removing ``NAME`` from ``CHILD`` clears (an S3 multipart upload a killed save left); by default none."""
+        return []
+
     # ------------------------------------------------------------------ reading
     @abc.abstractmethod
     def exists(self, name: str) -> bool:

@@ -1,6 +1,6 @@
 """Who holds a leased save lock, and whether a contender can tell that holder is dead.
 
-A lease lock (an object store's lock object; ``s3/lock.py``) outlives a killed holder until its
+A lease lock (an object store's lock object; ``leased_lock.py``) outlives a killed holder until its
 lease runs out, unlike a ``flock``. A job restarted after ``kill -9`` or a preemption should not
 wait for that, so the lock records its holder (:func:`this_process`) and a contender takes it
 over at once where it can *tell* the holder is dead (:func:`dead_because`), and only then:
@@ -18,7 +18,7 @@ over at once where it can *tell* the holder is dead (:func:`dead_because`), and 
   a location (the coordinator of a collective save; a per-rank save takes no lock), so another
   process of the same job holding the lock is one of a run that has ended. A caller who gives
   ``lock_job`` promises the same. Even where that promise is broken, commits stay fenced (the
-  robbed save's commit is refused, ``s3/lock.py``): a wrong takeover costs a save, not a checkpoint.
+  robbed save's commit is refused, ``leased_lock.py``): a wrong takeover costs a save, not a checkpoint.
 
 Anything else (another host, unreadable ``/proc``, a body without these fields) is judged by
 the holder's lease alone.

@@ -1,24 +1,64 @@
-"""Ranged reads of one object version into the callers' buffers, for media whose clients write responses into a
-file-like object (Azure Blob's ``readinto``, GCS's ``download_to_file``).
+"""Ranged reads of one object version into the callers' buffers, for every object store.
 
-A batch of ``(offset, buffer)`` reads is planned as on S3 (``s3/reads.py`` ``plan_requests``: long reads
-split at ``part_size``, neighbours joined with their gaps dropped), and the requests run on a shared pool
-of ``concurrency`` threads per medium. A medium supplies :meth:`RangedReads._fetch`, which writes one
-request's bytes into a :class:`Into` over its buffers as they arrive: the one copy those clients allow
-(from their response chunks into the target), never a temporary object of the file's size.
+A batch of reads (``(offset, buffer)`` pairs: target tensors, staging buffers, broadcast buffers) becomes
+requests of at most ``part_size`` bytes (:func:`plan_requests`): a long read is split, short reads of
+neighbouring ranges are joined into one request whose body is scattered into their buffers (gaps of at
+most ``_GAP`` bytes are read and dropped). The requests run on a shared pool of ``concurrency`` threads per
+medium. A medium supplies :meth:`RangedReads._fetch`, which writes one request's bytes into a :class:`Into`
+over its buffers as they arrive (Azure Blob's ``readinto``, GCS's ``download_to_file``: the one copy those
+clients allow), or its own :meth:`RangedReads._get` (S3's, which reads the body into the buffers themselves
+and resumes a body that breaks off).
 """
 
 from __future__ import annotations
 
-import abc
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from ..errors import TruncatedFileError
-from .s3.reads import Fetch, plan_requests
+from ..errors import IncompleteCheckpointError, TruncatedFileError
 
-__all__ = ["Into", "RangedReads"]
+__all__ = ["Into", "RangedReads", "Fetch", "plan_requests", "replaced_while_read"]
+
+#: Neighbouring reads at most this far apart are joined into one request (the gap is read and dropped).
+_GAP = 256 << 10
+
+#: One read of a batch: ``(offset, buffer)``; a buffer is any writable bytes-like object.
+Fetch = tuple[int, Any]
+#: One request: its first byte and its segments, each a buffer to fill or the length of a gap to drop.
+Request = tuple[int, list[Any]]
+
+
+def plan_requests(fetches: list[Fetch], part_size: int, gap: int = _GAP) -> list[Request]:
+    """The requests of a batch: reads in offset order, long ones split at ``part_size``, neighbours
+    (no more than ``gap`` bytes apart, together at most ``part_size``) joined. Overlapping reads are
+    each requested on their own."""
+    pieces: list[tuple[int, memoryview]] = []
+    for offset, buf in fetches:
+        mv = memoryview(buf).cast("B")
+        for start in range(0, len(mv), part_size):
+            pieces.append((offset + start, mv[start:start + part_size]))
+    pieces.sort(key=lambda p: p[0])
+    out: list[Request] = []
+    end = -1
+    for offset, mv in pieces:
+        if out and end <= offset <= end + gap and offset + len(mv) - out[-1][0] <= part_size:
+            if offset > end:
+                out[-1][1].append(offset - end)
+            out[-1][1].append(mv)
+        else:
+            out.append((offset, [mv]))
+        end = offset + len(mv)
+    return out
+
+
+def replaced_while_read(noun: str, url: str, entry: str | None, how: str = "changed") -> IncompleteCheckpointError:
+    """The error of a read whose object version is gone (``how``: "changed", "removed", "replaced or removed")."""
+    if how == "changed":
+        return IncompleteCheckpointError(f"the {noun} changed while it was being read (a later save replaced it): "
+                                         "load again", path=url, entry=entry)
+    return IncompleteCheckpointError(f"the {noun} was {how} while it was being read (a later save replaced the "
+                                     "checkpoint): load again", path=url, entry=entry)
 
 _pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -62,7 +102,7 @@ class Into:
         pass
 
 
-class RangedReads(abc.ABC):
+class RangedReads:
     """Ranged reads of one object version of ``size`` bytes; ``on_fetch(bytes, requests)`` hears of each GET."""
 
     pool_name = "ranged"
@@ -71,9 +111,9 @@ class RangedReads(abc.ABC):
                  on_fetch: Callable[[int, int], None] | None = None) -> None:
         self.size, self.url, self.part_size, self.concurrency, self.on_fetch = size, url, part_size, concurrency, on_fetch
 
-    @abc.abstractmethod
     def _fetch(self, start: int, length: int, into: Into, entry: str | None) -> None:
         """GET bytes ``[start, start + length)`` of the version opened into ``into``; a CheckpointError on failure."""
+        raise NotImplementedError
 
     def read(self, fetches: list[Fetch], entry: str | None = None) -> None:
         """Fill every buffer of ``fetches`` with the object's bytes at its offset (requests in parallel)."""
@@ -87,14 +127,24 @@ class RangedReads(abc.ABC):
             for start, segments in requests:
                 self._get(start, segments, entry)
             return
-        futures = [_pool(self.pool_name, self.concurrency).submit(self._get, s, segs, entry) for s, segs in requests]
+        pool = _pool(self.pool_name, self.concurrency)
+        futures: list[Future[None]] = [pool.submit(self._get, s, segs, entry) for s, segs in requests]
         error: BaseException | None = None
         for fut in futures:
+            if error is not None:
+                fut.cancel()
+                continue
             try:
                 fut.result()
-            except BaseException as e:  # the first failure is raised once all have ended
-                error = error or e
+            except BaseException as e:  # the first failure; the rest are cancelled or awaited
+                error = e
         if error is not None:
+            for fut in futures:
+                if not fut.cancelled():
+                    try:
+                        fut.result()
+                    except BaseException:
+                        pass
             raise error
 
     def _get(self, start: int, segments: list[Any], entry: str | None) -> None:

@@ -1,22 +1,41 @@
 """The storage contract (``mmapckpt.storage``, ``storage/base.py``), checked against every medium.
 
 Each test runs once per medium: a local directory (``LocalStorage``), the ``unmapped://`` test
-medium (tests/unmapped.py: no mappings, every byte through ``read_into``) and S3 (a real Ceph
-radosgw, tests/s3server.py; those parameters are marked ``s3`` and skipped without the server).
-They check what base.py's docstrings promise, through the interface only. A new medium runs
-the same suite by adding one entry to ``_MEDIA`` (a fixture that yields a factory of fresh,
-empty locations of it).
+medium (tests/unmapped.py: no mappings, every byte through ``read_into``), S3 (a real Ceph
+radosgw, tests/s3server.py), Azure Blob (Azurite) and GCS (gcp-storage-emulator); the object stores'
+parameters are marked ``s3``, ``azure``, ``gcs`` and skipped without their server. They check what
+base.py's docstrings promise, through the interface only. A new medium runs the same suite by adding
+one entry to ``_MEDIA`` (a fixture that yields a factory of fresh, empty locations of it).
+
+On the object stores, one trial more: saves killed at seeded moments and restarted at once
+(``test_a_save_killed_at_any_moment_...``), each store's leftovers listed with its own client.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import s3server
+import torch
 from unmapped import SCHEME as UNMAPPED, Unmapped
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "s3"))
+from s3_data import assert_same, state_dict  # noqa: E402  (the state dict every object-store test round-trips)
+
+import mmapckpt
 from mmapckpt.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -49,32 +68,76 @@ def unmapped_media(tmp_path) -> Iterator[Locations]:
         register_scheme(UNMAPPED, None)
 
 
+@dataclass
+class ObjectMedia:
+    """Fresh locations of an object store: ``SCHEME://BUCKET/<random>``, each made with ``options``; ``stored(url)``
+    lists what is under a location (objects, and S3's uploads in progress) with the store's own client."""
+
+    bucket: str
+    options: dict[str, Any]
+    stored: Callable[[str], list[str]]
+
+    def url(self) -> str:
+        return f"{self.bucket}/{uuid.uuid4().hex}"
+
+    def __call__(self) -> CheckpointStorage:
+        return storage_for(self.url(), options=self.options)
+
+
+def _prefix(url: str) -> tuple[str, str]:
+    bucket, _, prefix = url.split("://", 1)[1].partition("/")
+    return bucket, prefix + "/"
+
+
 @pytest.fixture
-def s3_media(s3_server: s3server.RadosGW) -> Iterator[Locations]:
+def s3_media(s3_server: s3server.RadosGW) -> Iterator[ObjectMedia]:
     bucket = s3_server.new_bucket("contract")
     options = {"endpoint_url": s3_server.endpoint_url, "key": s3_server.access_key, "secret": s3_server.secret_key,
                "region_name": s3_server.region, "addressing_style": "path", "lock_lease": 30.0, "lock_wait": 1}
+    client = s3_server.client()
+
+    def stored(url: str) -> list[str]:
+        b, prefix = _prefix(url)
+        objects = client.list_objects_v2(Bucket=b, Prefix=prefix).get("Contents", [])
+        uploads = client.list_multipart_uploads(Bucket=b, Prefix=prefix).get("Uploads", [])
+        return sorted(o["Key"][len(prefix):] for o in objects) + [f"upload {u['Key']}" for u in uploads]
+
     try:
-        yield lambda: storage_for(f"s3://{bucket}/{uuid.uuid4().hex}", options=options)
+        yield ObjectMedia(f"s3://{bucket}", options, stored)
     finally:
         s3_server.empty_and_delete_bucket(bucket)
 
 
 @pytest.fixture
-def az_media(azurite) -> Iterator[Locations]:
+def az_media(azurite) -> Iterator[ObjectMedia]:
     container = azurite.new_container("contract")
+
+    def stored(url: str) -> list[str]:
+        c, prefix = _prefix(url)
+        return sorted(b.name[len(prefix):] for b in
+                      azurite.service().get_container_client(c).list_blobs(name_starts_with=prefix))
+
     try:
-        yield lambda: storage_for(f"az://{container}/{uuid.uuid4().hex}", options={**azurite.options(), "lock_wait": 1})
+        yield ObjectMedia(f"az://{container}", {**azurite.options(), "lock_wait": 1}, stored)
     finally:
         azurite.delete_container(container)
 
 
 @pytest.fixture
-def gs_media(gcs_emulator) -> Iterator[Locations]:
+def gs_media(gcs_emulator) -> Iterator[ObjectMedia]:
     bucket = gcs_emulator.new_bucket("contract")
+
+    def stored(url: str) -> list[str]:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+        client = storage.Client(project="test", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": gcs_emulator.endpoint})
+        b, prefix = _prefix(url)
+        return sorted(o.name[len(prefix):] for o in client.list_blobs(b, prefix=prefix))
+
     # the emulator ignores generation preconditions: its lock is advisory (docs/object-storage.md)
     options = {**gcs_emulator.options(), "lock_wait": 1, "require_preconditions": False}
-    yield lambda: storage_for(f"gs://{bucket}/{uuid.uuid4().hex}", options=options)
+    yield ObjectMedia(f"gs://{bucket}", options, stored)
 
 
 #: medium -> the fixture yielding its locations; a new medium adds its own here
@@ -248,3 +311,81 @@ def test_the_lock_is_exclusive_until_released(new: Locations) -> None:
         first.release()
     again = st.lock()
     again.release()
+
+
+# --------------------------------------------------------------------------- killed saves, on the object stores
+#: a child that overwrites one checkpoint again and again, two versions in turn (argv: url, tests/s3, options)
+_SAVER = textwrap.dedent("""
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, sys.argv[2])
+    import mmapckpt
+    from s3_data import state_dict
+    versions = [state_dict(salt=1), state_dict(salt=2)]
+    options = json.loads(sys.argv[3])
+    mmapckpt.MmapWriter(sys.argv[1], storage_options=options).storage  # the client imported and made
+    print("ready", flush=True)  # the parent's clock for the kill starts here, at the first save
+    i = 0
+    while True:
+        mmapckpt.save(versions[i % 2], sys.argv[1], storage_options=options)  # a refused lock: a traceback
+        print(i % 2, flush=True)
+        i += 1
+""")
+#: medium -> (kills, seed, the kill's delay after "ready" in seconds, several parts a shard at these sizes, whether
+#: some child must have finished a save: the kills also cover whole saves; the delays of the copies this trial
+#: replaced, tests/s3/test_s3_crash_and_lock.py and tests/azure/test_azure_crash.py, and what each asserted)
+_KILLS = {"s3": (12, 1234, (0.1, 3.0), {"part_size": 1 << 20, "upload_part_size": 5 << 20}, False),
+          "az": (5, 46, (0.5, 4.0), {"part_size": 1 << 20, "upload_part_size": 2 << 20}, True),
+          "gs": (5, 7, (0.5, 4.0), {"part_size": 1 << 20, "upload_part_size": 2 << 20}, False)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("medium", [pytest.param(m, marks=_MARKS[m]) for m in _KILLS])
+def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint_and_its_restart_saves_at_once(
+        request: pytest.FixtureRequest, medium: str) -> None:
+    """A child overwrites one checkpoint and is SIGKILLed at a seeded moment, again and again; the next child is the
+    restarted job, whose first save must take the killed one's lock over at once (``lock_wait=0``: never waiting
+    for the 30 s lease: its holder's pid is gone). After every kill the checkpoint loads bitwise as one of the two
+    versions; after the next save only ``.metadata`` and its shard remain (no object, no upload in progress)."""
+    kills, seed, delay, parts, whole_saves = _KILLS[medium]
+    media: ObjectMedia = request.getfixturevalue(_MEDIA[medium])
+    url = media.url()
+    options = {**media.options, **parts, "lock_wait": 0}
+    versions = [state_dict(salt=1), state_dict(salt=2)]
+    mmapckpt.save(versions[0], url, storage_options=options)
+    rng = random.Random(seed)
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "s3")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
+    left_behind = saved = 0
+    for trial in range(kills):
+        child = subprocess.Popen([sys.executable, "-c", _SAVER, url, here, json.dumps(options)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        try:
+            # the kill lands at a seeded moment of the save loop, however long the child took to start
+            ready, _, _ = select.select([child.stdout], [], [], 120)
+            line = child.stdout.readline() if ready else b""  # type: ignore[union-attr]
+            assert line == b"ready\n", "the saving process did not start"
+            time.sleep(rng.uniform(*delay))
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+        out = child.stdout.read().decode()  # type: ignore[union-attr]
+        err = child.stderr.read().decode()  # type: ignore[union-attr]
+        child.stdout.close()  # type: ignore[union-attr]
+        child.stderr.close()  # type: ignore[union-attr]
+        assert "Traceback" not in err, err
+        saved += len(out.split())
+        got = mmapckpt.load(url, storage_options=options)
+        match = [i for i, v in enumerate(versions)
+                 if all(torch.equal(got[n].view(torch.uint8), v[n].view(torch.uint8)) if v[n].numel() else True
+                        for n in v)]
+        assert match, f"trial {trial}: the checkpoint is neither version ({out.split()[-3:]} saved)"
+        left_behind += len(media.stored(url)) - 2  # the killed save's lock object, parts, uploads
+    # some kill caught a save in progress (a count, not a timing)
+    assert left_behind > 0, "no kill caught a save in progress: the trial timing no longer covers a save"
+    assert saved > 0 or not whole_saves, "no child finished a save: the kills no longer cover whole saves"
+    mmapckpt.save(versions[1], url, storage_options=options)  # at once: the last killed save's lock is taken over
+    stored = media.stored(url)
+    assert len(stored) == 2 and ".metadata" in stored, stored
+    assert_same(mmapckpt.load(url, storage_options=options), versions[1])

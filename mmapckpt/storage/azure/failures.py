@@ -9,6 +9,7 @@ the URL and what to do.
 
 from __future__ import annotations
 
+from ..failures import StoreFailures, as_write_error, failing_or_other
 from ...errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -17,7 +18,7 @@ from ...errors import (
     StorageUnavailableError,
 )
 
-__all__ = ["error_code", "status", "is_missing", "is_conflict", "storage_error", "write_error"]
+__all__ = ["FAILURES", "error_code", "status", "is_missing", "is_conflict", "storage_error", "write_error"]
 
 _ACCESS = {"AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch",
            "InsufficientAccountPermissions", "AccountIsDisabled", "InvalidAuthenticationInfo"}
@@ -64,16 +65,13 @@ def storage_error(e: BaseException, url: str, *, what: str, entry: str | None = 
         return StorageUnavailableError(f"{what}: the blob service is unreachable or stopped answering "
                                        f"({type(e).__name__}); check the account URL / connection string's "
                                        "BlobEndpoint and the network", path=url, entry=entry)
-    if st is not None and (st >= 500 or st in (408, 429)):
-        return StorageUnavailableError(f"{what}: the blob service kept failing past the retries allowed "
-                                       f"({code or st}); try again later", path=url, entry=entry)
-    return CheckpointError(f"{what}: {type(e).__name__}: {e}"[:600], path=url, entry=entry)
+    return failing_or_other(e, st, code, service="the blob service", what=what, url=url, entry=entry)
 
 
 def write_error(e: BaseException, url: str, *, what: str) -> CheckpointError:
-    """:func:`storage_error` for a write: refused credentials and an unreachable service keep their classes,
-    everything else (a missing container included) is a CheckpointWriteError."""
-    err = storage_error(e, url, what=what, missing=CheckpointWriteError)
-    if isinstance(err, (StorageAccessError, StorageUnavailableError, CheckpointWriteError)):
-        return err
-    return CheckpointWriteError(err.message, path=url)
+    """:func:`storage_error` for a write (``storage/failures.py`` ``as_write_error``)."""
+    return as_write_error(storage_error(e, url, what=what, missing=CheckpointWriteError), url)
+
+
+#: the rules of this store for the shared core
+FAILURES = StoreFailures(storage_error, write_error, is_conflict, is_missing)

@@ -29,44 +29,34 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from typing import Any
 
 from ...errors import CheckpointWriteError
-from ..base import Lock
-from ..holders import dead_because, describe, this_process
-from .failures import error_code, is_conflict, is_missing, write_error
+from ..holders import dead_because, describe
+from ..leased_lock import LOCK_NAME, LeasedLock
+from .failures import FAILURES, is_conflict, is_missing, write_error
 
 __all__ = ["BlobLeaseLock", "LOCK_NAME"]
-
-#: The lock blob's name under the prefix (as on S3: not a DCP file name, never listed)
-LOCK_NAME = ".mmapckpt-lock"
 
 _log = logging.getLogger("mmapckpt")
 
 
-class BlobLeaseLock(Lock):
-    """The exclusive lock of one prefix, held from :meth:`__init__` until :meth:`release` (see the module).
+class BlobLeaseLock(LeasedLock):
+    """The exclusive lock of one prefix, held from :meth:`__init__` until :meth:`release` (see the module); its
+    holding (renewal, check, release) is ``LeasedLock``'s, over the lease (``version`` is the lease client).
 
     Attributes:
         lease: seconds of the lease (15 to 60), renewed every quarter of it.
-        wait: seconds a contender waits for a live holder before it raises.
-        lost: set when a renewal or :meth:`check` found the lease gone.
     """
 
+    thread_name = "mmapckpt-az-lock"
+    failures = FAILURES
+
     def __init__(self, blob: Any, url: str, *, lease: int, wait: float, job: str | None) -> None:
-        self.blob, self.url, self.lease, self.wait = blob, url, lease, wait
-        self.me = this_process(job, float(lease))
-        self.lost = False
-        self.released = False
-        self._lease: Any = None
-        self._valid_until = 0.0
-        self._mutex = threading.Lock()
-        self._stop = threading.Event()
-        self._take()
-        self._renewer = threading.Thread(target=self._renew, name="mmapckpt-az-lock", daemon=True)
-        self._renewer.start()
+        super().__init__(url, lease=float(lease), wait=wait, job=job)
+        self.blob, self.lease = blob, lease
+        self._hold()
 
     # ------------------------------------------------------------------ taking
     def _take(self) -> None:
@@ -110,7 +100,7 @@ class BlobLeaseLock(Lock):
                     r = self.blob.upload_blob(body, overwrite=True, etag=props.etag,
                                               match_condition=MatchConditions.IfNotModified)
                 sent = time.monotonic()  # 3: the lease, on that body only
-                self._lease = self.blob.acquire_lease(self.lease, etag=r["etag"],
+                lease_client = self.blob.acquire_lease(self.lease, etag=r["etag"],
                                                       match_condition=MatchConditions.IfNotModified)
             except Exception as e:
                 if is_conflict(e) or is_missing(e):  # another contender was first (or a lease is breaking)
@@ -122,7 +112,7 @@ class BlobLeaseLock(Lock):
                     time.sleep(0.05)
                     continue
                 raise write_error(e, self.url, what="taking the save lock") from e
-            self._valid_until = sent + self.lease
+            self.version, self._valid_until = lease_client, sent + self.lease
             return
 
     def _holder(self, etag: str) -> dict[str, Any] | None:
@@ -152,64 +142,22 @@ class BlobLeaseLock(Lock):
             raise write_error(e, self.url, what="taking over a dead save's lock") from e
         return True
 
-    # ------------------------------------------------------------------ holding
+    # ------------------------------------------------------------------ holding: the lease
     def _renew_once(self) -> None:
         """Renew the lease (the service refuses where it is broken, expired and retaken, or released)."""
         sent = time.monotonic()
-        self._lease.renew()
+        self.version.renew()
         self._valid_until = sent + self.lease
 
-    def _renew(self) -> None:
-        while not self._stop.wait(self.lease / 4):
-            with self._mutex:
-                if self._stop.is_set() or self.lost:
-                    return
-                try:
-                    self._renew_once()
-                except Exception as e:
-                    if is_conflict(e) or is_missing(e):
-                        self.lost = True
-                        return
-                    # a transient failure: the next renewal tries again, within the lease
-
-    def check(self, what: str = "commit") -> None:
-        with self._mutex:
-            if not self.lost and time.monotonic() >= self._valid_until:
-                self.lost = True  # the service may have let it go: never commit on it
-            if not self.lost:
-                try:
-                    self._renew_once()
-                except Exception as e:
-                    if not (is_conflict(e) or is_missing(e)):
-                        raise write_error(e, self.url, what=f"checking the save lock before the {what}") from e
-                    self.lost = True
-            if self.lost:
-                raise CheckpointWriteError(
-                    f"this save lost its lock before its {what}: its lease of {self.lease} s (lock_lease) ran out "
-                    "or was broken, and another save may have taken the location over; it did not commit, and the "
-                    "checkpoint is as that other save left it. Save again", path=self.url)
-
-    def holds(self) -> bool:
-        """Whether :meth:`check` passes now (for what may be skipped rather than fail: removing leftovers)."""
-        try:
-            self.check("removal")
-        except CheckpointWriteError:
-            return False
+    def _still_ours(self) -> bool:
+        self._renew_once()  # the service says whether this save still holds the lease
         return True
 
-    def release(self) -> None:
-        self.released = True
-        self._stop.set()
-        if self._renewer is not threading.current_thread():
-            self._renewer.join()
-        with self._mutex:
-            lease, self._lease = self._lease, None
-            if lease is None or self.lost:
-                return
-            try:  # delete it under the lease (only the holder can), as S3's lock object is removed
-                self.blob.delete_blob(lease=lease)
-            except Exception:
-                try:
-                    lease.release()
-                except Exception as e:  # left behind, it expires within its lease
-                    _log.debug("releasing the save lock %s: %s", self.url, error_code(e) or e)
+    def _delete(self, version: Any) -> None:
+        try:  # delete it under the lease (only the holder can), as S3's lock object is removed
+            self.blob.delete_blob(lease=version)
+        except Exception:
+            version.release()
+
+    def _lost_because(self) -> str:
+        return f"its lease of {self.lease} s (lock_lease) ran out or was broken"

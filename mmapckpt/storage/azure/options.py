@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from ...errors import CheckpointError
-from ..credentials import redact_value
+from ..store_options import Clients, MiB, StoreOptions
 
 __all__ = ["AzureOptions", "parse_url", "client_for", "azure_blob", "SCHEMES"]
 
-MiB = 1 << 20
 #: Azure's bounds on a block blob: at most 50,000 blocks of at most 4000 MiB
 MAX_BLOCKS = 50_000
 #: The URL schemes served: ``az://`` (adlfs's and obstore's spelling), and ``abfs://`` as adlfs takes it
@@ -50,7 +48,7 @@ _ENV = {  # option -> the environment variables read for it, first found wins
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class AzureOptions:
+class AzureOptions(StoreOptions):
     """The settings of one client and its transfers (see the module docstring); its repr shows no credential."""
 
     connection_string: str | None = None
@@ -59,26 +57,17 @@ class AzureOptions:
     sas_token: str | None = None
     account_url: str | None = None
     anon: bool = False
-    part_size: int = 16 * MiB
-    concurrency: int = 16
-    upload_part_size: int = 16 * MiB
-    upload_concurrency: int = 4
-    retries: int = 5
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
-    lock_lease: float = 30.0
-    lock_wait: float = 60.0
-    lock_job: str | None = None
+
+    scheme = "az"
 
     @classmethod
     def of(cls, options: Mapping[str, Any] | None, account: str | None = None) -> AzureOptions:
         """The options of ``storage_options``, the environment filling in what they leave out (credentials
         are taken from one place: the options where they give any, else the environment)."""
         given = dict(options or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(given) - names)
-        if unknown:
-            raise CheckpointError(f"storage_options: unknown option(s) {unknown} for az:// (known: {sorted(names)})")
+        cls.refuse_unknown(given)
         credentials = ("connection_string", "account_key", "sas_token", "anon")
         if not any(given.get(k) for k in credentials):
             for k in credentials[:-1]:
@@ -89,11 +78,7 @@ class AzureOptions:
         if account and given.get("account_name") is None:
             given["account_name"] = account
         out = cls(**given)
-        if min(out.part_size, out.concurrency, out.upload_part_size, out.upload_concurrency) < 1 or out.retries < 0:
-            raise CheckpointError("storage_options: part_size, concurrency, upload_part_size and upload_concurrency "
-                                  "must be positive, retries not negative")
-        if not out.lock_lease > 0 or not out.lock_wait >= 0:
-            raise CheckpointError("storage_options: lock_lease must be positive and lock_wait not negative (seconds)")
+        out.check_bounds()
         if out.anon and (out.account_key or out.sas_token or out.connection_string):
             raise CheckpointError("storage_options: anon=True sends unsigned requests, so the key, SAS token or "
                                   "connection string given would be ignored; give either anon=True or credentials")
@@ -105,10 +90,6 @@ class AzureOptions:
     def lease_seconds(self) -> int:
         """The lock's lease as Azure takes it: whole seconds from 15 to 60."""
         return int(min(60, max(15, round(self.lock_lease))))
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{f.name}={redact_value(f.name, getattr(self, f.name))!r}" for f in dataclasses.fields(self))
-        return f"AzureOptions({shown})"
 
 
 def _env(option: str) -> str | None:
@@ -148,18 +129,12 @@ def azure_blob() -> Any:
     return blob
 
 
-_clients: dict[tuple[Any, ...], Any] = {}
-_clients_lock = threading.Lock()
+_clients = Clients()
 
 
 def client_for(opts: AzureOptions, container: str, url: str) -> Any:
     """A ``ContainerClient`` for ``opts`` (made once per settings and shared: its pipeline is thread-safe)."""
-    key = (opts, container)
-    with _clients_lock:
-        client = _clients.get(key)
-        if client is None:
-            client = _clients[key] = _make_client(opts, container, url)
-        return client
+    return _clients.get((opts, container), lambda: _make_client(opts, container, url))
 
 
 def _make_client(opts: AzureOptions, container: str, url: str) -> Any:

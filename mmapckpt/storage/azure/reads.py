@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ...errors import IncompleteCheckpointError
-from ..ranged import Into, RangedReads
+from ..ranged import Into, RangedReads, replaced_while_read
 from .failures import is_missing, status, storage_error
 
 __all__ = ["BlobReads"]
@@ -34,10 +33,7 @@ class BlobReads(RangedReads):
             self.blob.download_blob(offset=start, length=length, max_concurrency=1, **kwargs).readinto(into)
         except Exception as e:
             if status(e) == 412:
-                raise IncompleteCheckpointError("the blob changed while it was being read (a later save replaced "
-                                                "it): load again", path=self.url, entry=entry) from None
+                raise replaced_while_read("blob", self.url, entry) from None
             if is_missing(e):
-                raise IncompleteCheckpointError("the blob was removed while it was being read (a later save "
-                                                "replaced the checkpoint): load again", path=self.url,
-                                                entry=entry) from None
+                raise replaced_while_read("blob", self.url, entry, "removed") from None
             raise storage_error(e, self.url, what="reading", entry=entry) from e

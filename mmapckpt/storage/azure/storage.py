@@ -17,15 +17,14 @@ on S3 (``storage/s3/storage.py``, whose shape this follows):
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ...errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, IncompleteCheckpointError, \
-    UnsafePathError
-from ..base import CheckpointStorage, Lock, StoredFile
+from ...errors import CheckpointWriteError, IncompleteCheckpointError
 from ..holders import job_identity
-from .failures import is_conflict, is_missing, storage_error, write_error
+from ..leased_lock import LeasedLock
+from ..object_store import ObjectFile, ObjectStorage, TransferStats
+from .failures import FAILURES, is_missing, storage_error, write_error
 from .lock import LOCK_NAME, BlobLeaseLock
 from .options import AzureOptions, client_for, parse_url
 from .reads import BlobReads
@@ -33,54 +32,24 @@ from .uploads import BlobOutput
 
 __all__ = ["AzureStorage", "BlobFile"]
 
-#: The first bytes of a blob, read (and kept) at its first small read near its start: a shard's header
-_HEAD = 64 << 10
 
-
-class _Stats:
-    """Bytes received and GET requests of a storage's reads (thread-safe), as ``S3Storage.stats``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.requests = 0
-
-    def add(self, nbytes: int, requests: int) -> None:
-        with self._lock:
-            self.bytes += nbytes
-            self.requests += requests
-
-
-class BlobFile(StoredFile):
+class BlobFile(ObjectFile):
     """One blob, open for ranged reads of the version it had when opened."""
 
     def __init__(self, storage: AzureStorage, name: str, size: int, etag: str, modified: Any) -> None:
         self.path = storage.full(name)
         self.size = size
         self.ident = (etag, modified)
-        self._first: bytearray | None = None
         self._reads = BlobReads(storage.blob(name), etag, size, self.path, storage.opts.part_size,
                                 storage.opts.concurrency, storage.stats.add)
 
-    def read_into(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
-        mv = memoryview(buf).cast("B")
-        if 0 <= offset and offset + len(mv) <= min(_HEAD, self.size) and len(mv) < _HEAD:
-            if self._first is None:  # magic, preamble and header reads of a shard: one request, kept
-                first = bytearray(min(_HEAD, self.size))
-                self._reads.read([(0, first)], entry)
-                self._first = first
-            mv[:] = self._first[offset:offset + len(mv)]
-            return
-        self._reads.read([(offset, buf)], entry)
 
-    def read_batch(self, fetches: list[tuple[int, Any]], *, entry: str | None = None) -> None:
-        self._reads.read(fetches, entry)
-
-
-class AzureStorage(CheckpointStorage):
+class AzureStorage(ObjectStorage):
     """The checkpoint at ``az://CONTAINER/PREFIX`` (see the module docstring)."""
 
-    can_map = False
+    failures = FAILURES
+
+    noun = "blob"
 
     def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
         self.location = url.rstrip("/")
@@ -88,25 +57,11 @@ class AzureStorage(CheckpointStorage):
         self.opts = AzureOptions.of(options, account)
         self.client = client_for(self.opts, self.container, self.location)
         #: bytes and requests of every read made through this storage
-        self.stats = _Stats()
-        self._held: BlobLeaseLock | None = None
-        self._versions: dict[str, str] = {}  # ETags under the prefix when the lock was taken (fencing)
-
-    # ------------------------------------------------------------------ naming
-    def key(self, name: str) -> str:
-        """The blob name of file ``name`` (refused where it would leave the prefix)."""
-        if not name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
-            raise UnsafePathError(f"file name {name!r} leaves the checkpoint's prefix", path=self.location)
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def full(self, name: str) -> str:
-        return f"{self.location}/{name}"
+        self.stats = TransferStats()
+        self._fresh()
 
     def blob(self, name: str) -> Any:
         return self.client.get_blob_client(self.key(name))
-
-    def _dir(self) -> str:
-        return f"{self.prefix}/" if self.prefix else ""
 
     # ------------------------------------------------------------------ reading
     def _properties(self, name: str) -> Any:
@@ -120,14 +75,8 @@ class AzureStorage(CheckpointStorage):
     def exists(self, name: str) -> bool:
         return self._properties(name) is not None
 
-    def is_location(self) -> bool:
-        try:
-            return any(True for _ in self.client.list_blobs(name_starts_with=self._dir(), results_per_page=1))
-        except Exception as e:
-            err = storage_error(e, self.location, what="listing the checkpoint")
-            if isinstance(err, CheckpointNotFoundError):
-                return False
-            raise err from e
+    def _any_object(self) -> bool:
+        return any(True for _ in self.client.list_blobs(name_starts_with=self._dir(), results_per_page=1))
 
     def open_file(self, name: str) -> BlobFile:
         p = self._properties(name)
@@ -135,18 +84,16 @@ class AzureStorage(CheckpointStorage):
             raise IncompleteCheckpointError("no such blob", path=self.full(name))
         return BlobFile(self, name, int(p.size), p.etag, p.last_modified)
 
-    def list(self) -> list[str]:
+    def _names(self) -> list[str]:
         """The blobs under the prefix (not below it); uncommitted blocks of killed saves are no blobs."""
         d = self._dir()
-        try:
-            names = [b.name[len(d):] for b in self.client.walk_blobs(name_starts_with=d, delimiter="/")
-                     if not b.name.endswith("/")]
-        except Exception as e:
-            err = storage_error(e, self.location, what="listing the checkpoint")
-            if isinstance(err, CheckpointNotFoundError):
-                return []
-            raise err from e
-        return [n for n in names if n and "/" not in n and n != LOCK_NAME]
+        return [b.name[len(d):] for b in self.client.walk_blobs(name_starts_with=d, delimiter="/")
+                if not b.name.endswith("/")]
+
+    def _below(self) -> Iterator[tuple[str, int]]:
+        d = self._dir()
+        for b in self.client.list_blobs(name_starts_with=d):
+            yield b.name[len(d):], int(b.size or 0)
 
     # ------------------------------------------------------------------ writing
     def prepare(self) -> None:
@@ -162,43 +109,17 @@ class AzureStorage(CheckpointStorage):
         return BlobOutput(self.blob(name), self.full(name), size, head=head, part_size=self.opts.upload_part_size,
                           concurrency=self.opts.upload_concurrency)
 
-    def commit(self, name: str, data: bytes, *, sync: bool) -> None:
+    def _put(self, name: str, data: bytes, seen: Any, *, fenced: bool) -> Any:
         from azure.core import MatchConditions
-        held = self._holding()
         blob = self.blob(name)
-        try:
-            if held is None:
-                blob.upload_blob(bytes(data), overwrite=True, max_concurrency=1)
-                return
-            held.check()
-            seen = self._versions.get(name)
-            if seen is None:
-                r = blob.upload_blob(bytes(data), overwrite=False, max_concurrency=1)
-            else:
-                r = blob.upload_blob(bytes(data), overwrite=True, etag=seen,
-                                     match_condition=MatchConditions.IfNotModified, max_concurrency=1)
-            self._versions[name] = r["etag"]
-        except CheckpointError:
-            raise
-        except Exception as e:
-            if is_conflict(e):
-                raise CheckpointWriteError(
-                    "this save's commit was refused: the blob changed since the save took the location's lock "
-                    "(another save committed after this one stalled past its lease); this save did not commit, the "
-                    "checkpoint is the other save's. Save again", path=self.full(name)) from None
-            raise write_error(e, self.full(name), what="committing the metadata failed") from e
+        if not fenced:
+            return blob.upload_blob(data, overwrite=True, max_concurrency=1)["etag"]
+        if seen is None:
+            return blob.upload_blob(data, overwrite=False, max_concurrency=1)["etag"]
+        return blob.upload_blob(data, overwrite=True, etag=seen, match_condition=MatchConditions.IfNotModified,
+                                max_concurrency=1)["etag"]
 
-    def _holding(self) -> BlobLeaseLock | None:
-        if self._held is not None and self._held.released:
-            self._held = None
-        return self._held
-
-    def remove(self, names: Iterable[str], *, sync: bool) -> None:
-        """Delete these blobs; errors are ignored (what stays is removed next time)."""
-        names = list(names)
-        held = self._holding()
-        if names and held is not None and not held.holds():
-            return  # lost the lock: another save may own these names now
+    def _delete(self, names: list[str]) -> None:
         for i in range(0, len(names), 256):  # a batch delete takes at most 256 blobs
             try:
                 self.client.delete_blobs(*[self.key(n) for n in names[i:i + 256]])
@@ -209,28 +130,10 @@ class AzureStorage(CheckpointStorage):
                     except Exception:
                         pass
 
-    def lock(self, *, shared: bool = False) -> Lock:
-        if shared:
-            return _NoLock()
-        lock = BlobLeaseLock(self.blob(LOCK_NAME), self.full(LOCK_NAME), lease=self.opts.lease_seconds,
+    def _new_lock(self) -> LeasedLock:
+        return BlobLeaseLock(self.blob(LOCK_NAME), self.full(LOCK_NAME), lease=self.opts.lease_seconds,
                              wait=self.opts.lock_wait, job=job_identity(self.opts.lock_job))
-        try:
-            d = self._dir()
-            self._versions = {b.name[len(d):]: b.etag for b in self.client.list_blobs(name_starts_with=d)}
-        except BaseException as e:
-            lock.release()
-            if isinstance(e, Exception):
-                raise write_error(e, self.location, what="listing the checkpoint") from e
-            raise
-        self._held = lock
-        return lock
 
-    def sync(self) -> None:
-        """Nothing to do: a blob is durable once its Put Blob or Put Block List has answered."""
-
-
-class _NoLock(Lock):
-    """The lock of a per-rank save: none (its ranks write disjoint blobs)."""
-
-    def release(self) -> None:
-        pass
+    def _current_versions(self) -> dict[str, str]:
+        d = self._dir()
+        return {b.name[len(d):]: b.etag for b in self.client.list_blobs(name_starts_with=d)}

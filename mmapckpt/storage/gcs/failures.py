@@ -9,6 +9,7 @@ service a ``StorageUnavailableError``, each naming the URL and what to do.
 
 from __future__ import annotations
 
+from ..failures import StoreFailures, as_write_error, failing_or_other
 from ...errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -17,7 +18,7 @@ from ...errors import (
     StorageUnavailableError,
 )
 
-__all__ = ["status", "is_missing", "is_precondition_failed", "storage_error", "write_error"]
+__all__ = ["FAILURES", "status", "is_missing", "is_precondition_failed", "storage_error", "write_error"]
 
 
 def status(e: BaseException) -> int | None:
@@ -67,16 +68,13 @@ def storage_error(e: BaseException, url: str, *, what: str, entry: str | None = 
         return StorageUnavailableError(f"{what}: GCS is unreachable or stopped answering ({type(e).__name__}); "
                                        "check STORAGE_EMULATOR_HOST / storage_options endpoint_url and the network",
                                        path=url, entry=entry)
-    if st is not None and (st >= 500 or st in (408, 429)):
-        return StorageUnavailableError(f"{what}: GCS kept failing past the retries allowed ({st}); try again "
-                                       "later", path=url, entry=entry)
-    return CheckpointError(f"{what}: {type(e).__name__}: {e}"[:600], path=url, entry=entry)
+    return failing_or_other(e, st, None, service="GCS", what=what, url=url, entry=entry)
 
 
 def write_error(e: BaseException, url: str, *, what: str) -> CheckpointError:
-    """:func:`storage_error` for a write: everything but refused credentials and an unreachable service is a
-    CheckpointWriteError."""
-    err = storage_error(e, url, what=what, missing=CheckpointWriteError)
-    if isinstance(err, (StorageAccessError, StorageUnavailableError, CheckpointWriteError)):
-        return err
-    return CheckpointWriteError(err.message, path=url)
+    """:func:`storage_error` for a write (``storage/failures.py`` ``as_write_error``)."""
+    return as_write_error(storage_error(e, url, what=what, missing=CheckpointWriteError), url)
+
+
+#: the rules of this store for the shared core
+FAILURES = StoreFailures(storage_error, write_error, is_precondition_failed, is_missing)

@@ -19,72 +19,49 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from ...errors import CheckpointError
-from ..credentials import redact_value
+from ..store_options import Clients, StoreOptions, bucket_and_prefix
 
 __all__ = ["GCSOptions", "parse_url", "client_for", "gcs"]
 
-MiB = 1 << 20
 #: GCS's bounds on composing: 32 sources a compose, 1024 components in an object
 MAX_SOURCES = 32
 MAX_COMPONENTS = 1024
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class GCSOptions:
+class GCSOptions(StoreOptions):
     """The settings of one client and its transfers (see the module docstring); its repr shows no credential."""
 
     project: str | None = None
     token: str | None = None
     anon: bool = False
     endpoint_url: str | None = None
-    part_size: int = 16 * MiB
-    concurrency: int = 16
-    upload_part_size: int = 16 * MiB
-    upload_concurrency: int = 4
-    retries: int = 5
     timeout: float = 60.0
-    lock_lease: float = 30.0
-    lock_wait: float = 60.0
-    lock_job: str | None = None
     require_preconditions: bool = True
+
+    scheme = "gs"
 
     @classmethod
     def of(cls, options: Mapping[str, Any] | None) -> GCSOptions:
         given = dict(options or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(given) - names)
-        if unknown:
-            raise CheckpointError(f"storage_options: unknown option(s) {unknown} for gs:// (known: {sorted(names)})")
+        cls.refuse_unknown(given)
         if given.get("token") == "anon":
             given["token"], given["anon"] = None, True
         out = cls(**given)
-        if min(out.part_size, out.concurrency, out.upload_part_size, out.upload_concurrency) < 1 or out.retries < 0:
-            raise CheckpointError("storage_options: part_size, concurrency, upload_part_size and upload_concurrency "
-                                  "must be positive, retries not negative")
-        if not out.lock_lease > 0 or not out.lock_wait >= 0:
-            raise CheckpointError("storage_options: lock_lease must be positive and lock_wait not negative (seconds)")
+        out.check_bounds()
         if out.anon and out.token:
             raise CheckpointError("storage_options: anon=True sends unsigned requests, so the token given would be "
                                   "ignored; give either anon=True or token")
         return out
 
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{f.name}={redact_value(f.name, getattr(self, f.name))!r}" for f in dataclasses.fields(self))
-        return f"GCSOptions({shown})"
-
 
 def parse_url(url: str) -> tuple[str, str]:
-    """``(bucket, prefix)`` of ``gs://BUCKET/PREFIX`` (the prefix without slashes at either end)."""
-    rest = url.split("://", 1)[1]
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise CheckpointError("a gs:// URL needs a bucket: gs://BUCKET/PREFIX", path=url)
-    return bucket, prefix.strip("/")
+    """``(bucket, prefix)`` of ``gs://BUCKET/PREFIX`` (the prefix without slashes at either end; may be empty)."""
+    return bucket_and_prefix(url)
 
 
 def gcs() -> Any:
@@ -102,20 +79,14 @@ def gcs() -> Any:
     return storage
 
 
-_clients: dict[tuple[Any, ...], Any] = {}
-_clients_lock = threading.Lock()
+_clients = Clients()
 
 
 def client_for(opts: GCSOptions, url: str) -> Any:
     """A ``google.cloud.storage.Client`` for ``opts`` and the environment (made once, shared: thread-safe)."""
     env = tuple(os.environ.get(n) for n in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT",
                                             "STORAGE_EMULATOR_HOST"))
-    key = (opts, env)
-    with _clients_lock:
-        client = _clients.get(key)
-        if client is None:
-            client = _clients[key] = _make_client(opts, url)
-        return client
+    return _clients.get((opts, env), lambda: _make_client(opts, url))
 
 
 def _make_client(opts: GCSOptions, url: str) -> Any:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ...errors import IncompleteCheckpointError
-from ..ranged import Into, RangedReads
+from ..ranged import Into, RangedReads, replaced_while_read
 from .failures import is_missing, is_precondition_failed, storage_error
 
 __all__ = ["ObjectReads"]
@@ -37,7 +36,5 @@ class ObjectReads(RangedReads):
                                   **({"retry": self.retry} if self.retry is not None else {}), timeout=self.timeout)
         except Exception as e:
             if is_missing(e) or is_precondition_failed(e):
-                raise IncompleteCheckpointError("the object was replaced or removed while it was being read (a later "
-                                                "save replaced the checkpoint): load again", path=self.url,
-                                                entry=entry) from None
+                raise replaced_while_read("object", self.url, entry, "replaced or removed") from None
             raise storage_error(e, self.url, what="reading", entry=entry) from e

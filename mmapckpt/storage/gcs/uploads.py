@@ -15,12 +15,12 @@ removed by the next save's cleanup). A shard smaller than one part is one upload
 from __future__ import annotations
 
 import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ...errors import CheckpointError
-from ..base import FileOutput
-from .failures import write_error
+from ..parts import PartedOutput
+from ..parts import part_size_for as _part_size_for
+from .failures import FAILURES
 from .options import MAX_COMPONENTS, MAX_SOURCES
 
 __all__ = ["ComposedOutput", "part_size_for"]
@@ -28,60 +28,33 @@ __all__ = ["ComposedOutput", "part_size_for"]
 
 def part_size_for(size: int | None, wanted: int) -> int:
     """``wanted``, raised (in MiB steps) so that an object of ``size`` bytes needs at most 1024 components."""
-    parts = MAX_COMPONENTS - 1  # one is the head's
-    if size is None or size <= wanted * parts:
-        return wanted
-    mib = 1 << 20
-    return -(-size // parts // mib) * mib + mib
+    return _part_size_for(size, wanted, MAX_COMPONENTS)
 
 
-class ComposedOutput(FileOutput):
+class ComposedOutput(PartedOutput):
     """Object ``key`` being written (see the module docstring)."""
 
     how = "composed"
+    failures = FAILURES
+    thread_name = "mmapckpt-gs-put"
 
     def __init__(self, bucket: Any, key: str, url: str, size: int | None, *, head: int, part_size: int,
                  concurrency: int, retry: Any) -> None:
-        self.bucket, self.key, self.path, self.size, self.head = bucket, key, url, size, head
-        self.part_size = part_size_for(size, part_size)
-        self.concurrency, self.retry = concurrency, retry
+        super().__init__(url, size, start=head, part_size=part_size_for(size, part_size), concurrency=concurrency)
+        self.bucket, self.key, self.head, self.retry = bucket, key, head, retry
         directory, _, name = key.rpartition("/")
         self._stem = f"{directory}/" if directory else ""
         self._stem += f".{name}.tmp-{uuid.uuid4().hex[:12]}p"
-        self._buf = bytearray()
-        self._end = head
         self._parts: list[str] = []  # the temporary objects after the head's, in order
-        self._sent: list[Future[None]] = []
-        self._threads: ThreadPoolExecutor | None = None
 
-    def put(self, offset: int, data: Any) -> None:
-        mv = memoryview(data).cast("B")
-        if offset < self._end:
-            raise ValueError(f"piece at {offset} before the end of the previous one (or the head) ({self._end})")
-        if offset > self._end:
-            self._append(memoryview(bytes(offset - self._end)))
-        self._append(mv)
-        self._end = offset + len(mv)
-
-    def _append(self, mv: memoryview) -> None:
-        while len(mv):
-            room = self.part_size - len(self._buf)
-            self._buf += mv[:room]
-            mv = mv[room:]
-            if len(self._buf) == self.part_size:
-                self._send(self._buf)
-                self._buf = bytearray()
+    def _full(self, buf: bytearray) -> None:
+        self._send(buf)
 
     def _send(self, data: bytes | bytearray, name: str | None = None) -> None:
         if name is None:
             name = f"{self._stem}{len(self._parts) + 1:05d}"
             self._parts.append(name)
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="mmapckpt-gs-put")
-        while sum(not f.done() for f in self._sent) >= self.concurrency:
-            for f in wait([f for f in self._sent if not f.done()], return_when=FIRST_COMPLETED).done:
-                f.result()
-        self._sent.append(self._threads.submit(self._upload, name, data))
+        self._submit(self._upload, name, data)
 
     def _upload(self, name: str, data: bytes | bytearray) -> None:
         try:
@@ -90,12 +63,8 @@ class ComposedOutput(FileOutput):
             raise self._error(e, "uploading a part") from e
 
     def finish(self, head: bytes) -> None:
-        if len(head) > self.head:
-            raise ValueError(f"head of {len(head)} bytes is longer than the {self.head} bytes kept for it")
-        head = bytes(head) + bytes(self.head - len(head))
-        if self.size is not None and self._end < self.size:
-            self._append(memoryview(bytes(self.size - self._end)))
-            self._end = self.size
+        head = self._padded_head(head, self.head)
+        self._pad_to_size()
         try:
             if not self._parts:  # smaller than one part: one upload
                 self.bucket.blob(self.key).upload_from_string(head + bytes(self._buf), retry=self.retry,
@@ -108,8 +77,7 @@ class ComposedOutput(FileOutput):
             if head:
                 sources.insert(0, f"{self._stem}00000")
                 self._send(head, sources[0])
-            for f in self._sent:
-                f.result()
+            self._results()
             self._compose(sources)
         except CheckpointError:
             raise
@@ -144,13 +112,3 @@ class ComposedOutput(FileOutput):
                 self.bucket.blob(name).delete()
             except Exception:
                 pass  # left behind, the next save's cleanup removes it (its name is a temporary file's)
-
-    def _close_threads(self) -> None:
-        threads, self._threads = self._threads, None
-        if threads is not None:
-            threads.shutdown(wait=True, cancel_futures=True)
-
-    def _error(self, e: BaseException, what: str) -> CheckpointError:
-        if isinstance(e, CheckpointError):
-            return e
-        return write_error(e, self.path, what=what)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..failures import StoreFailures, as_write_error, failing_or_other
 from ...errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -19,7 +20,7 @@ from ...errors import (
     StorageUnavailableError,
 )
 
-__all__ = ["error_code", "is_missing", "is_precondition_failed", "storage_error", "write_error",
+__all__ = ["FAILURES", "error_code", "is_missing", "is_precondition_failed", "storage_error", "write_error",
            "TRANSIENT_STREAM_ERRORS"]
 
 _ACCESS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken",
@@ -70,20 +71,15 @@ def storage_error(e: BaseException, url: str, *, what: str, entry: str | None = 
                                        "check AWS_ENDPOINT_URL / storage_options endpoint_url and the network",
                                        path=url, entry=entry)
     status = (getattr(e, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
-    if code in ("SlowDown", "Throttling", "ServiceUnavailable", "InternalError", "RequestTimeout") or (
-            isinstance(status, int) and status >= 500):
-        return StorageUnavailableError(f"{what}: the object store kept failing past the retries allowed "
-                                       f"({code or status}); try again later", path=url, entry=entry)
-    return CheckpointError(f"{what}: {type(e).__name__}: {e}"[:600], path=url, entry=entry)
+    if code in ("SlowDown", "Throttling", "ServiceUnavailable", "InternalError", "RequestTimeout"):
+        status = 503
+    return failing_or_other(e, status if isinstance(status, int) else None, code, service="the object store",
+                            what=what, url=url, entry=entry)
 
 
 def write_error(e: BaseException, url: str, *, what: str) -> CheckpointError:
-    """:func:`storage_error` for a write: refused credentials and an unreachable store keep their classes,
-    everything else (a missing bucket included) is a CheckpointWriteError."""
-    err = storage_error(e, url, what=what, missing=CheckpointWriteError)
-    if isinstance(err, (StorageAccessError, StorageUnavailableError, CheckpointWriteError)):
-        return err
-    return CheckpointWriteError(err.message, path=url)
+    """:func:`storage_error` for a write (``storage/failures.py`` ``as_write_error``)."""
+    return as_write_error(storage_error(e, url, what=what, missing=CheckpointWriteError), url)
 
 
 def _botocore() -> tuple[Any, Any]:
@@ -103,3 +99,7 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
 
 
 TRANSIENT_STREAM_ERRORS = _stream_errors()
+
+
+#: the rules of this store for the shared core
+FAILURES = StoreFailures(storage_error, write_error, is_precondition_failed, is_missing)

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from ...errors import CheckpointError
-from ..credentials import redact_value
+from ..store_options import Clients, MiB, StoreOptions, bucket_and_prefix
 
 __all__ = ["S3Options", "parse_url", "client_for", "boto"]
 
-MiB = 1 << 20
 #: S3's bounds on a multipart upload: parts of at least 5 MiB (but the last), at most 10,000 parts
 MIN_PART = 5 * MiB
 MAX_PARTS = 10_000
@@ -47,7 +45,7 @@ _ALIASES = {"aws_access_key_id": "key", "aws_secret_access_key": "secret", "aws_
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class S3Options:
+class S3Options(StoreOptions):
     """The settings of one client and its transfers (see the module docstring for each); its repr shows
     no credential (``storage/credentials.py``)."""
 
@@ -59,16 +57,10 @@ class S3Options:
     endpoint_url: str | None = None
     region_name: str | None = None
     addressing_style: str | None = None
-    part_size: int = 16 * MiB
-    concurrency: int = 16
-    upload_part_size: int = 16 * MiB
-    upload_concurrency: int = 4
-    retries: int = 5
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
-    lock_lease: float = 30.0
-    lock_wait: float = 60.0
-    lock_job: str | None = None
+
+    scheme = "s3"
 
     @classmethod
     def of(cls, options: Mapping[str, Any] | None) -> S3Options:
@@ -82,16 +74,9 @@ class S3Options:
         for old, new in _ALIASES.items():
             if old in given:
                 given.setdefault(new, given.pop(old))
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(given) - names)
-        if unknown:
-            raise CheckpointError(f"storage_options: unknown option(s) {unknown} for s3:// (known: {sorted(names)})")
+        cls.refuse_unknown(given)
         out = cls(**given)
-        if out.part_size < 1 or out.concurrency < 1 or out.upload_concurrency < 1 or out.retries < 0:
-            raise CheckpointError("storage_options: part_size, concurrency and upload_concurrency must be positive, "
-                                  "retries not negative")
-        if not out.lock_lease > 0 or not out.lock_wait >= 0:
-            raise CheckpointError("storage_options: lock_lease must be positive and lock_wait not negative (seconds)")
+        out.check_bounds()
         out._check_credentials()
         if out.upload_part_size < MIN_PART:
             raise CheckpointError(f"storage_options: upload_part_size must be at least {MIN_PART} bytes (5 MiB), "
@@ -114,19 +99,10 @@ class S3Options:
                                   "together in storage_options, or set AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY "
                                   "and AWS_SESSION_TOKEN")
 
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{f.name}={redact_value(f.name, getattr(self, f.name))!r}"
-                          for f in dataclasses.fields(self))
-        return f"S3Options({shown})"
-
 
 def parse_url(url: str) -> tuple[str, str]:
     """``(bucket, prefix)`` of ``s3://BUCKET/PREFIX`` (the prefix without slashes at either end; may be empty)."""
-    rest = url.split("://", 1)[1]
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise CheckpointError("an s3:// URL needs a bucket: s3://BUCKET/PREFIX", path=url)
-    return bucket, prefix.strip("/")
+    return bucket_and_prefix(url)
 
 
 def boto() -> tuple[Any, Any]:
@@ -145,8 +121,7 @@ def boto() -> tuple[Any, Any]:
     return boto3, botocore
 
 
-_clients: dict[tuple[Any, ...], Any] = {}
-_clients_lock = threading.Lock()
+_clients = Clients()
 
 
 def _environment() -> tuple[str | None, ...]:
@@ -159,12 +134,7 @@ def _environment() -> tuple[str | None, ...]:
 def client_for(opts: S3Options) -> Any:
     """A boto3 S3 client for ``opts`` and the current environment, made once and shared (boto3's
     clients are thread-safe; its sessions are not, so each client gets its own)."""
-    key = (opts, _environment())
-    with _clients_lock:
-        client = _clients.get(key)
-        if client is None:
-            client = _clients[key] = _make_client(opts)
-        return client
+    return _clients.get((opts, _environment()), lambda: _make_client(opts))
 
 
 def _make_client(opts: S3Options) -> Any:

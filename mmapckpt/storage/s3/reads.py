@@ -1,10 +1,10 @@
 """Ranged GETs of one object straight into the callers' buffers, many in flight.
 
 A batch of reads (``(offset, buffer)`` pairs: target tensors, staging buffers, broadcast
-buffers) becomes requests of at most ``part_size`` bytes: a long read is split, short reads
-of neighbouring ranges are joined into one request whose body is scattered into their
-buffers (gaps of at most ``_GAP`` bytes are read into a scratch buffer and dropped).
-Requests run on a shared pool of ``concurrency`` threads. Each response body is read with
+buffers) becomes requests of at most ``part_size`` bytes, planned and run on a shared pool of
+``concurrency`` threads as on every store (``storage/ranged.py``): a long read is split, short
+reads of neighbouring ranges are joined into one request whose body is scattered into their
+buffers (gaps read into a scratch buffer and dropped). Each response body is read with
 ``readinto`` into the buffers themselves: no temporary file, no copy of the object, memory
 beyond the callers' buffers bounded by one scratch gap per request.
 
@@ -17,104 +17,31 @@ times with exponential backoff (botocore retries the request itself; a broken st
 from __future__ import annotations
 
 import random
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from ...errors import CheckpointError, IncompleteCheckpointError, TruncatedFileError
+from ...errors import CheckpointError, TruncatedFileError
+from ..ranged import Fetch, RangedReads, plan_requests, replaced_while_read
 from .failures import TRANSIENT_STREAM_ERRORS, is_missing, is_precondition_failed, storage_error
 from .options import S3Options
 
 __all__ = ["Fetch", "ObjectReads", "plan_requests"]
 
-#: Neighbouring reads at most this far apart are joined into one request (the gap is read and dropped).
-_GAP = 256 << 10
 #: A request's body is read in pieces of at most this many bytes (so a retry resumes close to where it broke).
 _STEP = 4 << 20
 
-#: One read of a batch: ``(offset, buffer)``; a buffer is any writable bytes-like object.
-Fetch = tuple[int, Any]
-#: One request: its first byte and its segments, each a buffer to fill or the length of a gap to drop.
-Request = tuple[int, list[Any]]
 
+class ObjectReads(RangedReads):
+    """Ranged reads of one object version (``etag``) of ``size`` bytes (planned and run by ``RangedReads.read``);
+    ``on_fetch(bytes, requests)`` hears of every GET and every byte received (gaps and retried bytes included: what
+    the store sent)."""
 
-def plan_requests(fetches: list[Fetch], part_size: int, gap: int = _GAP) -> list[Request]:
-    """The requests of a batch: reads in offset order, long ones split at ``part_size``, neighbours
-    (no more than ``gap`` bytes apart, together at most ``part_size``) joined. Overlapping reads are
-    each requested on their own."""
-    pieces: list[tuple[int, memoryview]] = []
-    for offset, buf in fetches:
-        mv = memoryview(buf).cast("B")
-        for start in range(0, len(mv), part_size):
-            pieces.append((offset + start, mv[start:start + part_size]))
-    pieces.sort(key=lambda p: p[0])
-    out: list[Request] = []
-    end = -1
-    for offset, mv in pieces:
-        if out and end <= offset <= end + gap and offset + len(mv) - out[-1][0] <= part_size:
-            if offset > end:
-                out[-1][1].append(offset - end)
-            out[-1][1].append(mv)
-        else:
-            out.append((offset, [mv]))
-        end = offset + len(mv)
-    return out
-
-
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """The shared pool of ``threads`` request threads (its tasks never wait on one another)."""
-    with _pools_lock:
-        pool = _pools.get(threads)
-        if pool is None:
-            pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="mmapckpt-s3")
-        return pool
-
-
-class ObjectReads:
-    """Ranged reads of one object version (``etag``) of ``size`` bytes; ``on_fetch(bytes, requests)`` hears of
-    every GET and every byte received (gaps and retried bytes included: what the store sent)."""
+    pool_name = "s3"
 
     def __init__(self, client: Any, bucket: str, key: str, etag: str | None, size: int, url: str,
                  opts: S3Options, on_fetch: Callable[[int, int], None] | None = None) -> None:
-        self.client, self.bucket, self.key, self.etag, self.size, self.url = client, bucket, key, etag, size, url
-        self.opts, self.on_fetch = opts, on_fetch
-
-    def read(self, fetches: list[Fetch], entry: str | None = None) -> None:
-        """Fill every buffer of ``fetches`` with the object's bytes at its offset (requests in parallel)."""
-        for offset, buf in fetches:
-            n = memoryview(buf).nbytes
-            if offset < 0 or offset + n > self.size:
-                raise TruncatedFileError(f"data [{offset}, +{n}) runs past the end of the {self.size}-byte object",
-                                         path=self.url, entry=entry)
-        requests = plan_requests([(o, b) for o, b in fetches if memoryview(b).nbytes], self.opts.part_size)
-        if len(requests) <= 1:
-            for start, segments in requests:
-                self._get(start, segments, entry)
-            return
-        pool = _pool(self.opts.concurrency)
-        futures: list[Future[None]] = [pool.submit(self._get, s, segs, entry) for s, segs in requests]
-        error: BaseException | None = None
-        for fut in futures:
-            if error is not None:
-                fut.cancel()
-                continue
-            try:
-                fut.result()
-            except BaseException as e:  # the first failure; the rest are cancelled or awaited
-                error = e
-        if error is not None:
-            for fut in futures:
-                if not fut.cancelled():
-                    try:
-                        fut.result()
-                    except BaseException:
-                        pass
-            raise error
+        super().__init__(size, url, opts.part_size, opts.concurrency, on_fetch)
+        self.client, self.bucket, self.key, self.etag, self.opts = client, bucket, key, etag, opts
 
     def _get(self, start: int, segments: list[Any], entry: str | None) -> None:
         """One request: the bytes from ``start`` scattered into ``segments``, resumed where a body breaks off."""
@@ -143,12 +70,9 @@ class ObjectReads:
             raise
         except Exception as e:
             if is_precondition_failed(e):
-                raise IncompleteCheckpointError("the object changed while it was being read (a later save "
-                                                "replaced it): load again", path=self.url, entry=entry) from None
+                raise replaced_while_read("object", self.url, entry) from None
             if is_missing(e):
-                raise IncompleteCheckpointError("the object was removed while it was being read (a later save "
-                                                "replaced the checkpoint): load again", path=self.url,
-                                                entry=entry) from None
+                raise replaced_while_read("object", self.url, entry, "removed") from None
             raise storage_error(e, self.url, what="reading", entry=entry) from e
         if self.on_fetch is not None:
             self.on_fetch(0, 1)

@@ -13,30 +13,24 @@ checkpoint here, and back).
   object or the new one); what no commit references is removed after it.
 - Removing: after a commit, what no commit references (``storage/commits.py`` ``remove_stale``);
   uploads left in progress by a killed save are listed as files and aborted as they are removed.
-- Locking: a leased lock object created with a conditional write (``lock.py``). The commit is
-  fenced by it: while this storage's lock is held, :meth:`S3Storage.commit` checks the lock first
-  and then PUTs conditionally on the version of the object the save saw when it took the lock
-  (``If-Match`` its ETag, ``If-None-Match: *`` where there was none), and :meth:`S3Storage.remove`
-  removes nothing once the lock is lost.
+- Locking: a leased lock object created with a conditional write (``lock.py``, over
+  ``storage/leased_lock.py``). The commit is fenced by it (``storage/object_store.py``, for every
+  store): while this storage's lock is held, a commit checks the lock first and then PUTs
+  conditionally on the version of the object the save saw when it took the lock (``If-Match`` its
+  ETag, ``If-None-Match: *`` where there was none), and :meth:`remove` removes nothing once the lock
+  is lost.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ...errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    IncompleteCheckpointError,
-    TruncatedFileError,
-    UnsafePathError,
-)
-from ..base import CheckpointStorage, Lock, StoredFile
+from ...errors import CheckpointError, CheckpointWriteError, IncompleteCheckpointError, TruncatedFileError
 from ..holders import job_identity
-from .failures import error_code, is_missing, is_precondition_failed, storage_error, write_error
+from ..leased_lock import LeasedLock
+from ..object_store import HEAD_BYTES, ObjectFile, ObjectStorage, TransferStats
+from .failures import FAILURES, error_code, is_missing, storage_error, write_error
 from .lock import LOCK_NAME, S3Lock, put_if
 from .options import S3Options, client_for, parse_url
 from .reads import ObjectReads
@@ -45,27 +39,10 @@ from .versions import ObjectVersions
 
 __all__ = ["S3Storage", "S3File", "TransferStats"]
 
-
-class TransferStats:
-    """What a storage's reads took from the store: bytes received and GET requests (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.requests = 0
-
-    def add(self, nbytes: int, requests: int) -> None:
-        with self._lock:
-            self.bytes += nbytes
-            self.requests += requests
+_HEAD = HEAD_BYTES
 
 
-#: The first bytes of an object read (and kept) at the first small read near its start: a shard's magic,
-#: preamble and header usually fit, so opening a shard is one request.
-_HEAD = 64 << 10
-
-
-class S3File(StoredFile):
+class S3File(ObjectFile):
     """One object, open for ranged reads of the version it had when opened."""
 
     def __init__(self, storage: S3Storage, name: str, head: dict[str, Any]) -> None:
@@ -73,45 +50,16 @@ class S3File(StoredFile):
         self.size = int(head["ContentLength"])
         etag = head.get("ETag")
         self.ident = (etag, head.get("LastModified"))
-        self._head = storage._first_bytes.get((name, etag))  # the first _HEAD bytes, once read
-        self._remember = lambda head: storage._first_bytes.__setitem__((name, etag), head)
+        self._first = storage._first_bytes.get((name, etag))  # the first _HEAD bytes, once read
+        self._remember = lambda first: storage._first_bytes.__setitem__((name, etag), first)  # type: ignore[method-assign]
         self._reads = ObjectReads(storage.client, storage.bucket, storage.key(name), etag, self.size, self.path,
                                   storage.opts, storage.stats.add)
 
-    def read_into(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
-        mv = memoryview(buf).cast("B")
-        if 0 <= offset and offset + len(mv) <= min(_HEAD, self.size) and len(mv) < _HEAD:
-            # magic, preamble and header reads of a shard: one request for the file's first bytes, kept
-            if self._head is None:
-                head = bytearray(min(_HEAD, self.size))
-                self._reads.read([(0, head)], entry)
-                self._head = head
-                self._remember(head)
-            mv[:] = self._head[offset:offset + len(mv)]
-            return
-        self._reads.read([(offset, buf)], entry)
 
-    def read_batch(self, fetches: list[tuple[int, Any]], *, entry: str | None = None) -> None:
-        self._reads.read(fetches, entry)
-
-
-def _sibling(storage: S3Storage, name: str) -> S3Storage:
-    """``S3Storage.sibling``: the prefix ``name`` beside this one (``""``: the parent), with its client and settings."""
-    if not storage.prefix or (name and ("/" in name or name in (".", ".."))):
-        raise UnsafePathError(f"no sibling {name!r} of this prefix", path=storage.location)
-    parent = storage.prefix.rsplit("/", 1)[0] if "/" in storage.prefix else ""
-    key = f"{parent}/{name}".strip("/")
-    other = object.__new__(S3Storage)  # this one's client and settings, another prefix, nothing found yet
-    other.__dict__.update(storage.__dict__)
-    other.location, other.prefix = f"s3://{storage.bucket}/{key}".rstrip("/"), key
-    other._uploads, other._heads, other._first_bytes, other._held, other._versions = {}, {}, {}, None, {}
-    return other
-
-
-class S3Storage(ObjectVersions, CheckpointStorage):
+class S3Storage(ObjectVersions, ObjectStorage):
     """The checkpoint at ``s3://BUCKET/PREFIX`` (see the module docstring)."""
 
-    can_map = False
+    failures = FAILURES
 
     def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
         self.location = url.rstrip("/")
@@ -120,25 +68,18 @@ class S3Storage(ObjectVersions, CheckpointStorage):
         self.client = client_for(self.opts)
         #: bytes and requests of every read made through this storage
         self.stats = TransferStats()
+        self._fresh()
+
+    def _fresh(self) -> None:
+        super()._fresh()
         self._uploads: dict[str, list[str]] = {}  # name -> ids of uploads in progress, as list() found them
         # what this storage found of its objects (a load opens .metadata and each shard several times):
         # HEADs by name, dropped when this storage writes or removes the name; first bytes by (name, ETag)
         self._heads: dict[str, dict[str, Any]] = {}
         self._first_bytes: dict[tuple[str, str | None], bytearray] = {}
-        # the save lock this storage handed out and still holds, and the ETags of the objects under the
-        # prefix when it was taken: what a commit is conditional on (fencing)
-        self._held: S3Lock | None = None
-        self._versions: dict[str, str] = {}
 
-    # ------------------------------------------------------------------ naming
-    def key(self, name: str) -> str:
-        """The object key of file ``name`` (refused where it would leave the prefix)."""
-        if not name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
-            raise UnsafePathError(f"file name {name!r} leaves the checkpoint's prefix", path=self.location)
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def full(self, name: str) -> str:
-        return f"{self.location}/{name}"
+    def _forget(self, name: str) -> None:
+        self._heads.pop(name, None)
 
     # ------------------------------------------------------------------ reading
     def _head(self, name: str) -> dict[str, Any] | None:
@@ -181,6 +122,7 @@ class S3Storage(ObjectVersions, CheckpointStorage):
         return self._head(name) is not None
 
     def is_location(self) -> bool:
+        """As every store's, but a missing bucket is raised (``CheckpointNotFoundError`` naming it), not "no"."""
         try:
             r = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._dir(), MaxKeys=1)
         except Exception as e:
@@ -193,32 +135,32 @@ class S3Storage(ObjectVersions, CheckpointStorage):
             raise IncompleteCheckpointError("no such object", path=self.full(name))
         return S3File(self, name, head)
 
-    def list(self) -> list[str]:
-        """The objects under the prefix (not below it), and the names of uploads still in progress there
-        (a killed save's, which :meth:`remove` aborts, as a local save's temporary files are removed)."""
+    def _names(self) -> list[str]:
+        """The objects under the prefix, and the names of uploads still in progress there (kept for :meth:`remove`,
+        which aborts them)."""
         names: list[str] = []
         uploads: dict[str, list[str]] = {}
         d = self._dir()
-        try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=d,
-                                                                               Delimiter="/"):
-                names += [o["Key"][len(d):] for o in page.get("Contents", ())]
-            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=d,
-                                                                                      Delimiter="/"):
-                for u in page.get("Uploads", ()):
-                    uploads.setdefault(u["Key"][len(d):], []).append(u["UploadId"])
-        except Exception as e:
-            err = storage_error(e, self.location, what="listing the checkpoint")
-            if isinstance(err, CheckpointNotFoundError):
-                return []
-            raise err from e
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=d, Delimiter="/"):
+            names += [o["Key"][len(d):] for o in page.get("Contents", ())]
+        for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=d,
+                                                                                  Delimiter="/"):
+            for u in page.get("Uploads", ()):
+                uploads.setdefault(u["Key"][len(d):], []).append(u["UploadId"])
         self._uploads = uploads
         seen = set(names)
-        names += [n for n in uploads if n not in seen]
-        return [n for n in names if n and "/" not in n and n != LOCK_NAME]
+        return names + [n for n in uploads if n not in seen]
 
-    def _dir(self) -> str:
-        return f"{self.prefix}/" if self.prefix else ""
+    def _below(self) -> Iterator[tuple[str, int]]:
+        d = self._dir()
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=d):
+            for o in page.get("Contents", ()):
+                yield o["Key"][len(d):], int(o["Size"])
+
+    def _unfinished_below(self) -> list[str]:
+        d = self._dir()
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=d)
+        return [u["Key"][len(d):] for page in pages for u in page.get("Uploads", ())]
 
     # ------------------------------------------------------------------ writing
     def prepare(self) -> None:
@@ -234,41 +176,13 @@ class S3Storage(ObjectVersions, CheckpointStorage):
         self._heads.pop(name, None)
         return S3Output(self.client, self.bucket, self.key(name), self.full(name), size, head=head, opts=self.opts)
 
-    def commit(self, name: str, data: bytes, *, sync: bool) -> None:
-        self._heads.pop(name, None)
-        held = self._holding()
-        try:
-            if held is None:
-                self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=bytes(data))
-                return
-            held.check()
-            r = put_if(self.client, self.bucket, self.key(name), bytes(data), self._versions.get(name))
-            self._versions[name] = r.get("ETag", "")
-        except CheckpointError:
-            raise
-        except Exception as e:
-            if is_precondition_failed(e):
-                raise CheckpointWriteError(
-                    "this save's commit was refused: the object changed since the save took the location's lock "
-                    "(another save committed after this one stalled past its lease); this save did not commit, the "
-                    "checkpoint is the other save's. Save again", path=self.full(name)) from None
-            raise write_error(e, self.full(name), what="committing the metadata failed") from e
+    def _put(self, name: str, data: bytes, seen: Any, *, fenced: bool) -> Any:
+        if not fenced:
+            return self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=data).get("ETag", "")
+        return put_if(self.client, self.bucket, self.key(name), data, seen).get("ETag", "")
 
-    def _holding(self) -> S3Lock | None:
-        """The save lock this storage holds (None: none, or released)."""
-        if self._held is not None and self._held.released:
-            self._held = None
-        return self._held
-
-    def remove(self, names: Iterable[str], *, sync: bool) -> None:
-        """Delete these objects and abort the uploads in progress under these names (a killed save's);
-        errors are ignored: what stays is removed next time."""
-        names = list(names)
-        held = self._holding()
-        if names and held is not None and not held.holds():
-            return  # lost the lock: another save may own these names now (what stays is removed next time)
-        for n in names:
-            self._heads.pop(n, None)
+    def _delete(self, names: list[str]) -> None:
+        """Delete these objects and abort the uploads in progress under these names (a killed save's)."""
         keys = [{"Key": self.key(n)} for n in names]
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             try:
@@ -282,40 +196,13 @@ class S3Storage(ObjectVersions, CheckpointStorage):
                 except Exception:
                     pass
 
-    def lock(self, *, shared: bool = False) -> Lock:
-        if shared:
-            return _NoLock()
-        lock = S3Lock(self.client, self.bucket, self.key(LOCK_NAME), self.full(LOCK_NAME), lease=self.opts.lock_lease,
+    def _new_lock(self) -> LeasedLock:
+        return S3Lock(self.client, self.bucket, self.key(LOCK_NAME), self.full(LOCK_NAME), lease=self.opts.lock_lease,
                       wait=self.opts.lock_wait, job=job_identity(self.opts.lock_job))
-        try:
-            self._versions = self._etags()
-        except BaseException:
-            lock.release()
-            raise
-        self._held = lock
-        return lock
 
-    def _etags(self) -> dict[str, str]:
+    def _current_versions(self) -> dict[str, str]:
         """The ETag of every object under the prefix (not below it), by name: one listing."""
         d, out = self._dir(), {}
-        try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=d,
-                                                                               Delimiter="/"):
-                out.update((o["Key"][len(d):], o["ETag"]) for o in page.get("Contents", ()))
-        except Exception as e:
-            raise write_error(e, self.location, what="listing the checkpoint") from e
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=d, Delimiter="/"):
+            out.update((o["Key"][len(d):], o["ETag"]) for o in page.get("Contents", ()))
         return out
-
-    def sync(self) -> None:
-        """Nothing to do: an object is durable once its PUT or its upload's completion has answered."""
-
-
-class _NoLock(Lock):
-    """The lock of a per-rank save on an object store: none (its ranks write disjoint objects)."""
-
-    def release(self) -> None:
-        pass
-
-
-# The class is at the size limit of tests/test_architecture.py: its sibling (CheckpointStorage.sibling) is here.
-S3Storage.sibling = _sibling  # type: ignore[method-assign,assignment]

@@ -1,4 +1,5 @@
-"""A shard written to an object store: a multipart upload streamed from the tensors' bytes.
+"""A shard written to S3: a multipart upload streamed from the tensors' bytes (the part bookkeeping every
+store shares: ``storage/parts.py``).
 
 The shard writer hands pieces at ascending offsets and the head (offset 0) last. Pieces are
 gathered into parts of ``upload_part_size`` bytes (at least 5 MiB, as S3 requires of every
@@ -15,68 +16,46 @@ next save to the location aborts (``S3Storage.remove``), never an object.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ...errors import CheckpointError
-from ..base import FileOutput
-from .failures import write_error
+from ..parts import PartedOutput
+from ..parts import part_size_for as _part_size_for
+from .failures import FAILURES
 from .options import MAX_PARTS, MIN_PART, S3Options
 
 __all__ = ["S3Output", "part_size_for"]
 
 
 def part_size_for(size: int | None, wanted: int) -> int:
-    """The part size for an object of ``size`` bytes: ``wanted``, raised (in MiB steps) to fit in 10,000 parts."""
-    parts = MAX_PARTS - 1  # the first part (the head's) is smaller
-    if size is None or size <= wanted * parts:
-        return max(wanted, MIN_PART)
-    mib = 1 << 20
-    return -(-size // parts // mib) * mib + mib
+    """The part size for an object of ``size`` bytes: ``wanted`` (at least 5 MiB), raised (in MiB steps) to fit in
+    10,000 parts."""
+    return _part_size_for(size, wanted, MAX_PARTS, MIN_PART)
 
 
-class S3Output(FileOutput):
+class S3Output(PartedOutput):
     """Shard ``key`` being written (see the module docstring)."""
 
     how = "multipart"
+    failures = FAILURES
+    thread_name = "mmapckpt-s3-put"
 
     def __init__(self, client: Any, bucket: str, key: str, url: str, size: int | None, *, head: int,
                  opts: S3Options) -> None:
-        self.client, self.bucket, self.key, self.path = client, bucket, key, url
-        self.size, self.head, self.opts = size, head, opts
-        self.part_size = part_size_for(size, opts.upload_part_size)
+        super().__init__(url, size, start=0, part_size=part_size_for(size, opts.upload_part_size),
+                         concurrency=opts.upload_concurrency)
+        self.client, self.bucket, self.key, self.head, self.opts = client, bucket, key, head, opts
         # part 1 holds the head and is uploaded last: as small as S3 allows (and the head needs), so
         # that the upload after the last piece is short
         self.first_size = max(MIN_PART, -(-head // (1 << 20)) << 20)
-        self._buf = bytearray()  # the part being gathered
-        self._number = 1  # its part number
+        self._number = 1  # the number of the part being gathered
         self._first: bytearray | None = None  # part 1 (holds the head), uploaded by finish()
-        self._end = 0  # the end of the last piece
         self._upload_id: str | None = None
-        self._parts: list[Future[dict[str, Any]]] = []
-        self._threads: ThreadPoolExecutor | None = None
 
-    # ------------------------------------------------------------------ the pieces
-    def put(self, offset: int, data: Any) -> None:
-        mv = memoryview(data).cast("B")
-        if offset < self._end:
-            raise ValueError(f"piece at {offset} before the end of the previous one ({self._end})")
-        if offset > self._end:  # alignment padding: zeros, as a local file's holes read
-            self._append(memoryview(bytes(offset - self._end)))
-        self._append(mv)
-        self._end = offset + len(mv)
+    # ------------------------------------------------------------------ the parts
+    def _cap(self) -> int:
+        return self.first_size if self._number == 1 else self.part_size
 
-    def _append(self, mv: memoryview) -> None:
-        while len(mv):
-            cap = self.first_size if self._number == 1 else self.part_size
-            room = cap - len(self._buf)
-            self._buf += mv[:room]
-            mv = mv[room:]
-            if len(self._buf) == cap:
-                self._seal_part()
-
-    def _seal_part(self) -> None:
-        buf, self._buf = self._buf, bytearray()
+    def _full(self, buf: bytearray) -> None:
         number, self._number = self._number, self._number + 1
         if number == 1:
             self._first = buf
@@ -89,11 +68,7 @@ class S3Output(FileOutput):
                 self._upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.key)["UploadId"]
             except Exception as e:
                 raise self._error(e, "starting the upload") from e
-            self._threads = ThreadPoolExecutor(self.opts.upload_concurrency, thread_name_prefix="mmapckpt-s3-put")
-        while sum(not f.done() for f in self._parts) >= self.opts.upload_concurrency:
-            _wait_one(self._parts)
-        assert self._threads is not None
-        self._parts.append(self._threads.submit(self._put_part, number, buf))
+        self._submit(self._put_part, number, buf)
 
     def _put_part(self, number: int, buf: bytearray) -> dict[str, Any]:
         try:
@@ -105,9 +80,7 @@ class S3Output(FileOutput):
 
     # ------------------------------------------------------------------ the end
     def finish(self, head: bytes) -> None:
-        if self.size is not None and self._end < self.size:
-            self._append(memoryview(bytes(self.size - self._end)))
-            self._end = self.size
+        self._pad_to_size()
         first = self._first if self._first is not None else self._buf
         if len(head) > len(first):
             raise ValueError(f"head of {len(head)} bytes is longer than the first part ({len(first)})")
@@ -122,7 +95,7 @@ class S3Output(FileOutput):
         if self._buf:
             self._upload(self._number, self._buf)
             self._buf = bytearray()
-        parts = sorted((f.result() for f in self._parts), key=lambda p: p["PartNumber"])
+        parts = sorted(self._results(), key=lambda p: p["PartNumber"])
         try:
             self.client.complete_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
                                                   MultipartUpload={"Parts": parts})
@@ -139,21 +112,3 @@ class S3Output(FileOutput):
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=upload_id)
             except Exception:
                 pass  # an upload left incomplete is aborted by the next save (S3Storage.remove)
-
-    def _close_threads(self) -> None:
-        threads, self._threads = self._threads, None
-        if threads is not None:
-            threads.shutdown(wait=True, cancel_futures=True)
-
-    def _error(self, e: BaseException, what: str) -> BaseException:
-        if isinstance(e, CheckpointError):
-            return e
-        return write_error(e, self.path, what=what)
-
-
-def _wait_one(futures: list[Future[dict[str, Any]]]) -> None:
-    """Wait until one of the running part uploads is done (raising its error)."""
-    from concurrent.futures import FIRST_COMPLETED, wait
-    running = [f for f in futures if not f.done()]
-    for f in wait(running, return_when=FIRST_COMPLETED).done:
-        f.result()
