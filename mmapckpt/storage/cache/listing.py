@@ -5,7 +5,9 @@ gives them all (S3: one LIST). A listing's response carries a body, and a LIST c
 (measured on radosgw: 10-45 ms against 1.5-2 ms, docs/object-storage.md "The local cache"). So where the
 location's commit is an mmapckpt ``.metadata``, the listing is recorded (``#listing`` in the commit's cache
 entry) together with the commit's version, and a later load that finds the commit at that version (one HEAD)
-takes the listing from the record.
+takes the listing from the record. A medium without a listing of versions (no ``versions()``: each file's
+version is found by one look at it, Azure and GCS today) records the versions it found file by file the same
+way, so that its warm loads look at ``.metadata`` only.
 
 Why the commit's version vouches for the listing: an mmapckpt commit names a save id, random per save, that
 every shard it references carries in its header (readers check it: reading/shard.py); a save writes its shards
@@ -25,21 +27,20 @@ from ...format.metadata import METADATA_NAME, metadata_kind
 from ...io.files import atomic_write
 from .entry import Entry
 
-__all__ = ["LISTING", "recorded_listing", "record_listing"]
+__all__ = ["LISTING", "is_mmapckpt", "recorded_listing", "record_listing"]
 
 LISTING = "#listing"
 
 
-def _path(root: str, location_url: str) -> tuple[str, str]:
-    """(the record's path, the commit's URL): in the cache entry of the location's commit."""
-    url = f"{location_url}/{METADATA_NAME}"
-    return os.path.join(Entry(root, url).dir, LISTING), url
+def _path(root: str, url: str) -> str:
+    """The record's path: in the cache entry of the location's commit ``url`` (its full name)."""
+    return os.path.join(Entry(root, url).dir, LISTING)
 
 
-def recorded_listing(root: str, location_url: str, commit: list[Any]) -> dict[str, Any] | None:
-    """``{name: (size, ident)}`` recorded with the commit at version ``commit`` (:func:`~.entry.ident_of`), or
-    None where none was (another version, another location, no record, a damaged one)."""
-    path, url = _path(root, location_url)
+def recorded_listing(root: str, url: str, commit: list[Any]) -> dict[str, Any] | None:
+    """``{name: (size, ident)}`` recorded with the commit ``url`` at version ``commit`` (:func:`~.entry.ident_of`),
+    or None where none was (another version, another location, no record, a damaged one)."""
+    path = _path(root, url)
     try:
         with open(path, "rb") as f:
             rec = json.loads(f.read())
@@ -53,14 +54,18 @@ def recorded_listing(root: str, location_url: str, commit: list[Any]) -> dict[st
     return {n: tuple(v) for n, v in files.items()}
 
 
-def record_listing(root: str, location_url: str, commit: list[Any], head: bytes, files: dict[str, Any]) -> None:
-    """Record ``files`` (a listing that found the commit at version ``commit``) if the commit, whose first bytes
-    are ``head``, is an mmapckpt one; a record that cannot be written is skipped (the next load lists)."""
-    if metadata_kind(head) != "mmapckpt":
-        return
-    path, url = _path(root, location_url)
+def is_mmapckpt(head: bytes) -> bool:
+    """Whether a commit whose first bytes are ``head`` is an mmapckpt one (its listing may be recorded)."""
+    return metadata_kind(head) == "mmapckpt"
+
+
+def record_listing(root: str, url: str, commit: list[Any], files: dict[str, Any]) -> None:
+    """Record ``files`` (``{name: (size, ident)}`` found while the commit ``url``, an mmapckpt one, was at version
+    ``commit``); a record that cannot be written is skipped (the next load looks again)."""
+    path = _path(root, url)
     rec = {"url": url, "commit": commit, "files": {n: list(v) for n, v in files.items()}}
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         atomic_write(path, json.dumps(rec, default=str).encode(), sync=False)
     except OSError:
         pass

@@ -25,7 +25,7 @@ from ..base import CheckpointStorage, FileOutput, Lock, StoredFile
 from ..replacement import Owned, Replacement
 from .entry import CachedFile, Entry, ident_of
 from .evict import evict
-from .listing import record_listing, recorded_listing
+from .listing import is_mmapckpt, record_listing, recorded_listing
 from .settings import CacheSettings
 
 __all__ = ["CachedStorage"]
@@ -53,6 +53,11 @@ class CachedStorage(CheckpointStorage):
         self._versions: dict[str, list[Any] | None] = {}
         self._listed: dict[str, Any] | None = None
         self._to_record = False  # the listing came from the medium: recorded once its commit is found mmapckpt
+        # a medium without a listing of versions: the versions found file by file, recorded with the commit's
+        # version once the commit is found mmapckpt (listing.py)
+        self._seen: dict[str, Any] | None = None
+        self._seen_commit: list[Any] | None = None
+        self._seen_recorded = False
         self._writing = False  # once it writes, it asks the medium itself (listings with uploads in progress)
 
     def __getattr__(self, name: str) -> Any:
@@ -76,6 +81,8 @@ class CachedStorage(CheckpointStorage):
             return self._versions[name]
         listed = self._listed  # taken where the reader lists the location anyway (is_location, list): never
         found: Any = None if listed is None else listed.get(name)  # for one name (a bucket's root can be large)
+        if found is None and listed is None and name != METADATA_NAME and self._unlisted():
+            found = self._seen_before(name)
         if found is None:
             ask = getattr(self.remote, "version", None)
             if ask is not None:
@@ -86,9 +93,33 @@ class CachedStorage(CheckpointStorage):
                         found = (f.size, f.ident)
                 except IncompleteCheckpointError:
                     found = None
+            if found is not None and self._seen is not None and self._seen_commit is not None:
+                self._seen[name] = found  # recorded with the commit (below)
+                record_listing(self.settings.root, self.full(METADATA_NAME), self._seen_commit, self._seen)
         version = None if found is None else ident_of(*found)
         self._versions[name] = version
         return version
+
+    def _unlisted(self) -> bool:
+        """Whether this is a medium without a listing of versions, only read so far."""
+        return not self._writing and getattr(self.remote, "versions", None) is None
+
+    def _seen_before(self, name: str) -> Any:
+        """For a medium without a listing of versions: file ``name``'s version as recorded with the location's
+        mmapckpt commit at the version it has now (one look at ``.metadata``, listing.py), or None."""
+        commit = self._version(METADATA_NAME)
+        if commit is None:
+            return None
+        if self._seen_from(commit):
+            self._seen_commit = commit  # a record exists only for an mmapckpt commit: files found now are added
+        return self._seen.get(name) if self._seen is not None else None
+
+    def _seen_from(self, commit: list[Any]) -> bool:
+        """Take the versions recorded with the commit at version ``commit`` (once); whether there was a record."""
+        if self._seen is None:
+            recorded = recorded_listing(self.settings.root, self.full(METADATA_NAME), commit)
+            self._seen, self._seen_recorded = dict(recorded or {}), recorded is not None
+        return self._seen_recorded
 
     def _listing(self) -> dict[str, Any] | None:
         """``{name: (size, version)}`` of the location's files: recorded with its commit where that is the version
@@ -109,17 +140,24 @@ class CachedStorage(CheckpointStorage):
         found = None if look is None else look(METADATA_NAME)
         if found is None:
             return None
-        listed = recorded_listing(self.settings.root, self.location, ident_of(*found))
+        listed = recorded_listing(self.settings.root, self.full(METADATA_NAME), ident_of(*found))
         if listed is not None:
             self._versions[METADATA_NAME] = ident_of(*found)
         return listed
 
     def _record(self, f: StoredFile, version: list[Any]) -> None:
-        """The listing taken at this load, recorded with the commit ``f`` of ``version`` it found (listing.py)."""
+        """The listing taken at this load (or, on a medium without listings, the versions found so far), recorded
+        with the commit ``f`` of ``version`` it found, if that is an mmapckpt commit (listing.py)."""
         self._to_record = False
+        if not is_mmapckpt(bytes(f.read(0, min(8, f.size)))):
+            return
         listed = self._listed
         if listed is not None and METADATA_NAME in listed and ident_of(*listed[METADATA_NAME]) == version:
-            record_listing(self.settings.root, self.location, version, bytes(f.read(0, min(8, f.size))), listed)
+            record_listing(self.settings.root, self.full(METADATA_NAME), version, listed)
+        elif listed is None and self._unlisted():
+            if not self._seen_from(version):
+                record_listing(self.settings.root, self.full(METADATA_NAME), version, self._seen or {})
+            self._seen_commit = version
 
     def _version_of(self, f: StoredFile) -> list[Any]:
         of = getattr(self.remote, "version_of", None)
@@ -130,7 +168,10 @@ class CachedStorage(CheckpointStorage):
         return self._version(name) is not None
 
     def is_location(self) -> bool:
-        return bool(self._listing()) or self.remote.is_location()
+        listed = self._listing()
+        if listed is None and self._unlisted() and self._version(METADATA_NAME) is not None:
+            return True  # a medium without listings: a commit is there (one look, which the load needs anyway)
+        return bool(listed) or self.remote.is_location()
 
     def list(self) -> list[str]:
         """The medium's listing; while only reading, the names of the one listing the versions came from (objects
@@ -143,7 +184,8 @@ class CachedStorage(CheckpointStorage):
         if version is None:
             raise IncompleteCheckpointError("no such object", path=self.full(name))
         f = self._open(name, version)
-        if name == METADATA_NAME and self._to_record and not self._writing and isinstance(f, CachedFile):
+        if (name == METADATA_NAME and not self._writing and isinstance(f, CachedFile)
+                and (self._to_record or (self._listed is None and self._seen_commit is None and self._unlisted()))):
             self._record(f, self._versions[name] or version)
         return f
 
