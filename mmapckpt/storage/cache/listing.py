@@ -27,7 +27,7 @@ from ...format.metadata import METADATA_NAME, metadata_kind
 from ...io.files import atomic_write
 from .entry import Entry
 
-__all__ = ["LISTING", "is_mmapckpt", "recorded_listing", "record_listing"]
+__all__ = ["LISTING", "Seen", "is_mmapckpt", "recorded_listing", "record_listing"]
 
 LISTING = "#listing"
 
@@ -69,3 +69,38 @@ def record_listing(root: str, url: str, commit: list[Any], files: dict[str, Any]
         atomic_write(path, json.dumps(rec, default=str).encode(), sync=False)
     except OSError:
         pass
+
+
+class Seen:
+    """A medium without a listing of versions, as one load finds its files: the versions found one by one, recorded
+    with the location's commit (full name ``url``) once it is known to be an mmapckpt commit at version
+    :attr:`commit`; a later load that finds the commit at that version takes them from the record."""
+
+    def __init__(self, root: str, url: str) -> None:
+        self.root, self.url = root, url
+        self.files: dict[str, Any] | None = None  # None: the record not read yet
+        #: the commit's version the files are recorded with (None: not known to be an mmapckpt commit yet)
+        self.commit: list[Any] | None = None
+        self._had = False
+
+    def take(self, commit: list[Any]) -> bool:
+        """Read the files recorded with the commit at version ``commit`` (once); whether there was a record (which
+        exists only for an mmapckpt commit: then the files found next are added to it)."""
+        if self.files is None:
+            recorded = recorded_listing(self.root, self.url, commit)
+            self.files, self._had = dict(recorded or {}), recorded is not None
+        if self._had:
+            self.commit = commit
+        return self._had
+
+    def vouched(self, commit: list[Any]) -> None:
+        """The commit at version ``commit`` is an mmapckpt one: record what was found (once), and what is next."""
+        if not self.take(commit):
+            record_listing(self.root, self.url, commit, self.files or {})
+            self._had, self.commit = True, commit
+
+    def found(self, name: str, found: Any) -> None:
+        """File ``name`` found at ``found`` (``(size, ident)``): recorded where the commit is vouched for."""
+        if self.files is not None and self.commit is not None:
+            self.files[name] = found
+            record_listing(self.root, self.url, self.commit, self.files)

@@ -25,7 +25,7 @@ from ..base import CheckpointStorage, FileOutput, Lock, StoredFile
 from ..replacement import Owned, Replacement
 from .entry import CachedFile, Entry, ident_of
 from .evict import evict
-from .listing import is_mmapckpt, record_listing, recorded_listing
+from .listing import Seen, is_mmapckpt, record_listing, recorded_listing
 from .settings import CacheSettings
 
 __all__ = ["CachedStorage"]
@@ -53,11 +53,7 @@ class CachedStorage(CheckpointStorage):
         self._versions: dict[str, list[Any] | None] = {}
         self._listed: dict[str, Any] | None = None
         self._to_record = False  # the listing came from the medium: recorded once its commit is found mmapckpt
-        # a medium without a listing of versions: the versions found file by file, recorded with the commit's
-        # version once the commit is found mmapckpt (listing.py)
-        self._seen: dict[str, Any] | None = None
-        self._seen_commit: list[Any] | None = None
-        self._seen_recorded = False
+        self._seen = Seen(settings.root, self.full(METADATA_NAME))  # a medium without listings (listing.py)
         self._writing = False  # once it writes, it asks the medium itself (listings with uploads in progress)
 
     def __getattr__(self, name: str) -> Any:
@@ -93,9 +89,8 @@ class CachedStorage(CheckpointStorage):
                         found = (f.size, f.ident)
                 except IncompleteCheckpointError:
                     found = None
-            if found is not None and self._seen is not None and self._seen_commit is not None:
-                self._seen[name] = found  # recorded with the commit (below)
-                record_listing(self.settings.root, self.full(METADATA_NAME), self._seen_commit, self._seen)
+            if found is not None and self._unlisted():
+                self._seen.found(name, found)
         version = None if found is None else ident_of(*found)
         self._versions[name] = version
         return version
@@ -106,20 +101,9 @@ class CachedStorage(CheckpointStorage):
 
     def _seen_before(self, name: str) -> Any:
         """For a medium without a listing of versions: file ``name``'s version as recorded with the location's
-        mmapckpt commit at the version it has now (one look at ``.metadata``, listing.py), or None."""
+        mmapckpt commit at the version it has now (one look at ``.metadata``, listing.py ``Seen``), or None."""
         commit = self._version(METADATA_NAME)
-        if commit is None:
-            return None
-        if self._seen_from(commit):
-            self._seen_commit = commit  # a record exists only for an mmapckpt commit: files found now are added
-        return self._seen.get(name) if self._seen is not None else None
-
-    def _seen_from(self, commit: list[Any]) -> bool:
-        """Take the versions recorded with the commit at version ``commit`` (once); whether there was a record."""
-        if self._seen is None:
-            recorded = recorded_listing(self.settings.root, self.full(METADATA_NAME), commit)
-            self._seen, self._seen_recorded = dict(recorded or {}), recorded is not None
-        return self._seen_recorded
+        return None if commit is None or not self._seen.take(commit) else (self._seen.files or {}).get(name)
 
     def _listing(self) -> dict[str, Any] | None:
         """``{name: (size, version)}`` of the location's files: recorded with its commit where that is the version
@@ -155,9 +139,7 @@ class CachedStorage(CheckpointStorage):
         if listed is not None and METADATA_NAME in listed and ident_of(*listed[METADATA_NAME]) == version:
             record_listing(self.settings.root, self.full(METADATA_NAME), version, listed)
         elif listed is None and self._unlisted():
-            if not self._seen_from(version):
-                record_listing(self.settings.root, self.full(METADATA_NAME), version, self._seen or {})
-            self._seen_commit = version
+            self._seen.vouched(version)
 
     def _version_of(self, f: StoredFile) -> list[Any]:
         of = getattr(self.remote, "version_of", None)
@@ -185,7 +167,7 @@ class CachedStorage(CheckpointStorage):
             raise IncompleteCheckpointError("no such object", path=self.full(name))
         f = self._open(name, version)
         if (name == METADATA_NAME and not self._writing and isinstance(f, CachedFile)
-                and (self._to_record or (self._listed is None and self._seen_commit is None and self._unlisted()))):
+                and (self._to_record or (self._listed is None and self._seen.commit is None and self._unlisted()))):
             self._record(f, self._versions[name] or version)
         return f
 
