@@ -470,3 +470,23 @@ def bench_script(name: str) -> Any:
     sys.modules[module] = mod  # dataclasses and pickling look the module up by name
     spec.loader.exec_module(mod)
     return mod
+
+
+def check_objstore_bench(doc: dict[str, Any], fsspec: str) -> None:
+    """What a quick ``benchmarks/objstore_bench.py`` run on a store must give (its JSON ``doc``): every mmapckpt
+    row and the cache's rows measured, the cold loads as a fraction of the GET limit, both limits, each load
+    bitwise, 4 processes together fetching each byte once, and DCP's fsspec rows or why not (``fsspec``)."""
+    rows = doc["rows"]
+    for row in ("save: dcp.save + MmapWriter", "load: mmapckpt.load_into", "load: dcp.load + MmapReader",
+                "load: dcp.load + MmapReader + FastLoadPlanner", "load: mmapckpt.load (new tensors)",
+                "load: load_into, cache cold"):
+        assert rows[row]["gb_per_s"] > 0 and "of_limit" in rows[row], row
+    for row in ("load: load_into, cache warm", "load: load_into, local disk warm",
+                "load: 4 processes, one URL, cache cold"):
+        assert rows[row]["gb_per_s"] > 0, row
+    assert doc["limits"]["get"].startswith("limit: GET") and doc["limits"]["put"].startswith("limit: PUT")
+    assert doc["correct"] and all(doc["correct"].values()), doc["correct"]
+    assert "load: 4 processes, one URL, cache cold" in doc["correct"]
+    assert doc["cache"]["fetched_of_size_together"] == 1.0  # each byte fetched once across the processes
+    assert doc["server_pids_found"]  # the fixture's server runs here: its CPU is counted
+    assert "DCP FsspecWriter/FsspecReader" in rows or f"load: dcp.load + FsspecReader ({fsspec})" in rows

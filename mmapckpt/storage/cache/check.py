@@ -11,13 +11,14 @@ store's ETag, recorded beside it.
 
 from __future__ import annotations
 
+import bisect
 import zlib
 from typing import Any
 
 from ...errors import ChecksumError
 from ...format import layout
 
-__all__ = ["Checker", "check_copy", "CRC32", "SIZE"]
+__all__ = ["Checker", "check_copy", "crc32_combine", "CRC32", "SIZE"]
 
 #: what a copy was checked against: every entry's CRC-32, or only its size
 CRC32, SIZE = "crc32", "size"
@@ -36,6 +37,7 @@ class Checker:
         self.entries: list[layout.Entry] = []
         self.crcs: list[int] = []
         self._next = 0  # entries before this one are complete
+        self._ends: list[int] = []  # each entry's end, in the entries' order (ascending: entries do not overlap)
         #: an mmapckpt shard (its header checked at start)
         self.shard = False
 
@@ -56,6 +58,7 @@ class Checker:
             header = layout.decode_header(body, header_crc=hcrc, byte_order=order, minor=minor, file_size=self.size,
                                           path=self.path)
             self.entries = sorted((e for e in header.entries if e.length), key=lambda e: e.offset)
+            self._ends = [e.offset + e.length for e in self.entries]
             self.crcs = [0] * len(self.entries)
             self.shard = True
         self.feed(0, mv)
@@ -73,6 +76,27 @@ class Checker:
             if e.offset + e.length <= end and i == self._next:
                 self._next += 1
             i += 1
+
+    def part(self, offset: int, data: Any) -> list[tuple[int, int, int]]:
+        """The CRC-32s of the entries' bytes within ``[offset, offset + len(data))``, each on its own:
+        ``(entry index, CRC-32, length)``. Reads only the header: any thread may compute a range's parts while
+        others are fetched; :meth:`add` then takes them in offset order."""
+        mv = memoryview(data).cast("B")
+        end = offset + len(mv)
+        out = []
+        i = bisect.bisect_right(self._ends, offset)  # the first entry ending after offset
+        while i < len(self.entries) and self.entries[i].offset < end:
+            e = self.entries[i]
+            lo, hi = max(e.offset, offset), min(e.offset + e.length, end)
+            if lo < hi:
+                out.append((i, zlib.crc32(mv[lo - offset:hi - offset]), hi - lo))
+            i += 1
+        return out
+
+    def add(self, parts: list[tuple[int, int, int]]) -> None:
+        """Take the :meth:`part` of the range after the previous one (ranges in offset order)."""
+        for i, crc, n in parts:
+            self.crcs[i] = crc32_combine(self.crcs[i], crc, n)
 
     def finish(self) -> str:
         """:data:`CRC32` or :data:`SIZE`, once every byte was fed.
@@ -99,3 +123,44 @@ def check_copy(data: Any, path: str) -> str:
     c = Checker(path, len(mv))
     c.start(mv)
     return c.finish()
+
+
+def _times(matrix: list[int], vector: int) -> int:
+    """A 32x32 matrix over GF(2) (its columns as integers) times a vector."""
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _zero_operators() -> list[list[int]]:
+    """``ops[k]``: what appending ``2**k`` zero bytes does to a CRC-32 (zlib's ``crc32_combine`` operators)."""
+    one_bit = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit: the reflected polynomial
+    op = one_bit
+    for _ in range(3):  # eight zero bits: one zero byte
+        op = [_times(op, op[n]) for n in range(32)]
+    ops = [op]
+    for _ in range(63):
+        op = [_times(op, op[n]) for n in range(32)]
+        ops.append(op)
+    return ops
+
+
+_OPS: list[list[int]] = []
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc1`` of ``A`` and ``crc2`` of ``B`` (``len2`` bytes), as zlib's
+    ``crc32_combine`` (which Python's zlib does not expose): a few dozen small GF(2) products."""
+    if not _OPS:
+        _OPS.extend(_zero_operators())
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _times(_OPS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2

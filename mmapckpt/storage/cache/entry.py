@@ -190,8 +190,8 @@ class Entry:
 
 def _fill(fd: int, rf: Any, url: str) -> str:
     """Read the whole of the remote file ``rf`` into the new file ``fd`` through a shared mapping (the medium's
-    reads land in the page cache), checked as it arrives (check.py: the CRC-32 of each window while the next ones
-    are fetched); how it was checked."""
+    reads land in the page cache), checked as it arrives (check.py: the CRC-32s of each window computed by the
+    thread that fetched it, while the next ones are fetched); how it was checked."""
     size = rf.size
     checker = Checker(url, size)
     if not size:
@@ -220,15 +220,19 @@ def _fill(fd: int, rf: Any, url: str) -> str:
 
 
 def _fetch_checked(rf: Any, mv: memoryview, start: int, checker: Checker) -> None:
-    """Fetch ``[start, end)`` of ``rf`` into ``mv`` in windows, ``_AHEAD`` in flight, feeding each to ``checker``
-    in order as it completes (the check runs while the next windows arrive)."""
+    """Fetch ``[start, end)`` of ``rf`` into ``mv`` in windows, ``_AHEAD`` in flight; the thread that fetched a
+    window computes its CRC-32s (check.py ``Checker.part``: several windows checked at once, on several cores,
+    while the next arrive), combined in order as each completes."""
     windows = [(o, min(o + _WINDOW, len(mv))) for o in range(start, len(mv), _WINDOW)]
+
+    def one(a: int, b: int) -> list[tuple[int, int, int]]:
+        rf.read_batch([(a, mv[a:b])])
+        return checker.part(a, mv[a:b])
     with ThreadPoolExecutor(_AHEAD, thread_name_prefix="mmapckpt-cache") as pool:
-        futures = [pool.submit(rf.read_batch, [(a, mv[a:b])]) for a, b in windows]
+        futures = [pool.submit(one, a, b) for a, b in windows]
         try:
-            for (a, b), fut in zip(windows, futures):
-                fut.result()
-                checker.feed(a, mv[a:b])
+            for fut in futures:
+                checker.add(fut.result())
         except BaseException:
             for fut in futures:
                 fut.cancel()

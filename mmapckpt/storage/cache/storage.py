@@ -20,10 +20,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...errors import CheckpointError, IncompleteCheckpointError
+from ...format.metadata import METADATA_NAME
 from ..base import CheckpointStorage, FileOutput, Lock, StoredFile
 from ..replacement import Owned, Replacement
-from .entry import Entry, ident_of
+from .entry import CachedFile, Entry, ident_of
 from .evict import evict
+from .listing import Seen, is_mmapckpt, record_listing, recorded_listing
 from .settings import CacheSettings
 
 __all__ = ["CachedStorage"]
@@ -50,6 +52,8 @@ class CachedStorage(CheckpointStorage):
         # medium's own storage keeps what it found: storage/s3/storage.py)
         self._versions: dict[str, list[Any] | None] = {}
         self._listed: dict[str, Any] | None = None
+        self._to_record = False  # the listing came from the medium: recorded once its commit is found mmapckpt
+        self._seen = Seen(settings.root, self.full(METADATA_NAME))  # a medium without listings (listing.py)
         self._writing = False  # once it writes, it asks the medium itself (listings with uploads in progress)
 
     def __getattr__(self, name: str) -> Any:
@@ -60,6 +64,11 @@ class CachedStorage(CheckpointStorage):
     def full(self, name: str) -> str:
         return self.remote.full(name)
 
+    def sibling(self, name: str) -> CachedStorage:
+        """The medium's sibling location (``CheckpointStorage.sibling``: another step of a managed root, its
+        parent), read through the same cache: a step's references to an earlier step's files map their copies."""
+        return CachedStorage(self.remote.sibling(name), self.settings)
+
     def _version(self, name: str) -> list[Any] | None:
         """The version of file ``name``: from the medium's one listing where the location was listed (S3:
         ``versions``, the objects' sizes and ETags), else one look at the file (a HEAD: ``version``; else opening
@@ -68,6 +77,8 @@ class CachedStorage(CheckpointStorage):
             return self._versions[name]
         listed = self._listed  # taken where the reader lists the location anyway (is_location, list): never
         found: Any = None if listed is None else listed.get(name)  # for one name (a bucket's root can be large)
+        if found is None and listed is None and name != METADATA_NAME and self._unlisted():
+            found = self._seen_before(name)
         if found is None:
             ask = getattr(self.remote, "version", None)
             if ask is not None:
@@ -78,18 +89,57 @@ class CachedStorage(CheckpointStorage):
                         found = (f.size, f.ident)
                 except IncompleteCheckpointError:
                     found = None
+            if found is not None and self._unlisted():
+                self._seen.found(name, found)
         version = None if found is None else ident_of(*found)
         self._versions[name] = version
         return version
 
+    def _unlisted(self) -> bool:
+        """Whether this is a medium without a listing of versions, only read so far."""
+        return not self._writing and getattr(self.remote, "versions", None) is None
+
+    def _seen_before(self, name: str) -> Any:
+        """For a medium without a listing of versions: file ``name``'s version as recorded with the location's
+        mmapckpt commit at the version it has now (one look at ``.metadata``, listing.py ``Seen``), or None."""
+        commit = self._version(METADATA_NAME)
+        return None if commit is None or not self._seen.take(commit) else (self._seen.files or {}).get(name)
+
     def _listing(self) -> dict[str, Any] | None:
-        """``{name: (size, version)}`` of the location's files from one listing (None: the medium has none)."""
+        """``{name: (size, version)}`` of the location's files: recorded with its commit where that is the version
+        the medium has now (one look at ``.metadata``: listing.py), else from one listing (None: the medium has
+        none)."""
         if self._listed is None and not self._writing:
             ask = getattr(self.remote, "versions", None)
             if ask is None:
                 return None
-            self._listed = ask()
+            self._listed = self._recorded()
+            if self._listed is None:
+                self._listed = ask()
+                self._to_record = True
         return self._listed
+
+    def _recorded(self) -> dict[str, Any] | None:
+        look = getattr(self.remote, "version", None)
+        found = None if look is None else look(METADATA_NAME)
+        if found is None:
+            return None
+        listed = recorded_listing(self.settings.root, self.full(METADATA_NAME), ident_of(*found))
+        if listed is not None:
+            self._versions[METADATA_NAME] = ident_of(*found)
+        return listed
+
+    def _record(self, f: StoredFile, version: list[Any]) -> None:
+        """The listing taken at this load (or, on a medium without listings, the versions found so far), recorded
+        with the commit ``f`` of ``version`` it found, if that is an mmapckpt commit (listing.py)."""
+        self._to_record = False
+        if not is_mmapckpt(bytes(f.read(0, min(8, f.size)))):
+            return
+        listed = self._listed
+        if listed is not None and METADATA_NAME in listed and ident_of(*listed[METADATA_NAME]) == version:
+            record_listing(self.settings.root, self.full(METADATA_NAME), version, listed)
+        elif listed is None and self._unlisted():
+            self._seen.vouched(version)
 
     def _version_of(self, f: StoredFile) -> list[Any]:
         of = getattr(self.remote, "version_of", None)
@@ -100,7 +150,10 @@ class CachedStorage(CheckpointStorage):
         return self._version(name) is not None
 
     def is_location(self) -> bool:
-        return bool(self._listing()) or self.remote.is_location()
+        listed = self._listing()
+        if listed is None and self._unlisted() and self._version(METADATA_NAME) is not None:
+            return True  # a medium without listings: a commit is there (one look, which the load needs anyway)
+        return bool(listed) or self.remote.is_location()
 
     def list(self) -> list[str]:
         """The medium's listing; while only reading, the names of the one listing the versions came from (objects
@@ -112,6 +165,14 @@ class CachedStorage(CheckpointStorage):
         version = self._version(name)
         if version is None:
             raise IncompleteCheckpointError("no such object", path=self.full(name))
+        f = self._open(name, version)
+        if (name == METADATA_NAME and not self._writing and isinstance(f, CachedFile)
+                and (self._to_record or (self._listed is None and self._seen.commit is None and self._unlisted()))):
+            self._record(f, self._versions[name] or version)
+        return f
+
+    def _open(self, name: str, version: list[Any]) -> StoredFile:
+        """The copy of file ``name`` at ``version``, fetched first where there is none (else the medium's file)."""
         entry = Entry(self.settings.root, self.full(name))
         f = entry.open_hit(version)
         if f is not None:

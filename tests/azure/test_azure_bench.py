@@ -1,0 +1,24 @@
+"""``python benchmarks/objstore_bench.py az://...`` runs end to end against Azurite (no timing is asserted).
+
+A tiny run (``--quick``) produces every mmapckpt row, the cache's rows (warm beside local warm, cold beside no
+cache, 4 processes loading together: 1.0x the bytes), both limits through azure-storage-blob, each load
+checked bitwise, a JSON document, and leaves no blob behind.
+"""
+
+from __future__ import annotations
+
+import json
+
+from helpers import bench_script, check_objstore_bench
+
+objstore = bench_script("objstore_bench")
+
+
+def test_bench_storage_quick_on_azure(az_env, az_container, azurite, tmp_path, capsys):
+    assert objstore.main([f"az://{az_container}/bench", "--quick", "--repeats", "2", "--out", str(tmp_path / "out"),
+                          "--dir", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "out" / "bench_az.json").read_text())
+    check_objstore_bench(doc, "adlfs")
+    assert not list(azurite.service().get_container_client(az_container).list_blobs())
+    assert not list(tmp_path.glob("objstore-bench-*"))  # its local checkpoint and cache removed
+    assert "limits: limit: GET" in capsys.readouterr().out
