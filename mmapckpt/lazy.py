@@ -31,7 +31,6 @@ from .errors import CheckpointError, FormatError
 from .format.aliases import shared_names
 from .format.casts import check_cast
 from .format.entries import ChunkInfo, EntryInfo, paused_gc
-from .format.safetensors import SAFETENSORS_DTYPES
 from .reading.backend import ChunkBackend
 from .reading.fill import fill_targets
 from .reading.keys import check_patterns, pick, strip_names
@@ -48,14 +47,19 @@ __all__ = ["open", "load", "read_tensors", "LazyCheckpoint", "TensorSlice", "Ent
 
 KeySelector = Union[Collection[str], Callable[[str], bool], None]
 
-#: torch dtype -> safetensors' dtype code (what ``get_slice(name).get_dtype()`` returns).
-_CODES = {d: code for code, d in SAFETENSORS_DTYPES.items()}
+#: torch dtype -> safetensors' dtype code (what ``get_slice(name).get_dtype()`` returns), made on first use: a
+#: load of another format imports no safetensors module
+_CODES: dict[torch.dtype, str] = {}
 _FRAMEWORKS = ("pt", "torch", "numpy", "np")
 
 
 def dtype_code(dtype: torch.dtype) -> str:
     """safetensors' name of ``dtype`` (``"BF16"``, ``"F32"``, ...); torch's name for a dtype
     safetensors cannot store (``"complex128"``)."""
+    if not _CODES:
+        from .format.safetensors import SAFETENSORS_DTYPES
+
+        _CODES.update({d: code for code, d in SAFETENSORS_DTYPES.items()})
     return _CODES.get(dtype) or str(dtype).removeprefix("torch.")
 
 

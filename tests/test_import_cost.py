@@ -10,7 +10,9 @@ whatever it loads is taken as given, and no further ``torch.distributed`` module
 (A stock DCP checkpoint does import ``torch.distributed.checkpoint``: its ``.metadata`` is a
 pickle of DCP's classes.) Nor may the accelerator staging pipeline (io/staging.py, host registration,
 the ring; about a tenth of ``import mmapckpt`` + ``load_into`` in a new process) come in for CPU
-targets, nor the metadata decoders of version 1 and of stock DCP for a checkpoint written today.
+targets, nor the metadata decoders of version 1 and of stock DCP for a checkpoint written today, nor the write
+side of the local storage (the save lock, the swap's journal), nor another format's backend: a load of an mmapckpt
+checkpoint imports no safetensors or torch.save reader (their imports are about a twentieth of the load path's).
 Each step runs in one fresh process, in order, and the modules it brought in are reported
 per step, so a failure names the call and the format that imported them.
 """
@@ -36,11 +38,17 @@ paths = json.loads(sys.argv[1])
 report = []
 
 UNNEEDED = ("mmapckpt.io.staging", "mmapckpt.io.host_register", "mmapckpt.io.host_drivers", "mmapckpt.io.ring",
-            "mmapckpt.format.metadata.v1", "mmapckpt.format.metadata.stock")
+            "mmapckpt.format.metadata.v1", "mmapckpt.format.metadata.stock",
+            "mmapckpt.storage.replace", "mmapckpt.storage.lock")  # the write side: a save's lock, a swap's journal
+SAFETENSORS = ("mmapckpt.format.safetensors", "mmapckpt.reading.safetensors_files", "mmapckpt.reading.dcp_safetensors")
+TORCH_SAVE = ("mmapckpt.reading.torchfile", "mmapckpt.format.stock")
+# the kinds load in this order: the backends of formats not loaded yet must not be imported
+NOT_YET = {"mmapckpt": SAFETENSORS + TORCH_SAVE, "safetensors": TORCH_SAVE[:1], "hf": TORCH_SAVE[:1]}
 
-def step(what, fn):
+def step(what, fn, kind):
     fn()
-    new = sorted(m for m in set(sys.modules) - before if m.startswith("torch.distributed") or m in UNNEEDED)
+    unneeded = UNNEEDED + NOT_YET.get(kind, ())
+    new = sorted(m for m in set(sys.modules) - before if m.startswith("torch.distributed") or m in unneeded)
     report.append([what, new])
 
 def targets():
@@ -56,10 +64,10 @@ def model(path):
     mmapckpt.load_model(m, path)
 
 for kind, path in paths.items():
-    step(f"load_into {kind}", lambda: mmapckpt.load_into(targets(), path))
-    step(f"load {kind}", lambda: mmapckpt.load(path))
-    step(f"open {kind}", lambda: opened(path))
-    step(f"load_model {kind}", lambda: model(path))
+    step(f"load_into {kind}", lambda: mmapckpt.load_into(targets(), path), kind)
+    step(f"load {kind}", lambda: mmapckpt.load(path), kind)
+    step(f"open {kind}", lambda: opened(path), kind)
+    step(f"load_model {kind}", lambda: model(path), kind)
 print(json.dumps(report))
 """
 

@@ -28,6 +28,7 @@ import argparse
 import compileall
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -205,17 +206,19 @@ def _child(what: str, work: str, env: dict[str, str]) -> dict[str, Any]:
 
 
 def _process(argv: list[str], env: dict[str, str], check: Callable[[str], bool]) -> dict[str, Any]:
-    """A whole process, timed from its start to its exit (Python's start and every import included)."""
-    t0 = time.perf_counter()
+    """A whole process, timed from its start to its exit (Python's start and every import included); its CPU
+    seconds from the resources of the children this process reaped (it alone, reaped meanwhile)."""
+    r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     try:
         proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                               timeout=_CHILD_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         return {"error": f"failed: no answer in {_CHILD_TIMEOUT_S} s (killed)"}
-    seconds = time.perf_counter() - t0
+    seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         return {"error": f"failed: exit status {proc.returncode}: {proc.stderr.strip()[-200:]}"}
-    return {"s": seconds, "ok": check(proc.stdout), "bad": []}
+    cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+    return {"s": seconds, "cpu_s": cpu, "ok": check(proc.stdout), "bad": []}
 
 
 class _Fresh:
@@ -224,6 +227,7 @@ class _Fresh:
     def __init__(self, work: str, threads: int, site: str | None = None) -> None:
         self.work, self.threads, self.site = work, threads, site
         self.times: dict[str, dict[str, list[float]]] = {}
+        self.cpu: dict[str, dict[str, list[float]]] = {}  # the same repetitions' CPU seconds (process_time)
         self.cached: dict[str, list[float]] = {}
         self.ok: dict[str, bool] = {}
         self.skipped: dict[str, str] = {}
@@ -244,6 +248,7 @@ class _Fresh:
                 (self.skipped if peer else self.failed)[key] = got["error"].splitlines()[0]
                 return
             self.times.setdefault(key, {}).setdefault(phase, []).append(got["s"])
+            self.cpu.setdefault(key, {}).setdefault(phase, []).append(got["cpu_s"])
             self.ok[key] = self.ok.get(key, True) and bool(got["ok"])
             if not got["ok"]:
                 self.failed.setdefault(key, f"wrong data in {', '.join(got['bad']) or 'the bytes read'}")
@@ -323,7 +328,7 @@ def run_fresh(cfg: dict[str, Any], bench_dir: str, *, threads: int = 0,
                 "load_average_before": list(load_before), "load_average_after": list(os.getloadavg()),
                 "version": _version.__version__, "open_entries": entries, "bytecode": bytecode,
                 "read_choice_state": os.environ.get("MMAPCKPT_READ_CHOICE") or "default (the user's cache directory)"}
-        return fresh_report.document(info=info, times=run.times, cached=run.cached, ok=run.ok, skipped=run.skipped,
+        return fresh_report.document(info=info, times=run.times, cpu=run.cpu, cached=run.cached, ok=run.ok, skipped=run.skipped,
                                      failed=run.failed, methods=[_LIMIT, *cfg["methods"]], many=MANY_ROWS)
     finally:
         shutil.rmtree(root, ignore_errors=True)

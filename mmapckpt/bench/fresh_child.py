@@ -7,7 +7,8 @@ load itself needs it. It imports torch, allocates what the load fills (zeroed ta
 starts the clock, imports the library and loads (new tensors and views are touched, one byte
 a page), stops the clock, and only then checks the result: a hash of every loaded tensor's
 bytes, dtype and shape, compared with the saved state dict's (``WORK/spec.json``, written by
-the parent). It answers one JSON line on stdout: ``{"s": seconds, "ok": bool, "bad": [...]}``,
+the parent). It answers one JSON line on stdout: ``{"s": seconds, "cpu_s": the process's CPU seconds over the same
+span (``time.process_time``: every thread's user and system time), "ok": bool, "bad": [...]}``,
 or ``{"error": ...}``; ``{"setup": [...]}`` for ``setup-tensorizer`` (untimed).
 
 ``WHAT`` is a method of bench/fresh.py (``load_into``, ``dcp_load``, ``load``, ``load_model``,
@@ -152,13 +153,13 @@ def _timed_load(what: str, w: str, spec: dict[str, Any]) -> dict[str, Any]:
     targets = {k: torch.zeros(s, dtype=getattr(torch, dt)) for k, (s, dt, _) in tensors.items()} \
         if needs == "targets" else {}
     model = _meta_model(tensors) if needs == "model" else None
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn(w, targets, model)
     if kind != "fill":
         _touch(out)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     bad = _check(tensors, out)
-    return {"s": seconds, "ok": not bad, "bad": bad[:3], **info}
+    return {"s": seconds, "cpu_s": cpu, "ok": not bad, "bad": bad[:3], **info}
 
 
 def _read(w: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -166,20 +167,20 @@ def _read(w: str, spec: dict[str, Any]) -> dict[str, Any]:
     paths = _files(os.path.join(w, "ckpt"))
     buf = torch.empty(sum(os.path.getsize(p) for p in paths), dtype=torch.uint8)
     view = memoryview(buf.numpy()).cast("B")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     off = 0
     for p in paths:
         with open(p, "rb", buffering=0) as f:
             while n := f.readinto(view[off:off + _CHUNK]):
                 off += n
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     h = hashlib.blake2b(view[:off], digest_size=16).hexdigest()
-    return {"s": seconds, "ok": off == len(view) and h == spec["files_digest"], "bad": []}
+    return {"s": seconds, "cpu_s": cpu, "ok": off == len(view) and h == spec["files_digest"], "bad": []}
 
 
 def _keys(what: str, w: str, spec: dict[str, Any]) -> dict[str, Any]:
     """``import mmapckpt`` + ``open(path).keys()``, or safetensors' ``safe_open(...).keys()`` (its import included)."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if what == "open_keys":
         mmapckpt = _face()
         with mmapckpt.open(os.path.join(w, "ckpt")) as f:
@@ -189,8 +190,8 @@ def _keys(what: str, w: str, spec: dict[str, Any]) -> dict[str, Any]:
 
         with safe_open(os.path.join(w, "model.safetensors"), framework="pt") as f:
             keys = list(f.keys())
-    seconds = time.perf_counter() - t0
-    return {"s": seconds, "ok": sorted(keys) == sorted(spec["tensors"]), "bad": []}
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"s": seconds, "cpu_s": cpu, "ok": sorted(keys) == sorted(spec["tensors"]), "bad": []}
 
 
 def _tensorizer_setup(w: str) -> dict[str, Any]:

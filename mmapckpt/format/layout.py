@@ -40,7 +40,7 @@ DTYPES: dict[str, tuple[Any, int]]  # name -> (torch.dtype, itemsize), made on f
 __all__ = [
     "MAGIC", "FORMAT_MAJOR", "FORMAT_MINOR", "PREAMBLE_SIZE", "MAX_HEADER_SIZE", "MIN_ALIGNMENT", "DTYPES",
     "dtype_name", "dtype_from_name", "Entry", "EntrySpec", "ShardHeader", "ShardPlan", "plan_shard",
-    "layout_entries", "encode_header", "header_crcs", "entry_hashes", "HASH_KEY", "decode_preamble", "decode_header_doc", "decode_header",
+    "layout_entries", "encode_header", "header_crcs", "header_agrees", "entry_hashes", "HASH_KEY", "decode_preamble", "decode_header_doc", "decode_header",
     "host_byte_order",
 ]
 
@@ -238,6 +238,18 @@ def header_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any, .
     """The entries' CRC-32s if ``body`` is byte for byte the header written for ``records`` (fqn, chunk_offsets,
     kind, dtype name, shape, offset, length; in the header's order), else None: a whole header checked against
     the metadata without decoding it."""
+    crcs = _agreeing_crcs(body, save_id, records)
+    return None if crcs is None else [int(c, 16) for c in crcs]
+
+
+def header_agrees(body: bytes, save_id: str | None, records: Sequence[tuple[Any, ...]]) -> bool:
+    """Whether ``body`` is byte for byte the header written for ``records`` (:func:`header_crcs`, without making
+    the CRC-32s numbers: what a reader opening a shard asks, once per tensor)."""
+    return _agreeing_crcs(body, save_id, records) is not None
+
+
+def _agreeing_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any, ...]]) -> list[str] | None:
+    """The entries' CRC-32s in hex if ``body`` is the header written for ``records``, else None."""
     if not body.isascii():
         return None
     text = body.decode("ascii")
@@ -246,14 +258,13 @@ def header_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any, .
     crcs = _CRC_FIELD.findall(text)
     if len(crcs) != len(records):
         return None
-    rests: dict[tuple[Any, ...], str] = {}
-    objects = []
-    for (fqn, chunk, kind, dtype, shape, offset, length), crc in zip(records, crcs):
-        r = rests.get(k := (chunk, kind, dtype, shape))
-        if r is None:
-            r = rests[k] = _entry_rest(EntrySpec(fqn, chunk, kind, dtype, shape, length))
-        objects.append(f'{{"fqn":{_quote(fqn)}{r}{offset},"length":{length},"crc32":"{crc}"}}')
-    return [int(c, 16) for c in crcs] if _document(save_id, objects) == text else None
+    rests: dict[tuple[Any, ...], str] = {}  # an entry's object after its name, per (chunk, kind, dtype, shape)
+    for r in records:
+        if (k := r[1:5]) not in rests:
+            rests[k] = _entry_rest(EntrySpec(r[0], r[1], r[2], r[3], r[4], r[6]))
+    objects = [f'{{"fqn":{_quote(fqn)}{rests[chunk, kind, dtype, shape]}{offset},"length":{length},"crc32":"{crc}"}}'
+               for (fqn, chunk, kind, dtype, shape, offset, length), crc in zip(records, crcs)]
+    return crcs if _document(save_id, objects) == text else None
 
 
 def encode_header(entries: Sequence[Entry], save_id: str | None = None,

@@ -3,11 +3,13 @@
 - ``stream``: every piece in file order on this thread through the caller's descriptor, the
   kernel reading ahead (the caller may have asked it to read the whole range ahead already);
 - ``buffered-N``: N contiguous runs of about equal bytes at once, each on a reader thread
-  through its own descriptor: the kernel keeps readahead state per open file, and threads
-  sharing one descriptor break each other's sequential pattern;
+  through its own open file description of the caller's file (opened again through
+  ``/proc/self/fd``, never by its path): the kernel keeps readahead state per open file, and
+  threads sharing one descriptor break each other's sequential pattern;
 - ``direct-N``: N runs of O_DIRECT reads of aligned 4 MiB blocks into page-aligned buffers,
   each block's bytes then copied into the pieces it holds; gaps of up to :data:`GAP` bytes
-  between pieces are read through rather than split into more requests.
+  between pieces are read through rather than split into more requests (the file opened again
+  O_DIRECT the same way).
 
 Every way fills the same bytes; a file shorter than a piece raises TruncatedFileError.
 """
@@ -46,7 +48,7 @@ def read_pieces(fd: int, path: str, ident: tuple[int, int], pieces: Sequence[Rea
         pread_all(fd, list(pieces), path)
         return True
     if strategy.kind == "direct":
-        dfd = _open_direct(path, ident)
+        dfd = _open_direct(fd, ident)
         if dfd is None:
             return False
         try:
@@ -60,37 +62,33 @@ def read_pieces(fd: int, path: str, ident: tuple[int, int], pieces: Sequence[Rea
     return True
 
 
-def _open_same(path: str, ident: tuple[int, int], flags: int) -> int | None:
-    """``path`` opened with ``flags`` if it still names the file ``ident`` (st_dev, st_ino); else None.
-
-    Raises:
-        OSError: the open failed.
-    """
-    fd = os.open(path, flags)
-    st = os.fstat(fd)
-    if (st.st_dev, st.st_ino) != ident:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _open_direct(path: str, ident: tuple[int, int]) -> int | None:
-    """The file opened O_DIRECT; None where that is refused or the path now names another file."""
-    if not hasattr(os, "O_DIRECT"):
-        return None
+def _reopen(fd: int, ident: tuple[int, int], flags: int) -> int | None:
+    """A new open file description of the file ``fd`` has open, with ``flags`` (its own readahead state; O_DIRECT):
+    opened through ``/proc/self/fd``, which names the open file itself, never its path again (a file renamed over
+    the path, or the path removed, changes nothing). None where that is refused (no ``/proc``; O_DIRECT on a file
+    system without it) or, as a guard, where it is not the file ``ident`` (st_dev, st_ino)."""
     try:
-        return _open_same(path, ident, os.O_RDONLY | os.O_DIRECT)
+        own = os.open(f"/proc/self/fd/{fd}", flags)
     except OSError:  # EINVAL where the file system refuses O_DIRECT: the caller reads another way
         return None
+    st = os.fstat(own)
+    if (st.st_dev, st.st_ino) != ident:
+        os.close(own)
+        return None
+    return own
+
+
+def _open_direct(fd: int, ident: tuple[int, int]) -> int | None:
+    """The open file opened again O_DIRECT; None where that is refused."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    return _reopen(fd, ident, os.O_RDONLY | os.O_DIRECT)
 
 
 def _buffered_run(fd: int, path: str, ident: tuple[int, int], run: list[ReadJob]) -> None:
-    """One run on a descriptor of its own (its own readahead state); a copy of ``fd`` where the path no
-    longer opens to the same file."""
-    try:
-        own = _open_same(path, ident, os.O_RDONLY)
-    except OSError:
-        own = None
+    """One run on an open file description of its own (its own readahead state); a copy of ``fd`` (which shares
+    ``fd``'s) where the file cannot be opened again."""
+    own = _reopen(fd, ident, os.O_RDONLY)
     own = os.dup(fd) if own is None else own
     try:
         os.posix_fadvise(own, 0, 0, os.POSIX_FADV_SEQUENTIAL)

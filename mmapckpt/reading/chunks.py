@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from ..errors import CheckpointError, SizeMismatchError
 from ..format.dtypes import ITEMSIZES
 from ..format.entries import ChunkInfo, EntryInfo
-from ..format.stock import load_tensor
 from ..io.mapped import MappedFile
 from ..storage.base import CheckpointStorage, StoredFile
-from .dcp_safetensors import SafetensorsChunks, raw_record, stock_safetensors
 from .shard import Shard, check_reach, check_size_unchanged, file_save_id, open_named, shard_of
 
-if TYPE_CHECKING:
-    import torch
+if TYPE_CHECKING:  # stock items' readers are imported by the first stock item read: a load of an mmapckpt
+    import torch  # checkpoint imports neither
+
+    from .dcp_safetensors import SafetensorsChunks
 
 __all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles"]
 
@@ -103,6 +103,8 @@ class ChunkFiles:
         if st is not None:
             offset, length = st.locate(info.name, c.offsets, info.dtype, c.sizes, label)  # type: ignore[arg-type]
             return st.view(offset, length, info.dtype, c.sizes, lazy=lazy)  # type: ignore[arg-type]
+        from ..format.stock import load_tensor
+
         t = load_tensor(self._read_stock(c, label), path=self.stock[c.file].path, entry=label).contiguous()
         if t.dtype != info.dtype or tuple(t.shape) != c.sizes:
             raise SizeMismatchError(f"stored chunk is {t.dtype} {list(t.shape)}, the metadata says {info.dtype} "
@@ -133,6 +135,8 @@ class ChunkFiles:
     def _stock_safetensors(self, info: EntryInfo, c: ChunkInfo) -> SafetensorsChunks | None:
         """The safetensors data a stock shard holds its tensors in, where chunk ``c`` is recorded (else None:
         a torch.save item, whose bytes are not probed: reading/dcp_safetensors.py ``raw_record``)."""
+        from .dcp_safetensors import raw_record, stock_safetensors
+
         if not raw_record(c.length, info.dtype, c.sizes):  # type: ignore[arg-type]
             return None  # a torch.save item: not probed, not cached (the records of one data start share a key)
         key = (c.file, c.file_offset)

@@ -34,8 +34,6 @@ from .hf_dirs import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, SAFETENSORS_SUFFIX,
 from ..storage.location import storage_for
 from .located import Place
 from .opened import Opened, open_dcp, open_safetensors, open_torch
-from .safetensors_files import is_safetensors_file
-from .torchfile import is_torch_file, is_zip
 
 __all__ = ["FORMATS", "TABLE", "Format", "Probe", "by_name", "family", "recognise", "resolve", "target_family",
            "owned_files", "DEFAULT_TARGET", "STOCK_READER_NOTE"]
@@ -174,11 +172,15 @@ def _is_safetensors_file(p: Probe) -> bool:
         return False
     if p.place.name.endswith(SAFETENSORS_SUFFIX):  # type: ignore[union-attr]
         return True
+    from .safetensors_files import is_safetensors_file  # each backend is imported by the loads of its format
+
     with p.place.open() as f:
         return is_safetensors_file(f)
 
 
 def _torch_version(opened: Opened, index: str | None) -> str:
+    from .torchfile import is_zip
+
     place = opened.place
     assert place is not None
     with place.open(next(iter(opened.layout or ()))) as f:
@@ -203,6 +205,8 @@ def _safetensors_version(single: str) -> Callable[[Opened, str | None], str]:
 def _is_torch_file(p: Probe) -> bool:
     if p.is_dir:
         return False
+    from .torchfile import is_torch_file
+
     with p.place.open() as f:
         return is_torch_file(f)
 

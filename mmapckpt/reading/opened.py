@@ -13,16 +13,15 @@ from typing import TYPE_CHECKING, NamedTuple
 from ..errors import FormatError
 from ..format.entries import EntryInfo
 from ..format.metadata import KIND_MMAPCKPT, decode_index_file, decode_user_metadata
-from ..format.safetensors import SafetensorsHeader, entry_infos
 from ..format.tiling import tiling_problem
 from ..storage.base import CommitFile
-from .dcp_safetensors import saved_offsets
 from .hf_dirs import Files
 from .located import Place
-from .safetensors_files import SafetensorsFile, SafetensorsFiles
 
-if TYPE_CHECKING:  # the backends that make tensors are imported by the openers that need them: the index of a
-    from .backend import ChunkBackend  # DCP directory or of safetensors files is read without torch (inspect)
+if TYPE_CHECKING:  # each backend is imported by its opener: the index of a DCP directory or of safetensors files
+    # is read without torch (inspect), and a load of one format imports no other format's backend
+    from ..format.safetensors import SafetensorsHeader
+    from .backend import ChunkBackend
 
 __all__ = ["Opened", "open_dcp", "open_safetensors", "open_torch", "safetensors_union"]
 
@@ -87,6 +86,9 @@ def safetensors_union(place: Place, parts: list[tuple[str, SafetensorsHeader, li
         FormatError: a name in two files that are not distinct chunks of one tensor (naming both files), chunks
             of one tensor that disagree in dtype or rank or leave part of it unstored, a damaged header entry.
     """
+    from ..format.safetensors import entry_infos
+    from .dcp_safetensors import saved_offsets
+
     entries: dict[str, EntryInfo] = {}
     where: dict[str, str] = {}
     for rel, header, names in parts:
@@ -124,6 +126,8 @@ def safetensors_union(place: Place, parts: list[tuple[str, SafetensorsHeader, li
 
 def open_safetensors(place: Place, files: Files, verify: bool) -> Opened:
     """safetensors files (one file, an index's shards, or a directory's files read as their union)."""
+    from .safetensors_files import SafetensorsFile, SafetensorsFiles
+
     opened: dict[str, SafetensorsFile] = {}
     try:
         for rel in files:

@@ -196,8 +196,8 @@ class Shard:
         """Whether the header is exactly what the writer wrote for ``records`` (every entry of this file, as
         the metadata of save ``save_id`` places them: fqn, chunk offsets, kind, dtype name, shape, offset,
         length) and its checksum holds. Then :meth:`view` of those chunks checks only their bounds."""
-        if save_id is None or zlib.crc32(self._body) != self._hcrc or fmt.header_crcs(
-                self._body, save_id, records) is None:
+        if save_id is None or zlib.crc32(self._body) != self._hcrc or not fmt.header_agrees(
+                self._body, save_id, records):
             return False
         self._agreed = save_id
         return True

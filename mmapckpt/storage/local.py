@@ -21,17 +21,17 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, TruncatedFileError, UnsafePathError
 from ..io.files import atomic_write, fsync_dir, open_inside, opened_inside, pread_into, pwrite_all, unlink_quietly
 from .hub import hub_blobs
 from ..io.mapped import MappedFile, open_regular
-from ..io.odirect import DirectWriter, open_direct
-from . import replace
 from .base import CheckpointStorage, FileOutput, Lock, StoredFile
-from .lock import SaveLock
 from .replacement import Owned, Replacement
+
+if TYPE_CHECKING:  # the write side (O_DIRECT writers, the save lock, the swap and its journal) is imported by the
+    from ..io.odirect import DirectWriter  # writes and conversions that use it: a load imports none of it
 
 __all__ = ["LocalStorage", "LocalFile", "LocalOutput", "Swap", "writable_local_path"]
 
@@ -95,6 +95,8 @@ class LocalOutput(FileOutput):
         self.path, self.size, self.sync = path, size, sync
         d, name = os.path.split(path)
         self.tmp = os.path.join(d, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+        from ..io.odirect import DirectWriter, open_direct
+
         fd = open_direct(self.tmp) if direct and size is not None else None
         self.how = "buffered" if fd is None else "direct"
         if fd is None:
@@ -217,6 +219,8 @@ class LocalStorage(CheckpointStorage):
                 pass
 
     def lock(self, *, shared: bool = False) -> Lock:
+        from .lock import SaveLock
+
         return SaveLock(self.location, shared=shared)
 
     def sync(self) -> None:
@@ -231,6 +235,8 @@ class LocalStorage(CheckpointStorage):
     def recover(self) -> str | None:
         """Finish or undo an interrupted replacement of this path (storage/replace.py ``recover``), and remove
         the temporary files of conversions whose process is gone, beside it."""
+        from . import replace
+
         parent = os.path.dirname(os.path.abspath(self.location))
         try:
             done = replace.recover(self.location)
@@ -258,6 +264,8 @@ class Swap(Replacement):
 
     def __init__(self, location: str, name: str, owned: Owned, overwrite: bool) -> None:
         super().__init__()
+        from . import replace
+
         self.target = os.path.join(location, name) if name else location
         self._owned, self._overwrite, self._lock = owned, overwrite, None
         self._tmp = replace.temp_sibling(self.target)
@@ -271,6 +279,8 @@ class Swap(Replacement):
     def commit(self, commit: str) -> list[str]:
         if os.path.lexists(self.target) and not self._overwrite:
             raise CheckpointExistsError("destination appeared during the conversion", path=self.target)
+        from . import replace
+
         if not self.name:
             self.storage.sync()
             self._lock = self.storage.lock()  # the new directory is locked before it is swapped in
@@ -287,6 +297,8 @@ class Swap(Replacement):
         return f"{self._tmp}.scratch-{uuid.uuid4().hex[:8]}"  # a temp sibling's name: removed once its writer is gone
 
     def abort(self) -> None:
+        from . import replace
+
         try:  # undo or finish a swap already under way, else drop the unfinished new version
             if replace.recover(self.target) is None and os.path.lexists(self._tmp):
                 if os.path.isdir(self._tmp) and not os.path.islink(self._tmp):

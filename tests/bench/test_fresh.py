@@ -56,6 +56,7 @@ def test_fresh_quick_cli_gives_every_row_checked_bitwise(tmp_path) -> None:
     for r in doc["rows"]:
         assert r["bitwise"] is True, r
         assert _stats_ok(r["first"]) and _stats_ok(r["second"]), r
+        assert _stats_ok(r["first_cpu"]) and _stats_ok(r["second_cpu"]), r  # the child's CPU beside its wall time
         assert r["first_of_limit"] == doc["rows"][0]["first"]["median_s"] / r["first"]["median_s"]
         assert r["second_of_limit"] == doc["rows"][0]["second"]["median_s"] / r["second"]["median_s"]
         assert 0.0 <= r["cached_after_first"] <= 1.0
@@ -63,6 +64,9 @@ def test_fresh_quick_cli_gives_every_row_checked_bitwise(tmp_path) -> None:
     assert [r["method"] for r in doc["many"]] == list(MANY_ROWS)
     for r in doc["many"]:
         assert r["bitwise"] is True and _stats_ok(r["first"]) and _stats_ok(r["second"]), r
+        assert _stats_ok(r["first_cpu"]) and _stats_ok(r["second_cpu"]), r
+    assert {k: {p: len(v) for p, v in t.items()} for k, t in doc["raw_cpu_times"].items()} == \
+        {k: {p: len(v) for p, v in t.items()} for k, t in doc["raw_times"].items()}  # per repetition, both
     by = {r["method"]: r for r in doc["many"]}
     assert by["open_keys"]["first_vs_safetensors"] == (by["safetensors_keys"]["first"]["median_s"]
                                                        / by["open_keys"]["first"]["median_s"])
@@ -84,7 +88,9 @@ def work(tmp_path_factory):
 
 def test_a_load_is_checked_bit_for_bit_in_its_child(work) -> None:
     env = _env(1, None)
-    assert _child("load_into", work, env)["ok"] is True
+    got = _child("load_into", work, env)
+    assert got["ok"] is True
+    assert 0 < got["cpu_s"] and 0 < got["s"]  # the child's CPU seconds (process_time) beside its wall seconds
     with open(os.path.join(work, "spec.json")) as f:
         spec = json.load(f)
     spec["tensors"]["b"][2] = "0" * 32  # the saved state dict said other bytes

@@ -422,6 +422,7 @@ import torch
 from mmapckpt import convert
 
 src, dst, to, warm = sys.argv[1:5]
+sys.setswitchinterval(1e-4)  # the sampler gets the GIL at least every 0.1 ms, not every 5 ms: no short peak missed
 def job():
     if to == "control":  # what a whole-state-dict conversion costs, to show the probe sees it
         return torch.load(src, weights_only=True)
@@ -429,6 +430,7 @@ def job():
 if to != "control":
     with tempfile.TemporaryDirectory() as d:  # import every lazily imported module before measuring
         convert(warm, os.path.join(d, "w"), to=to)
+import gc; gc.collect()
 base = anon()
 peak, stop = [base], threading.Event()
 def sample():
@@ -449,8 +451,18 @@ MiB = 1 << 20
 @pytest.mark.slow
 def test_conversion_memory_stays_near_the_largest_tensor(tmp_path) -> None:
     """Peak anonymous memory of a conversion, in a fresh process, against a 36 MiB checkpoint whose
-    largest tensor is 4 MiB: it must stay under that tensor plus 8 MiB, while loading the state dict
-    whole (the control) costs its full size."""
+    largest tensor is 4 MiB: it must stay within the copies of that tensor its path holds (none where
+    the source is mapped and the sink writes from the mapping; one where a stock DCP sink serializes an
+    item; two where a stock DCP item's bytes and the tensor they decode to are alive together) plus half
+    of it, while loading the state dict whole (the control) costs its full size.
+
+    The child runs with glibc's mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``): every buffer
+    of that size or more is its own mapping, given back to the system when freed, so RssAnon follows the
+    buffers alive. With glibc's default, the threshold grows after each large free, later buffers come
+    from the heap, and what malloc keeps after freeing them stays in RssAnon: the figure then moved with
+    unrelated changes (8.0 MiB on main, 9.8 and 12.2 MiB with lazier imports, the same conversion).
+    Holding one more copy of the largest tensor fails this test (checked once, by keeping a clone of each
+    chunk of 4 MiB or more in reading/chunks.py: mmapckpt -> safetensors, -> torch and -> dcp grew by 4.1 MiB)."""
     g = torch.Generator().manual_seed(0)
     sd = {f"layer.{i}.w": torch.randn(MiB // 2, generator=g) for i in range(16)}  # 2 MiB each
     sd["emb"] = torch.randn(MiB, generator=g)  # 4 MiB: the largest
@@ -461,10 +473,11 @@ def test_conversion_memory_stays_near_the_largest_tensor(tmp_path) -> None:
         write_source(fmt, small, str(tmp_path / f"warm_{fmt}"))
     script = tmp_path / "measure.py"
     script.write_text(_MEASURE)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
 
     def peak(src: str, to: str) -> int:
         p = subprocess.run([sys.executable, str(script), str(tmp_path / f"src_{src}"), str(tmp_path / f"o_{src}_{to}"),
-                            to, str(tmp_path / f"warm_{src}")], capture_output=True, text=True, timeout=300)
+                            to, str(tmp_path / f"warm_{src}")], capture_output=True, text=True, timeout=300, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
         r = json.loads(p.stdout.strip().splitlines()[-1])
         return r["peak"] - r["base"]
@@ -472,11 +485,12 @@ def test_conversion_memory_stays_near_the_largest_tensor(tmp_path) -> None:
     control = peak("torch", "control")
     print(f"control: torch.load of the whole state dict +{control / MiB:.1f} MiB")
     assert control >= 0.9 * total, f"the probe missed a whole-state-dict load: {control / MiB:.1f} MiB"
-    for src, to in [("mmapckpt", "safetensors"), ("mmapckpt", "torch"), ("mmapckpt", "dcp"), ("dcp", "mmapckpt"),
-                    ("safetensors", "dcp"), ("torch", "mmapckpt")]:
+    copies = {("mmapckpt", "safetensors"): 0, ("mmapckpt", "torch"): 0, ("mmapckpt", "dcp"): 1, ("dcp", "mmapckpt"): 2,
+              ("safetensors", "dcp"): 1, ("torch", "mmapckpt"): 0}
+    for (src, to), n in copies.items():
         grew = peak(src, to)
         print(f"{src} -> {to}: peak anonymous memory +{grew / MiB:.1f} MiB (checkpoint {total / MiB:.0f} MiB)")
-        assert grew <= largest + 8 * MiB, f"{src} -> {to} used {grew / MiB:.1f} MiB"
+        assert grew <= n * largest + largest // 2, f"{src} -> {to} used {grew / MiB:.1f} MiB, over {n} copies"
 
 
 def test_damaged_sources_are_refused_not_converted(tmp_path) -> None:

@@ -42,14 +42,18 @@ def test_header_agrees_with_its_own_records_and_with_no_other(specs, save_id, pi
     body = plan.header(crcs)[fmt.PREAMBLE_SIZE:]
     records = _records(plan.entries)
     assert fmt.header_crcs(body, save_id, records) == crcs
+    assert fmt.header_agrees(body, save_id, records)
     assert fmt.header_crcs(body, save_id + "x", records) is None
     assert fmt.header_crcs(body, None, records) is None
+    assert not fmt.header_agrees(body, save_id + "x", records) and not fmt.header_agrees(body, None, records)
     i = pick.draw(st.integers(0, len(records) - 1))
     # a bytes entry's header has no chunk offsets, dtype or shape (the metadata's records have none either)
     field = pick.draw(st.sampled_from((0, 1, 2, 3, 4, 5, 6) if records[i][2] == "tensor" else (0, 5, 6)))
     other = records[:i] + [_changed(records[i], field)] + records[i + 1:]
     assert fmt.header_crcs(body, save_id, other) is None, (i, field)
+    assert not fmt.header_agrees(body, save_id, other), (i, field)
     assert fmt.header_crcs(body, save_id, records[:-1]) is None
+    assert not fmt.header_agrees(body, save_id, records[:-1])
     if len(records) > 1:
         assert fmt.header_crcs(body, save_id, records[::-1]) is None or records[0][:5] == records[-1][:5]
 

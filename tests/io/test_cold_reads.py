@@ -200,18 +200,33 @@ def test_a_file_shorter_than_a_piece_raises(tmp_path, way):
         os.close(fd)
 
 
-@pytest.mark.parametrize("way", WAYS, ids=lambda w: w.name)
-def test_a_file_replaced_at_its_path_is_read_from_the_open_one(tmp_path, way):
-    path, fd, ident = _file(tmp_path, b"A" * 20000)
+def _takes_o_direct(path: str) -> bool:
     try:
-        tmp = path + ".new"
-        with open(tmp, "wb") as f:
-            f.write(b"B" * 20000)
-        os.replace(tmp, path)
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("then", ["replaced", "removed"])
+@pytest.mark.parametrize("way", WAYS, ids=lambda w: w.name)
+def test_a_file_changed_at_its_path_is_read_from_the_open_one(tmp_path, way, then):
+    """Every way reads the file that was opened (its descriptor, opened again through /proc/self/fd where a way
+    needs a description of its own), never the path: O_DIRECT ways too, where the file system takes O_DIRECT."""
+    path, fd, ident = _file(tmp_path, b"A" * 20000)
+    direct_ok = _takes_o_direct(path)
+    try:
+        if then == "replaced":
+            tmp = path + ".new"
+            with open(tmp, "wb") as f:
+                f.write(b"B" * 20000)
+            os.replace(tmp, path)
+        else:
+            os.unlink(path)
         out = np.zeros(12345, np.uint8)
         ok = cold_reads.read_pieces(fd, path, ident, [ReadJob(out, 100, "t")], way)
-        if not ok:  # O_DIRECT cannot reopen the replaced file: the caller reads the open one as a stream
-            assert way.kind == "direct"
+        assert ok or (way.kind == "direct" and not direct_ok), "the way was given up: the path was opened again"
+        if not ok:  # a file system without O_DIRECT: the caller reads the open one as a stream
             assert cold_reads.read_pieces(fd, path, ident, [ReadJob(out, 100, "t")], STREAM)
         assert out.tobytes() == b"A" * 12345
     finally:
