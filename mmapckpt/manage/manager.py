@@ -39,11 +39,12 @@ class CheckpointManager:
     """The checkpoints of a training run: numbered steps under one root, with retention, leases and resume.
 
     Args:
-        root: a local directory or an ``s3://BUCKET/PREFIX`` holding one run's steps (``ROOT/step-{N}/``);
+        root: a local directory or an object-store prefix (``s3://``, ``az://``, ``gs://``) holding one run's steps
+            (``ROOT/step-{N}/``);
             created at the first save.
         keep_last: after each committed save, keep the newest ``keep_last`` steps (None: keep every step).
         keep_every: also keep every step that is a multiple of ``keep_every`` (with ``keep_last``).
-        storage_options: for an ``s3://`` root: credentials, endpoint, part sizes (docs/object-storage.md).
+        storage_options: for an object-store root: credentials, endpoint, part sizes (docs/object-storage.md).
         lease_seconds: how long a load's lease lasts without renewal (renewed every quarter of it).
 
     Raises:
