@@ -256,12 +256,15 @@ def test_without_a_store_date_a_dead_lock_expires_and_a_live_one_does_not(s3_env
     try:
         through = {"endpoint_url": proxy.endpoint_url}
         client = s3_server.client()
-        # a live holder (lease 2 s, renewed every 0.5 s): its ETag keeps changing, so it is never taken over
-        holder = _holder(f"s3://{s3_bucket}/live", _LEASE)
+        # a live holder (lease 4 s, renewed every 1 s): its ETag keeps changing, so it is never taken over. The
+        # contender waits 8 s: longer than the 5 s after which an unchanged ETag would count as dead, so a
+        # contender that did not watch the ETag change would take it; and a loaded machine may stall the holder
+        # for up to 5 s without the test failing (it was 3 s with a 2 s lease)
+        holder = _holder(f"s3://{s3_bucket}/live", 2 * _LEASE)
         try:
             with pytest.raises(CheckpointWriteError, match="no store clock"):
                 mmapckpt.save({"a": torch.ones(3)}, f"s3://{s3_bucket}/live",
-                              storage_options={**through, "lock_wait": 5})
+                              storage_options={**through, "lock_wait": 8})
             assert holder.poll() is None
         finally:
             _stop_all([holder])
