@@ -50,3 +50,19 @@ def test_a_step_referring_to_an_earlier_step_loads_bitwise_through_the_cache(env
                  no_dist=True)
         assert_same(targets, s2, "warm dcp.load: ")
     assert warm.bytes == 0  # both steps' shards served from their copies
+
+
+def test_a_checkpoint_manager_on_a_cached_root_lists_its_steps_on_the_medium(env, bucket, cache):
+    # the cache wraps the root's storage (cache_dir, or MMAPCKPT_CACHE_DIR for every URL): listing the steps, and
+    # the leftovers of killed saves, must still be the medium's own
+    root = f"s3://{bucket}/managed"
+    opts = {"cache_dir": cache}
+    m = mmapckpt.CheckpointManager(root, keep_last=2, storage_options=opts)
+    sds = {s: {"w": torch.full((64, 8), float(s)), "frozen": torch.arange(4096, dtype=torch.float32)} for s in (1, 2, 3)}
+    for s, sd in sds.items():
+        m.save(sd, s)
+    assert m.steps() == [2, 3] and m.latest() == 3
+    got = {k: torch.zeros_like(v) for k, v in sds[3].items()}
+    m.load(got)
+    assert_same(got, sds[3], "latest through the cache: ")
+    assert mmapckpt.CheckpointManager(root, storage_options=opts).steps() == [2, 3]  # a restarted job sees them

@@ -65,14 +65,18 @@ class CachedStorage(CheckpointStorage):
         return self.remote.full(name)
 
     def sibling(self, name: str) -> CachedStorage:
-        """The medium's sibling location (``CheckpointStorage.sibling``: another step of a managed root, its
-        parent), read through the same cache: a step's references to an earlier step's files map their copies."""
+        """The medium's sibling location (another step of a managed root), read through the same cache."""
         return CachedStorage(self.remote.sibling(name), self.settings)
 
+    def files_below(self) -> dict[str, int]:  # a managed root's steps: the medium's own listing, never a copy
+        return self.remote.files_below()
+
+    def unfinished_below(self) -> list[str]:
+        return self.remote.unfinished_below()
+
     def _version(self, name: str) -> list[Any] | None:
-        """The version of file ``name``: from the medium's one listing where the location was listed (S3:
-        ``versions``, the objects' sizes and ETags), else one look at the file (a HEAD: ``version``; else opening
-        it)."""
+        """The version of file ``name``: from the medium's one listing where the location was listed (S3: sizes
+        and ETags), else one look at the file (a HEAD: ``version``; else opening it)."""
         if name in self._versions:
             return self._versions[name]
         listed = self._listed  # taken where the reader lists the location anyway (is_location, list): never
@@ -100,15 +104,13 @@ class CachedStorage(CheckpointStorage):
         return not self._writing and getattr(self.remote, "versions", None) is None
 
     def _seen_before(self, name: str) -> Any:
-        """For a medium without a listing of versions: file ``name``'s version as recorded with the location's
-        mmapckpt commit at the version it has now (one look at ``.metadata``, listing.py ``Seen``), or None."""
+        """File ``name``'s version as recorded with the location's mmapckpt commit as it is now (listing.py Seen)."""
         commit = self._version(METADATA_NAME)
         return None if commit is None or not self._seen.take(commit) else (self._seen.files or {}).get(name)
 
     def _listing(self) -> dict[str, Any] | None:
         """``{name: (size, version)}`` of the location's files: recorded with its commit where that is the version
-        the medium has now (one look at ``.metadata``: listing.py), else from one listing (None: the medium has
-        none)."""
+        the medium has now (listing.py), else from one listing (None: the medium has none)."""
         if self._listed is None and not self._writing:
             ask = getattr(self.remote, "versions", None)
             if ask is None:
@@ -130,8 +132,7 @@ class CachedStorage(CheckpointStorage):
         return listed
 
     def _record(self, f: StoredFile, version: list[Any]) -> None:
-        """The listing taken at this load (or, on a medium without listings, the versions found so far), recorded
-        with the commit ``f`` of ``version`` it found, if that is an mmapckpt commit (listing.py)."""
+        """This load's listing (or versions found so far) recorded with mmapckpt commit ``f`` (listing.py)."""
         self._to_record = False
         if not is_mmapckpt(bytes(f.read(0, min(8, f.size)))):
             return
@@ -156,8 +157,7 @@ class CachedStorage(CheckpointStorage):
         return bool(listed) or self.remote.is_location()
 
     def list(self) -> list[str]:
-        """The medium's listing; while only reading, the names of the one listing the versions came from (objects
-        only: a killed save's uploads in progress, which only a save removes, are not asked for)."""
+        """The medium's listing; while only reading, the names of the listing the versions came from (objects)."""
         listed = self._listing()
         return self.remote.list() if listed is None or self._writing else sorted(listed)
 
