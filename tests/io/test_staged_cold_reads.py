@@ -47,6 +47,7 @@ class Spy:
         self.calls: list[tuple[Strategy, int]] = []
         self.runs: list[tuple[str, int, str]] = []
         self.direct_opens = 0
+        self._mutex = threading.Lock()
         real_pieces, real_buffered, real_direct, real_open = (direct_reads.read_pieces, cold_reads._buffered_run,
                                                               cold_reads._direct_run, cold_reads._open_direct)
 
@@ -63,7 +64,8 @@ class Spy:
             return real_direct(dfd, run, path)
 
         def open_direct(path, ident):
-            self.direct_opens += 1
+            with self._mutex:  # reader threads may open at once: `+=` alone could lose a count
+                self.direct_opens += 1
             return real_open(path, ident)
 
         monkeypatch.setattr(direct_reads, "read_pieces", pieces)
