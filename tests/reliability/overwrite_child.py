@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -141,6 +142,7 @@ class Killer:
         self.armed = False
         self.committed = False
         self.matched = 0
+        self._lock = threading.Lock()  # writer threads call hit() at once: counting and deciding are one step
 
     def _should_kill(self, name: str, where: str) -> bool:
         if self.kill_at >= 0:
@@ -156,13 +158,14 @@ class Killer:
     def hit(self, name: str, where: str = "", partial: Any = None, dst: str = "") -> None:
         if not self.armed:
             return
-        if self._should_kill(name, where):
-            if partial is not None:
-                partial()
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.events.append(f"{name}:{where}" + (f"->{os.path.basename(dst)}" if dst else ""))
-        if name in ("replace", "rename") and os.path.basename(dst) in _COMMITS:
-            self.committed = True
+        with self._lock:
+            if self._should_kill(name, where):
+                if partial is not None:
+                    partial()
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.events.append(f"{name}:{where}" + (f"->{os.path.basename(dst)}" if dst else ""))
+            if name in ("replace", "rename") and os.path.basename(dst) in _COMMITS:
+                self.committed = True
 
 
 def _fd_name(fd: int) -> str:

@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -529,6 +530,7 @@ class Inject:
                  budget: int | None = None, fsync: str | None = None) -> None:
         self.root, self.err, self.budget, self.fsync_match = os.path.realpath(root) + os.sep, err, budget, fsync
         self.written, self.fired, self.log = 0, 0, []
+        self._lock = threading.Lock()  # the writer's threads write at once: '+=' would lose counts
         self.real = {n: getattr(os, n) for n in ("pwrite", "pwritev", "write", "writev", "fsync", "fdatasync")}
         for n in ("pwrite", "write"):
             monkeypatch.setattr(os, n, self._writer(n, lambda a: len(memoryview(a[1]).cast("B"))))
@@ -545,7 +547,8 @@ class Inject:
         return os.path.basename(p) if p.startswith(self.root) else None
 
     def _raise(self) -> None:
-        self.fired += 1
+        with self._lock:
+            self.fired += 1
         raise OSError(self.err, os.strerror(self.err))
 
     def _writer(self, n: str, size: Callable[[tuple], int]) -> Callable:
@@ -553,13 +556,16 @@ class Inject:
             name = self._name(a[0])
             if name is not None:
                 k = size(a)
-                if self.budget is not None and self.written + k > self.budget:
+                with self._lock:  # the budget is checked and spent in one step
+                    over = self.budget is not None and self.written + k > self.budget
+                    if not over:
+                        self.written += k
+                        self.log.append((name, k))
+                if over:
                     # like the real call, which holds no reference to the buffer once it failed (a
                     # traceback keeping the buffer alive would make the writer's mmap.close() fail)
                     del a
                     self._raise()
-                self.written += k
-                self.log.append((name, k))
             return self.real[n](*a)
         return f
 
