@@ -2,7 +2,7 @@
 
 A tiny run (``--quick``) produces every mmapckpt row, the cache's rows (warm beside local warm, cold beside no
 cache, 4 processes loading together: 1.0x the bytes), both limits through azure-storage-blob, each load
-checked bitwise, a JSON document, and leaves no blob behind.
+checked bitwise, DCP's FsspecReader/FsspecWriter over adlfs, a JSON document, and leaves no blob behind.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ def test_bench_storage_quick_on_azure(az_env, az_container, azurite, tmp_path, c
                           "--dir", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "out" / "bench_az.json").read_text())
     check_objstore_bench(doc, "adlfs")
+    for row in ("load: dcp.load + FsspecReader (adlfs)", "save: dcp.save + FsspecWriter (adlfs)"):
+        assert doc["rows"][row]["gb_per_s"] > 0, row  # adlfs is in the test extra: DCP's own path, measured
     assert not list(azurite.service().get_container_client(az_container).list_blobs())
     assert not list(tmp_path.glob("objstore-bench-*"))  # its local checkpoint and cache removed
     assert "limits: limit: GET" in capsys.readouterr().out
