@@ -6,7 +6,11 @@ of the reused steps holds (:class:`ReuseIndex`, built by dcp/reuse.py from their
 Where the hash, dtype, shape and length are equal, the chunk's storage record names the stored
 bytes (:class:`Reference`: ``../step-M/FILE``, offset, length) and nothing is written; every
 other entry is written as the one shard writer writes it, with its hash in the header, so that
-the next save can compare with it.
+the next save can compare with it: on an object store (``ReuseIndex.hash_written``). On a local
+disk a written chunk carries its CRC-32 alone (hash on second sight): a later chunk that may equal
+such an unhashed stored one is compared with the stored bytes byte for byte (``ReuseIndex.compare``,
+on a helper thread, which hashes them meanwhile) and referenced only where all are equal; the hash
+is kept for the next save of the same manager (``ReuseIndex.confirmed``), which then matches by it.
 
 The hashing overlaps the writes. A chunk is held back for its whole hash only where it may equal a
 stored one: same name, chunk offsets, dtype and shape, and the same CRC-32 of its first 64 KiB
