@@ -105,14 +105,15 @@ def _comparer(storage: CheckpointStorage) -> Callable[[Reusable, Any], str | Non
         with open_named(storage, r.file, None) as f:
             if r.offset + r.length > f.size or len(mv) != r.length:
                 return None
-            piece = bytearray(min(_PIECE, r.length))
-            for o in range(0, r.length, _PIECE):
-                n = min(_PIECE, r.length - o)
-                p = piece if n == len(piece) else bytearray(n)
+            piece, o = bytearray(min(_PIECE, r.length)), 0
+            while o < r.length:  # the head first: a chunk that changed differs there, mostly (one small read)
+                n = min(fmt.HEAD_BYTES if o == 0 else _PIECE, r.length - o)
+                p = piece if n == len(piece) else bytearray(n)  # a bytearray: compared by memcmp (not per item)
                 f.read_into(r.offset + o, p)
                 if p != mv[o:o + n]:
                     return None
                 h.update(p)
+                o += n
         return h.hexdigest()
     return compare
 
