@@ -129,3 +129,28 @@ def test_a_root_with_hashes_serves_as_a_reuse_source(tmp_path: Path, monkeypatch
     got = mmapckpt.load(root / "step-2")
     assert_bitwise_equal(got["head.w"], _state(2)["head.w"])
     assert_bitwise_equal(got["frozen.w"], _state(2)["frozen.w"])
+
+
+def test_a_resumed_job_reads_only_the_head_of_a_stored_chunk_that_changed(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmapckpt.storage.local import LocalFile
+    root = make_root(tmp_path / "root")
+    save_step(root, 1, _state(1))
+    shard = Shard(str(root / "step-1" / "__0_0.distcp"))
+    e = shard.header.by_key()[("frozen.w", (0, 0))]
+    shard.close()
+    reads: list[tuple[int, int]] = []
+    real = LocalFile.read_into
+
+    def spy(self: Any, offset: int, buf: Any, **kw: Any) -> None:
+        if self.path.endswith("step-1/__0_0.distcp") and e.offset <= offset < e.offset + e.length:
+            reads.append((offset, len(buf)))
+        real(self, offset, buf, **kw)
+
+    monkeypatch.setattr(LocalFile, "read_into", spy)
+    sd = _state(2)
+    sd["frozen.w"] = -sd["frozen.w"]  # changed from its first byte on; no head CRC-32 on disk to tell
+    save_step(root, 2, sd, reuse=(1,))
+    assert files_of(root / "step-2")["frozen.w"] == "__0_0.distcp"
+    assert reads == [(e.offset, fmt.HEAD_BYTES)]  # its head alone was read, not the 256 KiB
+    assert_bitwise_equal(mmapckpt.load(root / "step-2")["frozen.w"], sd["frozen.w"])
