@@ -84,7 +84,9 @@ class ReuseIndex:
         self.save_ids = dict(save_ids)
         #: shard file name -> ((its size, its preamble), its header's hashes as ``Shard.hashes`` gives them), of
         #: the files this save wrote: what the next save of the same manager would read of them (dcp/reuse.py)
-        self.written: dict[str, tuple[tuple[int, bytes], dict[tuple[str, tuple[int, ...]], tuple[str, int, int]]]] = {}
+        #: (a written chunk's hash is None where it was written with its CRC-32 alone)
+        self.written: dict[str, tuple[tuple[int, bytes],
+                                      dict[tuple[str, tuple[int, ...]], tuple[str | None, int, int]]]] = {}
 
     def candidate(self, e: Any, head: int) -> bool:
         """Whether entry ``e``, whose first bytes have CRC-32 ``head``, may equal a stored chunk (else it is
