@@ -32,13 +32,17 @@ from ..format.metadata import KIND_MMAPCKPT
 from ..reading.shard import file_save_id, open_named, shard_of
 from ..storage.base import CheckpointStorage
 from ..storage.commits import read_index
+from ..storage.local import LocalStorage
 from ..storage.location import is_url
 from ..writing.dedup import Reusable, ReuseIndex, require_hasher
+
+#: Stored bytes are compared in pieces of this size (each hashed while it is in cache).
+_PIECE = 1 << 20
 
 __all__ = ["HeaderCache", "reuse_index", "in_managed_root", "step_name", "save_index", "references"]
 
 
-_Hashes = Mapping[Any, tuple[str, int, "int | None"]]
+_Hashes = dict[Any, tuple["str | None", int, "int | None"]]
 
 
 class HeaderCache:
@@ -82,8 +86,36 @@ def save_index(storage: CheckpointStorage, reuse: Sequence[str], cache: HeaderCa
     if reuse:
         return reuse_index(storage, reuse, cache)
     if in_managed_root(storage) and find_spec("blake3") is not None:
-        return ReuseIndex({}, {})
+        return ReuseIndex({}, {}, hash_written=not _reads_cheaply(storage))
     return None
+
+
+def _reads_cheaply(storage: CheckpointStorage) -> bool:
+    """Whether a save can read the stored bytes of the root to compare (a local disk), rather than an object
+    store's GETs: there, written chunks carry no hash and an unhashed stored chunk is compared byte for byte."""
+    return isinstance(storage, LocalStorage)
+
+
+def _comparer(storage: CheckpointStorage) -> Callable[[Reusable, Any], str | None]:
+    """``ReuseIndex.compare`` for a save at ``storage``: the BLAKE3 hash of ``buf`` where it equals, byte for byte,
+    the stored chunk ``r`` (read through the reference, as a reader opens it), else None."""
+    def compare(r: Reusable, buf: Any) -> str | None:
+        from blake3 import blake3
+        mv, h = memoryview(buf).cast("B"), blake3()
+        with open_named(storage, r.file, None) as f:
+            if r.offset + r.length > f.size or len(mv) != r.length:
+                return None
+            piece, o = bytearray(min(_PIECE, r.length)), 0
+            while o < r.length:  # the head first: a chunk that changed differs there, mostly (one small read)
+                n = min(fmt.HEAD_BYTES if o == 0 else _PIECE, r.length - o)
+                p = piece if n == len(piece) else bytearray(n)  # a bytearray: compared by memcmp (not per item)
+                f.read_into(r.offset + o, p)
+                if p != mv[o:o + n]:
+                    return None
+                h.update(p)
+                o += n
+        return h.hexdigest()
+    return compare
 
 
 def references(storage_data: Mapping[Any, Any], index: Callable[[], ReuseIndex | None]) -> dict[str, str]:
@@ -137,6 +169,8 @@ def reuse_index(storage: CheckpointStorage, paths: Sequence[str | os.PathLike[st
     cache = cache or HeaderCache()
     cache.next_save()
     root = storage.sibling("").location
+    local = _reads_cheaply(storage)
+    stored: dict[str, dict[Any, Any]] = {}
     for p in paths:
         name = step_name(os.fspath(p))
         if reference_parts(f"../{name}/x") is None or name == here:
@@ -147,12 +181,14 @@ def reuse_index(storage: CheckpointStorage, paths: Sequence[str | os.PathLike[st
             raise CheckpointWriteError(f"reuse= names {os.fspath(p)!r}, which is not in this step's root",
                                        path=storage.location)
         with paused_gc():  # many small objects, freed before the collector resumes (see the module's docstring)
-            _index_step(step, name, here, chunks, save_ids, cache, root)
-    return ReuseIndex(chunks, save_ids)
+            _index_step(step, name, here, chunks, save_ids, cache, root, stored, local)
+    return ReuseIndex(chunks, save_ids, hash_written=not local, compare=_comparer(storage) if local else None,
+                      stored=stored)
 
 
 def _index_step(step: CheckpointStorage, name: str, here: str, chunks: dict[Any, Reusable],
-                save_ids: dict[str, str], cache: HeaderCache, root: str) -> None:
+                save_ids: dict[str, str], cache: HeaderCache, root: str, stored: dict[str, dict[Any, Any]],
+                local: bool) -> None:
     kind, entries, save_id = read_index(step)
     if kind != KIND_MMAPCKPT:
         raise CheckpointWriteError("reuse= names a stock DCP checkpoint; only mmapckpt steps record content hashes",
@@ -172,16 +208,16 @@ def _index_step(step: CheckpointStorage, name: str, here: str, chunks: dict[Any,
         sid = file_save_id(save_id, rel)
         if sid is None:
             continue  # no save id to check a reference by: write those chunks again
-        hashes = _hashes(step, rel, save_id, sid, cache, (root, ref, sid))
+        hashes = stored[ref] = _hashes(step, rel, save_id, sid, cache, (root, ref, sid), local)
         for key, offset, length, dt, sizes in recs:
             h = hashes.get(key)
-            if h is not None and h[1] == offset:
+            if h is not None and h[1] == offset and (h[0] is not None or local):
                 chunks[key] = Reusable(h[0], ref, offset, length, dt, sizes, h[2])
         save_ids[ref] = sid
 
 
 def _hashes(step: CheckpointStorage, rel: str, save_id: Any, sid: str, cache: HeaderCache,
-            key: tuple[str, str, str]) -> _Hashes:
+            key: tuple[str, str, str], unhashed: bool) -> _Hashes:
     """The content hashes of data file ``rel`` of ``step``, its header checked whole and its save id ``sid``
     (unless ``cache`` holds them for the file as it is now)."""
     with open_named(step, rel, save_id) as f:
@@ -190,6 +226,6 @@ def _hashes(step: CheckpointStorage, rel: str, save_id: Any, sid: str, cache: He
         def read() -> _Hashes:
             shard = shard_of(f, sid, stock=False, check_entries=True, referenced=True)
             assert shard is not None  # stock=False (an invariant of ours)
-            return shard.hashes()
+            return shard.hashes(unhashed=unhashed)
 
         return cache.hashes(key, stamp, read)

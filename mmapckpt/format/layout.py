@@ -288,18 +288,24 @@ def _hash_fields(h: tuple[str, int] | None) -> str:
     return "" if h is None else f'"{HASH_KEY}":"{h[0]}","{HEAD_KEY}":"{h[1]:08x}",'
 
 
-def entry_hashes(doc: Mapping[str, Any]) -> dict[tuple[str, tuple[int, ...]], tuple[str, int, int | None]]:
+def entry_hashes(doc: Mapping[str, Any], *, unhashed: bool = False,
+                 ) -> dict[tuple[str, tuple[int, ...]], tuple[str | None, int, int | None]]:
     """``{(fqn, chunk_offsets): (content hash, offset, CRC-32 of the head or None)}`` of the tensor entries of a
     decoded header document that carry a well-formed hash (2.7); others are left out (a later save writes
-    their bytes again)."""
-    out = {}
+    their bytes again), or, with ``unhashed``, given as ``(None, offset, None)`` (a later save on a local disk
+    compares their bytes)."""
+    out: dict[tuple[str, tuple[int, ...]], tuple[str | None, int, int | None]] = {}
     for e in doc.get("entries", ()):
-        h = e.get(HASH_KEY) if isinstance(e, dict) else None
-        if isinstance(h, str) and _HASH_VALUE.fullmatch(h) and e.get("kind") == KIND_TENSOR \
-                and isinstance(e.get("chunk_offsets"), list) and type(e.get("offset")) is int:
+        if not (isinstance(e, dict) and e.get("kind") == KIND_TENSOR and isinstance(e.get("chunk_offsets"), list)
+                and type(e.get("offset")) is int):
+            continue
+        h = e.get(HASH_KEY)
+        if isinstance(h, str) and _HASH_VALUE.fullmatch(h):
             head = e.get(HEAD_KEY)
             head = int(head, 16) if isinstance(head, str) and _HEAD_VALUE.fullmatch(head) else None
             out[(e["fqn"], tuple(e["chunk_offsets"]))] = (h, e["offset"], head)
+        elif unhashed and h is None:
+            out[(e["fqn"], tuple(e["chunk_offsets"]))] = (None, e["offset"], None)
     return out
 
 

@@ -202,10 +202,12 @@ class Shard:
         self._agreed = save_id
         return True
 
-    def hashes(self) -> dict[tuple[str, tuple[int, ...]], tuple[str, int, int | None]]:
+    def hashes(self, *, unhashed: bool = False,
+               ) -> dict[tuple[str, tuple[int, ...]], tuple[str | None, int, int | None]]:
         """``{(fqn, chunk offsets): (content hash, offset, CRC-32 of its head)}`` of the tensor entries whose header
-        records a content hash (docs/format.md 2.7; what a save with ``reuse=`` compares its chunks with)."""
-        return fmt.entry_hashes(self._doc)
+        records a content hash (docs/format.md 2.7; what a save with ``reuse=`` compares its chunks with); with
+        ``unhashed``, the others too, as ``(None, offset, None)``."""
+        return fmt.entry_hashes(self._doc, unhashed=unhashed)
 
     @cached_property
     def header(self) -> fmt.ShardHeader:

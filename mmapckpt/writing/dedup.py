@@ -6,7 +6,11 @@ of the reused steps holds (:class:`ReuseIndex`, built by dcp/reuse.py from their
 Where the hash, dtype, shape and length are equal, the chunk's storage record names the stored
 bytes (:class:`Reference`: ``../step-M/FILE``, offset, length) and nothing is written; every
 other entry is written as the one shard writer writes it, with its hash in the header, so that
-the next save can compare with it.
+the next save can compare with it: on an object store (``ReuseIndex.hash_written``). On a local
+disk a written chunk carries its CRC-32 alone (hash on second sight): a later chunk that may equal
+such an unhashed stored one is compared with the stored bytes byte for byte (``ReuseIndex.compare``,
+on a helper thread, which hashes them meanwhile) and referenced only where all are equal; the hash
+is kept for the next save of the same manager (``ReuseIndex.confirmed``), which then matches by it.
 
 The hashing overlaps the writes. A chunk is held back for its whole hash only where it may equal a
 stored one: same name, chunk offsets, dtype and shape, and the same CRC-32 of its first 64 KiB
@@ -51,7 +55,7 @@ class Reusable(NamedTuple):
     """A chunk a reused step holds: its content hash, where its bytes are (relative to the step being
     written: ``../step-M/FILE``) and what they are."""
 
-    hash: str
+    hash: str | None  # None: not recorded (compared byte for byte with the chunk, then hashed: ReuseIndex.confirm)
     file: str
     offset: int
     length: int
@@ -63,20 +67,43 @@ class Reusable(NamedTuple):
 class ReuseIndex:
     """The chunks of the reused steps by (fqn, chunk offsets), and the save id each of their files carries."""
 
-    def __init__(self, chunks: Mapping[tuple[str, tuple[int, ...]], Reusable], save_ids: Mapping[str, str]) -> None:
+    def __init__(self, chunks: Mapping[tuple[str, tuple[int, ...]], Reusable], save_ids: Mapping[str, str], *,
+                 hash_written: bool = True, compare: Callable[[Reusable, Any], str | None] | None = None,
+                 stored: Mapping[str, dict[Any, Any]] | None = None) -> None:
         self.chunks = dict(chunks)
+        #: whether a chunk written because no stored chunk may equal it is hashed all the same (an object store,
+        #: where a later save cannot read stored bytes cheaply), or written with its CRC-32 alone (a local disk)
+        self.hash_written = hash_written
+        #: ``compare(r, buf)``: the content hash of ``buf`` where its bytes equal those of stored chunk ``r`` (read
+        #: and compared byte for byte), else None; None where stored bytes are not read (the unhashed are skipped)
+        self.compare = compare
+        #: "../step-M/FILE" -> the hashes its header records, as the manager's HeaderCache keeps them: a hash
+        #: found by ``compare`` is added there, so that the manager's next save matches the chunk by its hash
+        self.stored = stored if stored is not None else {}
         #: "../step-M/FILE" -> the save id its header carries (checked when the index was built)
         self.save_ids = dict(save_ids)
         #: shard file name -> ((its size, its preamble), its header's hashes as ``Shard.hashes`` gives them), of
         #: the files this save wrote: what the next save of the same manager would read of them (dcp/reuse.py)
-        self.written: dict[str, tuple[tuple[int, bytes], dict[tuple[str, tuple[int, ...]], tuple[str, int, int]]]] = {}
+        #: (a written chunk's hash is None where it was written with its CRC-32 alone)
+        self.written: dict[str, tuple[tuple[int, bytes],
+                                      dict[tuple[str, tuple[int, ...]], tuple[str | None, int, int]]]] = {}
 
     def candidate(self, e: Any, head: int) -> bool:
         """Whether entry ``e``, whose first bytes have CRC-32 ``head``, may equal a stored chunk (else it is
         written at once, without waiting for its whole hash)."""
         r = self.chunks.get((e.fqn, e.chunk_offsets))
         return r is not None and r.length == e.length and r.dtype == e.dtype and r.shape == e.shape and (
-            r.head is None or r.head == head)
+            r.head is None or r.head == head) and (r.hash is not None or self.compare is not None)
+
+    def confirmed(self, e: Any, digest: str, head: int) -> Reference:
+        """Entry ``e``'s bytes were found equal to the unhashed stored chunk of its name (``compare``), whose hash
+        is ``digest``: the reference to it, and the hash kept for the next save (``stored``, ``chunks``)."""
+        key = (e.fqn, e.chunk_offsets)
+        r = self.chunks[key] = self.chunks[key]._replace(hash=digest, head=head)
+        kept = self.stored.get(r.file)
+        if kept is not None:
+            kept[key] = (digest, r.offset, head)
+        return Reference(r.file, r.offset, r.length)
 
     def match(self, e: Any, digest: str) -> Reference | None:
         """The stored chunk equal to entry ``e`` (fqn, chunk offsets, dtype, shape, length) of hash ``digest``."""
@@ -154,7 +181,9 @@ def write_deduplicated(storage: CheckpointStorage, name: str, entries: Sequence[
             return placed, "referenced"
         size = fmt._align_up(max(end, first), alignment)
         out.shrink(size)
-        head = fmt.encode_header([placed[i] for i in written], save_id, [hashes[i] for i in written])
+        head = fmt.encode_header([placed[i] for i in written], save_id,
+                                 [hashes[i] if hashes[i] is not None and hashes[i][0] is not None else None
+                                  for i in written])
         out.finish(head)
     except BaseException:
         out.abort()
@@ -181,7 +210,7 @@ def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve:
     pos = first
     pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="mmapckpt-hash")
     try:
-        pending: deque[tuple[int, Any, Any, int]] = deque()
+        pending: deque[tuple[int, Any, Any, int, bool]] = deque()
         held = 0
 
         def write(i: int, buf: Any, digest: str | None, head: int) -> None:
@@ -190,7 +219,7 @@ def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve:
             at.index = i
             pos = fmt._align_up(pos, fmt.entry_alignment(e.length, alignment))
             placed[i] = fmt.Entry(e.fqn, e.chunk_offsets, e.kind, e.dtype, e.shape, pos, e.length, 0)
-            hashed = digest is None and e.kind == fmt.KIND_TENSOR and e.length > 0
+            hashed = digest is None and e.kind == fmt.KIND_TENSOR and e.length > 0 and index.hash_written
             hashes[i] = (digest, head) if e.kind == fmt.KIND_TENSOR and e.length else None
             sums[i] = (pool.submit(_crc_and_hash, buf, hashed) if len(buf) >= _THREAD_MIN
                        else _crc_and_hash(buf, hashed))
@@ -199,9 +228,15 @@ def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve:
 
         def settle() -> None:
             nonlocal held
-            i, buf, digest, head = pending.popleft()
+            i, buf, digest, head, compared = pending.popleft()
             held -= len(buf)
-            digest = digest if type(digest) is str else digest.result()
+            digest = digest if digest is None or type(digest) is str else digest.result()
+            if compared:  # an unhashed stored chunk: compared byte for byte, digest None where they differ
+                if digest is not None:
+                    hashes[i], placed[i] = (digest, head), index.confirmed(entries[i], digest, head)
+                else:
+                    write(i, buf, None, head)
+                return
             ref = index.match(entries[i], digest)
             if ref is not None:
                 hashes[i], placed[i] = (digest, head), ref
@@ -214,8 +249,13 @@ def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve:
                 raise ValueError(f"{e.label}: {len(buf)} bytes resolved, {e.length} planned")
             head = zlib.crc32(memoryview(buf)[:fmt.HEAD_BYTES]) if e.kind == fmt.KIND_TENSOR and e.length else 0
             if e.kind == fmt.KIND_TENSOR and e.length and index.candidate(e, head):
-                pending.append((i, buf, pool.submit(chunk_hash, buf) if len(buf) >= _THREAD_MIN
-                                else chunk_hash(buf), head))
+                r = index.chunks[(e.fqn, e.chunk_offsets)]
+                if r.hash is None:
+                    assert index.compare is not None  # candidate() (an invariant of ours)
+                    pending.append((i, buf, pool.submit(index.compare, r, buf), head, True))
+                else:
+                    pending.append((i, buf, pool.submit(chunk_hash, buf) if len(buf) >= _THREAD_MIN
+                                    else chunk_hash(buf), head, False))
                 held += len(buf)
                 while pending and (held > _PENDING_BYTES or len(pending) > _PENDING_CHUNKS
                                    or type(pending[0][2]) is str or pending[0][2].done()):

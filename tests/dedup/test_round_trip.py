@@ -113,9 +113,15 @@ def test_a_chunk_that_changed_is_written_even_where_its_shape_and_name_stay(tmp_
     assert_bitwise_equal(mmapckpt.load(root / "step-2")["w"], b["w"])
 
 
-def test_every_step_of_a_root_records_hashes_and_saves_outside_a_root_none(tmp_path: Path) -> None:
-    root = make_root(tmp_path / "root")
+def test_every_step_of_an_object_store_root_records_hashes_and_saves_outside_a_root_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    local = make_root(tmp_path / "local")
     sd = frozen_and_trained()
+    save_step(local, 1, sd)  # a local root: written with CRC-32s alone (a later save compares the bytes)
+    assert Shard(str(local / "step-1" / "__0_0.distcp")).hashes() == {}
+    root = make_root(tmp_path / "root")
+    from mmapckpt.dcp import reuse
+    monkeypatch.setattr(reuse, "_reads_cheaply", lambda storage: False)  # as on an object store (and before)
     save_step(root, 1, sd)  # no reuse: the first step of a root still records hashes for the next
     shard = Shard(str(root / "step-1" / "__0_0.distcp"))
     hashes = shard.hashes()
