@@ -16,6 +16,7 @@ cache on writes to the store; the next load finds the new versions and fetches t
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +26,7 @@ from ..base import CheckpointStorage, FileOutput, Lock, StoredFile
 from ..replacement import Owned, Replacement
 from .entry import CachedFile, Entry, ident_of
 from .evict import evict
+from .filling import Filling
 from .listing import Seen, is_mmapckpt, record_listing, recorded_listing
 from .settings import CacheSettings
 
@@ -172,29 +174,36 @@ class CachedStorage(CheckpointStorage):
         return f
 
     def _open(self, name: str, version: list[Any]) -> StoredFile:
-        """The copy of file ``name`` at ``version``, fetched first where there is none (else the medium's file)."""
+        """The copy of file ``name`` at ``version``; where there is none, the copy being fetched (filling.py: served
+        as it arrives), or the medium's file where the cache cannot take it."""
         entry = Entry(self.settings.root, self.full(name))
         f = entry.open_hit(version)
         if f is not None:
             return f
         try:
-            with entry.locked():
+            lock = entry.lock()
+            try:
                 f = entry.open_hit(version)  # fetched meanwhile by the process this one waited for
                 if f is None:
-                    version = self._versions[name] = entry.fetch(self.remote, name, self._version_of)
+                    filling = Filling(entry, self.remote, name, self._version_of, lock, after=lambda: self._evict(entry))
+                    lock = -1  # the fetch's own now: released once the copy is in place
+                    self._versions[name] = filling.version
                     self.fetched.append(name)
-                    f = entry.open_hit(version)  # under the entry's lock: not evicted before it is open
+                    return filling.file
+            finally:
+                if lock >= 0:
+                    os.close(lock)
         except CheckpointError:
-            raise  # the store's failures (unreachable, denied, the file gone) and checks failed: as without a cache
+            raise  # the store's failures (unreachable, denied, the file gone): as without a cache
         except OSError as e:
             log.warning("mmapckpt: the cache at %s cannot take %s (%s): reading it uncached",
                         self.settings.root, self.full(name), e.strerror or e)
             return self.remote.open_file(name)
-        if f is None:  # changed under us (a process damaging the cache): read it uncached
-            return self.remote.open_file(name)
-        if self.settings.max_bytes is not None and self.fetched and self.fetched[-1] == name:
-            evict(self.settings.root, self.settings.max_bytes, keep=entry.dir)
         return f
+
+    def _evict(self, entry: Entry) -> None:
+        if self.settings.max_bytes is not None:
+            evict(self.settings.root, self.settings.max_bytes, keep=entry.dir)
 
     # ------------------------------------------------------------------ writing: the medium's
     def _written(self, names: Iterable[str] = ()) -> None:
