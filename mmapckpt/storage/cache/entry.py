@@ -173,21 +173,19 @@ class Entry:
         atomic_write(self.record, json.dumps(rec).encode(), sync=False)
 
 
-def fill(fd: int, rf: Any, url: str, progress: Callable[[int], None]) -> str:
-    """Read the whole of the remote file ``rf`` into the new file ``fd`` (its room reserved: ``posix_fallocate``)
-    through a shared mapping (the medium's reads land in the page cache), checked as it arrives (check.py: the
-    CRC-32s of each window computed by the thread that fetched it, while the next ones are fetched); how it was
-    checked. ``progress(n)`` hears, in order, that the bytes before ``n`` are in and checked (``Checker.checked_to``).
-    """
+def fill(mm: Any, rf: Any, url: str, progress: Callable[[int], None]) -> str:
+    """Read the whole of the remote file ``rf`` into ``mm``, a shared writable mapping of the new file (its room
+    reserved: ``posix_fallocate``; None for an empty file): the medium's reads land in the page cache, checked as
+    they arrive (check.py: the CRC-32s of each window computed by the thread that fetched it, while the next ones
+    are fetched); how it was checked. ``progress(n)`` hears, in order, that the bytes before ``n`` are in and
+    checked (``Checker.checked_to``)."""
     size = rf.size
     checker = Checker(url, size)
     if not size:
         checker.start(b"")
         return checker.finish()
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    mv = None
+    mv = memoryview(mm)
     try:
-        mv = memoryview(mm)
         first = min(size, _FIRST)
         rf.read_into(0, mv[:first // 2])
         rf.read_into(first // 2, mv[first // 2:first])
@@ -199,10 +197,9 @@ def fill(fd: int, rf: Any, url: str, progress: Callable[[int], None]) -> str:
         _fetch_checked(rf, mv, head, checker, progress)
         return checker.finish()
     finally:
-        del mv
         try:
-            mm.close()
-        except BufferError:  # a view still held by a failed read's traceback: closed when collected
+            mv.release()
+        except BufferError:  # a view still held by a failed read's traceback: released when collected
             pass
 
 

@@ -18,7 +18,9 @@ whole fetch. A fetch that fails removes its temporary file; a killed one leaves 
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -44,6 +46,7 @@ class Filling:
         self.entry, self.after = entry, after
         self._cond = threading.Condition()
         self._ready, self._done, self._error = 0, False, None  # bytes before _ready: in and checked
+        self._served = 0  # reads copying out of the mapping now (it is closed once there are none)
         entry.clear_leftovers()
         self._rf = remote.open_file(name)
         fd = rfd = -1
@@ -54,6 +57,9 @@ class Filling:
             fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             if self.size:  # no room: an OSError here, never a SIGBUS on a write into the mapping
                 os.posix_fallocate(fd, 0, self.size)
+            self._mm = None if not self.size else mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED,
+                                                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._at = 0 if self._mm is None else ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
             rfd = os.open(self.tmp, os.O_RDONLY)
             fcntl.flock(rfd, fcntl.LOCK_SH)  # what the copy will be: in use by this process (evict.py)
             self.file = FillingFile(rfd, entry.data, self.size, entry.url, self)
@@ -61,6 +67,7 @@ class Filling:
             for d in (fd, rfd):
                 if d >= 0:
                     os.close(d)
+            self.close_mapping()
             unlink_quietly(self.tmp)
             self._rf.close()
             raise
@@ -76,7 +83,7 @@ class Filling:
     def _run(self) -> None:
         ok = False
         try:
-            check = fill(self._fd, self._rf, self.entry.url, self._progress)
+            check = fill(self._mm, self._rf, self.entry.url, self._progress)
             self.entry.publish(self.tmp, self._fd, self.version, check)
             ok = True
         except BaseException as e:  # noqa: BLE001 - handed to the reads that wait for it
@@ -96,6 +103,40 @@ class Filling:
             except Exception:  # noqa: BLE001 - eviction is best effort (the next fetch evicts again)
                 pass
 
+    def copy_out(self, offset: int, buf: Any) -> None:
+        """Copy the bytes at ``offset`` (in and checked: :meth:`wait`) into ``buf`` from the fetch's own mapping of
+        the copy (its pages already mapped: no page-cache lookups), the GIL released (``ctypes.memmove``)."""
+        mv = memoryview(buf).cast("B")
+        n = len(mv)
+        if not n:
+            return
+        dst = (ctypes.c_char * n).from_buffer(mv)  # a read-only buffer: TypeError, as a read into one is
+        with self._cond:
+            if self._mm is None:
+                raise ValueError(f"read of a closed file ({self.entry.data})")
+            self._served += 1
+        try:
+            ctypes.memmove(dst, self._at + offset, n)
+        finally:
+            with self._cond:
+                self._served -= 1
+                self._cond.notify_all()
+
+    def close_mapping(self) -> None:
+        """Unmap the fetch's mapping (the fetch over and no read copying out of it)."""
+        cond = getattr(self, "_cond", None)
+        if cond is None:
+            return
+        with cond:
+            while getattr(self, "_served", 0):
+                cond.wait()
+            mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # still exported (ctypes): unmapped when collected
+                pass
+
     def wait(self, end: int, *, whole: bool = False) -> None:
         """Return once the bytes before ``end`` are in and checked (``whole``: once the copy is in place).
 
@@ -113,6 +154,11 @@ class Filling:
                 raise CheckpointError(f"the fetch into the cache failed ({e}): load again (or without the cache)",
                                       path=self.entry.url) from e
 
+    @property
+    def done(self) -> bool:
+        """Whether the fetch is over (the copy in place, or failed)."""
+        return self._done
+
     def join(self) -> None:
         """Wait until the fetch is over (the copy in place, or the failure handled)."""
         if threading.current_thread() is not self._thread:
@@ -127,15 +173,24 @@ class FillingFile(CachedFile):
         self.filling = filling
 
     def read_into(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
-        self.filling.wait(min(self.size, offset + memoryview(buf).nbytes))
-        super().read_into(offset, buf, entry=entry)
+        n = memoryview(buf).nbytes
+        if offset < 0 or offset + n > self.size or self.fd < 0:
+            super().read_into(offset, buf, entry=entry)  # its errors (past the end, closed)
+            return
+        self.filling.wait(offset + n)
+        self.filling.copy_out(offset, buf)
 
     def read_batch(self, fetches: list[tuple[int, Any]], *, entry: str | None = None) -> None:
         for offset, buf in sorted(fetches, key=lambda f: f[0]):  # in the order the fetch brings them in
             self.read_into(offset, buf, entry=entry)
 
     @property
-    def mapping(self) -> MappedFile:
+    def mapping(self) -> MappedFile | None:
+        """None while the fetch goes on: the load reads the file as it reads a remote one (each range into its
+        target once it is in), instead of waiting for the whole of it to build views; the copy's mapping once it
+        is in place."""
+        if not self.filling.done:
+            return None
         self.filling.wait(self.size, whole=True)
         return super().mapping
 
@@ -144,3 +199,4 @@ class FillingFile(CachedFile):
         leaves its files cached)."""
         super().close()
         self.filling.join()
+        self.filling.close_mapping()

@@ -4,8 +4,9 @@
 serves) and is itself a storage whose files can be mapped. Opening a file asks the medium which
 version it holds now (its size and identity: one HEAD on S3, through the medium's ``version``
 method where it has one, else by opening the file), then serves the cached copy of that version
-(entry.py), or fetches it first, once across processes (the entry's lock), and evicts what the
-size bound asks (evict.py). A file the medium no longer has is never served from the cache. Where
+(entry.py), or fetches it, once across processes (the entry's lock), serving the load the ranges
+fetched and checked while the rest arrives (filling.py), and evicts what the size bound asks
+(evict.py). A file the medium no longer has is never served from the cache. Where
 the cache directory cannot take a copy (no room, no permission) the file is read from the medium,
 uncached, with a warning.
 
@@ -181,29 +182,13 @@ class CachedStorage(CheckpointStorage):
         if f is not None:
             return f
         try:
-            lock = entry.lock()
-            try:
-                f = entry.open_hit(version)  # fetched meanwhile by the process this one waited for
-                if f is None:
-                    filling = Filling(entry, self.remote, name, self._version_of, lock, after=lambda: self._evict(entry))
-                    lock = -1  # the fetch's own now: released once the copy is in place
-                    self._versions[name] = filling.version
-                    self.fetched.append(name)
-                    return filling.file
-            finally:
-                if lock >= 0:
-                    os.close(lock)
+            return _fetched(self, entry, name, version)
         except CheckpointError:
             raise  # the store's failures (unreachable, denied, the file gone): as without a cache
         except OSError as e:
             log.warning("mmapckpt: the cache at %s cannot take %s (%s): reading it uncached",
                         self.settings.root, self.full(name), e.strerror or e)
             return self.remote.open_file(name)
-        return f
-
-    def _evict(self, entry: Entry) -> None:
-        if self.settings.max_bytes is not None:
-            evict(self.settings.root, self.settings.max_bytes, keep=entry.dir)
 
     # ------------------------------------------------------------------ writing: the medium's
     def _written(self, names: Iterable[str] = ()) -> None:
@@ -242,3 +227,27 @@ class CachedStorage(CheckpointStorage):
 
     def recover(self) -> str | None:
         return self.remote.recover()
+
+
+def _fetched(cs: CachedStorage, entry: Entry, name: str, version: list[Any]) -> StoredFile:
+    """File ``name``'s copy once ``#lock`` is taken: fetched meanwhile by the process this one waited for, or
+    being fetched now by this one (filling.py: the lock passes to the fetch, released once the copy is in place)."""
+    lock = entry.lock()
+    try:
+        f = entry.open_hit(version)
+        if f is not None:
+            return f
+        filling = Filling(entry, cs.remote, name, cs._version_of, lock, after=lambda: _evict(cs.settings, entry))
+        lock = -1
+        cs._versions[name] = filling.version
+        cs.fetched.append(name)
+        return filling.file
+    finally:
+        if lock >= 0:
+            os.close(lock)
+
+
+def _evict(settings: CacheSettings, entry: Entry) -> None:
+    """After a fetch into ``entry``: the least recently used copies removed down to the size bound (evict.py)."""
+    if settings.max_bytes is not None:
+        evict(settings.root, settings.max_bytes, keep=entry.dir)
