@@ -17,10 +17,14 @@ if S3_TESTS not in sys.path:
     sys.path.insert(0, S3_TESTS)  # s3_data: the object-store tests' data and GET counter
 
 
+#: the files whose tests need no server (a medium of their own: tests/unmapped.py)
+_NO_SERVER = ("test_cache_generic.py", "test_cache_filling.py")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if HERE in Path(item.path).resolve().parents and Path(item.path).name != "test_cache_generic.py":
+        if HERE in Path(item.path).resolve().parents and Path(item.path).name not in _NO_SERVER:
             item.add_marker(pytest.mark.s3)
 
 

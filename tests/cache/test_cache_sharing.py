@@ -90,6 +90,8 @@ def test_a_mapped_copy_is_never_evicted(env, bucket, cache):
     urls = {n: _ckpt(bucket, n, i) for i, n in enumerate("abc")}
     opts = {"cache_dir": cache, "cache_max_bytes": int(1.5 * (1 << 20))}
     a_url, a_sd = urls["a"]
+    assert_same(mmapckpt.load(a_url, storage_options=opts), a_sd, "a")  # fetched (its views are copies: filling.py)
+    gc.collect()
     with mmapckpt.open(a_url, storage_options=opts) as f:
         view = f.get_tensor("w")  # a view over the copy's mapping
     time.sleep(0.05)

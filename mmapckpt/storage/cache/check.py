@@ -40,6 +40,7 @@ class Checker:
         self._ends: list[int] = []  # each entry's end, in the entries' order (ascending: entries do not overlap)
         #: an mmapckpt shard (its header checked at start)
         self.shard = False
+        self._checked = 0  # entries before this one are compared with the header (checked_to)
 
     def needs(self, head: Any) -> int:
         """Leading bytes the check needs, given the first bytes ``head``: the preamble and header of a shard."""
@@ -98,17 +99,32 @@ class Checker:
         for i, crc, n in parts:
             self.crcs[i] = crc32_combine(self.crcs[i], crc, n)
 
+    def checked_to(self, end: int) -> int:
+        """Every byte before ``end`` taken (:meth:`start`, :meth:`add` in order): compare the entries complete by
+        then with the header (raising as :meth:`finish` does) and say how far the file is checked: the bytes before
+        the offset returned lie in checked entries or in none (an entry still incomplete at ``end`` starts there)."""
+        while self._checked < len(self.entries) and self._ends[self._checked] <= end:
+            self._compare(self._checked)
+            self._checked += 1
+        if self._checked < len(self.entries) and self.entries[self._checked].offset < end:
+            return self.entries[self._checked].offset
+        return end
+
+    def _compare(self, i: int) -> None:
+        e, got = self.entries[i], self.crcs[i]
+        if got != e.crc32:
+            raise ChecksumError(f"CRC-32 of the data fetched is {got:08x}, the header says {e.crc32:08x}: the "
+                                "copy is not cached. Load again; if it repeats, the stored file itself is damaged "
+                                "(`mmapckpt verify URL` without the cache)", path=self.path, entry=e.label)
+
     def finish(self) -> str:
         """:data:`CRC32` or :data:`SIZE`, once every byte was fed.
 
         Raises:
             ChecksumError: an entry's bytes do not match its CRC-32.
         """
-        for e, got in zip(self.entries, self.crcs):
-            if got != e.crc32:
-                raise ChecksumError(f"CRC-32 of the data fetched is {got:08x}, the header says {e.crc32:08x}: the "
-                                    "copy is not cached. Load again; if it repeats, the stored file itself is damaged "
-                                    "(`mmapckpt verify URL` without the cache)", path=self.path, entry=e.label)
+        for i in range(len(self.entries)):
+            self._compare(i)
         return CRC32 if self.shard else SIZE
 
 

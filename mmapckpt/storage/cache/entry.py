@@ -4,7 +4,8 @@ An entry is the directory ``ROOT/KK/KEY/`` (``KEY`` a hash of the remote file's 
 
 - the copy, under the file's own base name (``__0_0.distcp``), written only by a fetch that holds
   ``#lock``: fetched into ``NAME.tmp-PID`` through a shared writable mapping (each byte lands in the
-  page cache as it arrives, one copy), checked (check.py), then renamed to ``NAME``;
+  page cache as it arrives, one copy), checked (check.py), then renamed to ``NAME``; the load that
+  fetches it reads each range once it is in and checked, while the rest arrives (filling.py);
 - ``#record``: JSON naming the URL, the remote version the copy is of (its size and the medium's
   identity of it, the ETag on S3), how the copy was checked, the boot it was written in, and the
   copy's inode, size, mtime and ctime when it was put in place. Written after the copy (temp file
@@ -31,17 +32,15 @@ import json
 import mmap
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 from ...io.files import atomic_write, unlink_quietly
-from ..base import CheckpointStorage, StoredFile
 from ..local import LocalFile
 from .check import CRC32, Checker, check_copy
 
-__all__ = ["Entry", "CachedFile", "ident_of", "LOCK", "RECORD"]
+__all__ = ["Entry", "CachedFile", "fill", "ident_of", "LOCK", "RECORD"]
 
 LOCK, RECORD = "#lock", "#record"
 #: A file's first 64 KiB are read on their own, in two small reads: the S3 medium serves reads shorter than
@@ -147,61 +146,46 @@ class Entry:
         return True
 
     # ------------------------------------------------------------------ fetching
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold ``#lock`` exclusively (waiting for a fetch in progress in another process)."""
+    def lock(self) -> int:
+        """Take ``#lock`` exclusively (waiting for a fetch in progress in another process); its descriptor, whose
+        closing releases it."""
         os.makedirs(self.dir, exist_ok=True)
         fd = os.open(os.path.join(self.dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
 
-    def fetch(self, remote: CheckpointStorage, name: str, version_of: Callable[[StoredFile], list[Any]]) -> list[Any]:
-        """Fetch file ``name`` of ``remote`` into the entry (``#lock`` held), check it, put it in place; its version
-        (``version_of`` the remote file opened).
-
-        Raises:
-            CheckpointError: the medium's read failed, or the bytes fetched failed their check (nothing cached).
-            OSError: the cache directory cannot take the copy (no room, no permission).
-        """
-        for n in os.listdir(self.dir):  # a killed fetch's leftovers (its lock died with it)
+    def clear_leftovers(self) -> None:
+        """Remove a killed fetch's leftovers (its lock died with it); ``#lock`` held."""
+        for n in os.listdir(self.dir):
             if ".tmp-" in n:
                 unlink_quietly(os.path.join(self.dir, n))
-        with remote.open_file(name) as rf:
-            version = version_of(rf)
-            tmp = f"{self.data}.tmp-{os.getpid()}"
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                check = _fill(fd, rf, self.url)
-                unlink_quietly(self.record)  # no record describes a copy being replaced
-                os.rename(tmp, self.data)
-                st = os.fstat(fd)
-            except BaseException:
-                unlink_quietly(tmp)
-                raise
-            finally:
-                os.close(fd)
+
+    def publish(self, tmp: str, fd: int, version: list[Any], check: str) -> None:
+        """Put the complete, checked copy ``tmp`` (open as ``fd``) in place and write its record (``#lock`` held)."""
+        unlink_quietly(self.record)  # no record describes a copy being replaced
+        os.rename(tmp, self.data)
+        st = os.fstat(fd)
         rec = {"url": self.url, "version": version, "check": check, "boot": boot_id(), "stat": _stat_of(st)}
         atomic_write(self.record, json.dumps(rec).encode(), sync=False)
-        return version
 
 
-def _fill(fd: int, rf: Any, url: str) -> str:
-    """Read the whole of the remote file ``rf`` into the new file ``fd`` through a shared mapping (the medium's
-    reads land in the page cache), checked as it arrives (check.py: the CRC-32s of each window computed by the
-    thread that fetched it, while the next ones are fetched); how it was checked."""
+def fill(mm: Any, rf: Any, url: str, progress: Callable[[int], None]) -> str:
+    """Read the whole of the remote file ``rf`` into ``mm``, a shared writable mapping of the new file (its room
+    reserved: ``posix_fallocate``; None for an empty file): the medium's reads land in the page cache, checked as
+    they arrive (check.py: the CRC-32s of each window computed by the thread that fetched it, while the next ones
+    are fetched); how it was checked. ``progress(n)`` hears, in order, that the bytes before ``n`` are in and
+    checked (``Checker.checked_to``)."""
     size = rf.size
     checker = Checker(url, size)
     if not size:
         checker.start(b"")
         return checker.finish()
-    os.posix_fallocate(fd, 0, size)  # no room: an OSError here, never a SIGBUS on a write into the mapping
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    mv = None
+    mv = memoryview(mm)
     try:
-        mv = memoryview(mm)
         first = min(size, _FIRST)
         rf.read_into(0, mv[:first // 2])
         rf.read_into(first // 2, mv[first // 2:first])
@@ -209,20 +193,21 @@ def _fill(fd: int, rf: Any, url: str) -> str:
         if head > first:  # a shard header longer than the first bytes
             rf.read_batch([(first, mv[first:head])])
         checker.start(mv[:head])
-        _fetch_checked(rf, mv, head, checker)
+        progress(checker.checked_to(head))
+        _fetch_checked(rf, mv, head, checker, progress)
         return checker.finish()
     finally:
-        del mv
         try:
-            mm.close()
-        except BufferError:  # a view still held by a failed read's traceback: closed when collected
+            mv.release()
+        except BufferError:  # a view still held by a failed read's traceback: released when collected
             pass
 
 
-def _fetch_checked(rf: Any, mv: memoryview, start: int, checker: Checker) -> None:
+def _fetch_checked(rf: Any, mv: memoryview, start: int, checker: Checker, progress: Callable[[int], None]) -> None:
     """Fetch ``[start, end)`` of ``rf`` into ``mv`` in windows, ``_AHEAD`` in flight; the thread that fetched a
     window computes its CRC-32s (check.py ``Checker.part``: several windows checked at once, on several cores,
-    while the next arrive), combined in order as each completes."""
+    while the next arrive), combined in order as each completes, and the entries it completes compared with the
+    header at once (``progress``: how far the file is in and checked)."""
     windows = [(o, min(o + _WINDOW, len(mv))) for o in range(start, len(mv), _WINDOW)]
 
     def one(a: int, b: int) -> list[tuple[int, int, int]]:
@@ -231,8 +216,9 @@ def _fetch_checked(rf: Any, mv: memoryview, start: int, checker: Checker) -> Non
     with ThreadPoolExecutor(_AHEAD, thread_name_prefix="mmapckpt-cache") as pool:
         futures = [pool.submit(one, a, b) for a, b in windows]
         try:
-            for fut in futures:
+            for (_, b), fut in zip(windows, futures):
                 checker.add(fut.result())
+                progress(checker.checked_to(b))
         except BaseException:
             for fut in futures:
                 fut.cancel()

@@ -4,8 +4,9 @@
 serves) and is itself a storage whose files can be mapped. Opening a file asks the medium which
 version it holds now (its size and identity: one HEAD on S3, through the medium's ``version``
 method where it has one, else by opening the file), then serves the cached copy of that version
-(entry.py), or fetches it first, once across processes (the entry's lock), and evicts what the
-size bound asks (evict.py). A file the medium no longer has is never served from the cache. Where
+(entry.py), or fetches it, once across processes (the entry's lock), serving the load the ranges
+fetched and checked while the rest arrives (filling.py), and evicts what the size bound asks
+(evict.py). A file the medium no longer has is never served from the cache. Where
 the cache directory cannot take a copy (no room, no permission) the file is read from the medium,
 uncached, with a warning.
 
@@ -16,6 +17,7 @@ cache on writes to the store; the next load finds the new versions and fetches t
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +27,7 @@ from ..base import CheckpointStorage, FileOutput, Lock, StoredFile
 from ..replacement import Owned, Replacement
 from .entry import CachedFile, Entry, ident_of
 from .evict import evict
+from .filling import Filling
 from .listing import Seen, is_mmapckpt, record_listing, recorded_listing
 from .settings import CacheSettings
 
@@ -172,29 +175,20 @@ class CachedStorage(CheckpointStorage):
         return f
 
     def _open(self, name: str, version: list[Any]) -> StoredFile:
-        """The copy of file ``name`` at ``version``, fetched first where there is none (else the medium's file)."""
+        """The copy of file ``name`` at ``version``; where there is none, the copy being fetched (filling.py: served
+        as it arrives), or the medium's file where the cache cannot take it."""
         entry = Entry(self.settings.root, self.full(name))
         f = entry.open_hit(version)
         if f is not None:
             return f
         try:
-            with entry.locked():
-                f = entry.open_hit(version)  # fetched meanwhile by the process this one waited for
-                if f is None:
-                    version = self._versions[name] = entry.fetch(self.remote, name, self._version_of)
-                    self.fetched.append(name)
-                    f = entry.open_hit(version)  # under the entry's lock: not evicted before it is open
+            return _fetched(self, entry, name, version)
         except CheckpointError:
-            raise  # the store's failures (unreachable, denied, the file gone) and checks failed: as without a cache
+            raise  # the store's failures (unreachable, denied, the file gone): as without a cache
         except OSError as e:
             log.warning("mmapckpt: the cache at %s cannot take %s (%s): reading it uncached",
                         self.settings.root, self.full(name), e.strerror or e)
             return self.remote.open_file(name)
-        if f is None:  # changed under us (a process damaging the cache): read it uncached
-            return self.remote.open_file(name)
-        if self.settings.max_bytes is not None and self.fetched and self.fetched[-1] == name:
-            evict(self.settings.root, self.settings.max_bytes, keep=entry.dir)
-        return f
 
     # ------------------------------------------------------------------ writing: the medium's
     def _written(self, names: Iterable[str] = ()) -> None:
@@ -233,3 +227,27 @@ class CachedStorage(CheckpointStorage):
 
     def recover(self) -> str | None:
         return self.remote.recover()
+
+
+def _fetched(cs: CachedStorage, entry: Entry, name: str, version: list[Any]) -> StoredFile:
+    """File ``name``'s copy once ``#lock`` is taken: fetched meanwhile by the process this one waited for, or
+    being fetched now by this one (filling.py: the lock passes to the fetch, released once the copy is in place)."""
+    lock = entry.lock()
+    try:
+        f = entry.open_hit(version)
+        if f is not None:
+            return f
+        filling = Filling(entry, cs.remote, name, cs._version_of, lock, after=lambda: _evict(cs.settings, entry))
+        lock = -1
+        cs._versions[name] = filling.version
+        cs.fetched.append(name)
+        return filling.file
+    finally:
+        if lock >= 0:
+            os.close(lock)
+
+
+def _evict(settings: CacheSettings, entry: Entry) -> None:
+    """After a fetch into ``entry``: the least recently used copies removed down to the size bound (evict.py)."""
+    if settings.max_bytes is not None:
+        evict(settings.root, settings.max_bytes, keep=entry.dir)
