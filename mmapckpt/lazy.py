@@ -32,11 +32,9 @@ from .format.aliases import shared_names
 from .format.casts import check_cast
 from .format.entries import ChunkInfo, EntryInfo, paused_gc
 from .reading.backend import ChunkBackend
-from .reading.fill import fill_targets
 from .reading.keys import check_patterns, pick, strip_names
 from .reading.locate import open_backend
 from .reading.regions import normalize_index, read_selection, read_tensor
-from .reading.stager import chunk_stager
 from .storage.base import StoredFile
 from .io.staging_options import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, check_device, staging_options
 
@@ -127,7 +125,8 @@ class LazyCheckpoint:
         check_device(self.device)
         self._to = None if self.device.type == "cpu" else self.device  # one test per get_tensor on the CPU
         self.path = os.fspath(path)
-        opened = open_backend(self.path, verify=verify, storage_options=storage_options)
+        with paused_gc():  # the index's objects and each file's records (format/entries.paused_gc)
+            opened = open_backend(self.path, verify=verify, storage_options=storage_options)
         self.kind, self._entries, self._user_metadata = opened.kind, opened.entries, opened.user_metadata
         self._files: ChunkBackend | None = opened.files
         if strip_prefix is not None:  # entries keep their stored names (EntryInfo.name), for messages
@@ -456,8 +455,11 @@ def read_tensors(ckpt: LazyCheckpoint, names: list[str], device: torch.device, *
                 info = ckpt.info(n)
                 if info.whole is not None and isinstance(files.mapped(info, info.whole), StoredFile):
                     fetched.append((n, torch.empty(info.shape or (), dtype=info.dtype), info))
-            fill_targets(files, fetched)
-            out.update((n, t) for n, t, _ in fetched)
+            if fetched:  # the reading machinery (reading/fill.py, its reads and threads): only for objects
+                from .reading.fill import fill_targets
+
+                fill_targets(files, fetched)
+                out.update((n, t) for n, t, _ in fetched)
             for n in names:
                 if n not in out:
                     out[n] = read_tensor(files, ckpt.info(n))
@@ -474,6 +476,8 @@ def read_tensors(ckpt: LazyCheckpoint, names: list[str], device: torch.device, *
 
 def _load_to_device(ckpt: LazyCheckpoint, names: list[str], pool: StagingPool) -> dict[str, torch.Tensor]:
     """Every chunk through the staging pool into one device tensor per name (read from the files, reading/stager.py)."""
+    from .reading.stager import chunk_stager
+
     out: dict[str, torch.Tensor] = {}
     with chunk_stager(ckpt.backend, [ckpt.info(n) for n in names]) as stage_chunk:
         for n in names:
