@@ -32,11 +32,10 @@ from .format.aliases import shared_names
 from .format.casts import check_cast
 from .format.entries import ChunkInfo, EntryInfo, paused_gc
 from .reading.backend import ChunkBackend
-from .reading.fill import fill_targets
 from .reading.keys import check_patterns, pick, strip_names
 from .reading.locate import open_backend
+from .reading.read_ahead import read_ahead
 from .reading.regions import normalize_index, read_selection, read_tensor
-from .reading.stager import chunk_stager
 from .storage.base import StoredFile
 from .io.staging_options import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, check_device, staging_options
 
@@ -127,7 +126,8 @@ class LazyCheckpoint:
         check_device(self.device)
         self._to = None if self.device.type == "cpu" else self.device  # one test per get_tensor on the CPU
         self.path = os.fspath(path)
-        opened = open_backend(self.path, verify=verify, storage_options=storage_options)
+        with paused_gc():  # the index's objects and each file's records (format/entries.paused_gc)
+            opened = open_backend(self.path, verify=verify, storage_options=storage_options)
         self.kind, self._entries, self._user_metadata = opened.kind, opened.entries, opened.user_metadata
         self._files: ChunkBackend | None = opened.files
         if strip_prefix is not None:  # entries keep their stored names (EntryInfo.name), for messages
@@ -343,7 +343,7 @@ def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], 
 
 
 def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-         keys: KeySelector = None, allow_unpickle: bool = False, prefetch: bool = False, verify: bool = False,
+         keys: KeySelector = None, allow_unpickle: bool = False, prefetch: bool | None = None, verify: bool = False,
          staging_bytes: int | None = None, staging_buffers: int | None = None,
          buffer_bytes: int | None = None, num_buffers: int | None = None,
          storage_options: Mapping[str, Any] | None = None, strip_prefix: str | None = None,
@@ -353,8 +353,9 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
     Every format :func:`open` takes is accepted, with the same result for the same tensors.
     On the CPU, tensors stored as one chunk of an mmapckpt checkpoint (or aligned in a
     safetensors file) are copy-on-write views over the file mappings: the call costs time
-    per tensor, not per byte, and memory is only used (as shared page cache) when the
-    bytes are touched. On an accelerator the bytes are read from the files straight into
+    per tensor, not per byte (on a cold file it asks the kernel to read the selection ahead,
+    ``prefetch``), and memory is used as shared page cache, not anonymous memory, until a view
+    is written to. On an accelerator the bytes are read from the files straight into
     ``staging_buffers`` pinned buffers of ``staging_bytes`` each, one filled while the last
     is copied; the result is synchronised. A flipped bit in the file is returned as it is
     unless ``verify=True`` (mmapckpt checkpoints only: the other formats have no checksums).
@@ -373,8 +374,12 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         allow_unpickle: also load non-tensor entries (pickles; only for trusted files).
             Without it they are left out, and naming one in ``keys`` raises CheckpointError
             (a torch.save file's values too, so that every format gives the same dict).
-        prefetch: ask the kernel to start reading the selected tensors' pages now
-            (MADV_WILLNEED); see docs/lazy.md for when that pays.
+        prefetch: None (the default): on the CPU, ask the kernel to read the selected tensors'
+            bytes now, in file order (POSIX_FADV_SEQUENTIAL, then MADV_WILLNEED on each run of
+            adjacent chunks), where they fit in half of the available memory; the call returns
+            without waiting and a touch waits only for pages not yet read. True: MADV_WILLNEED on
+            every chunk, on any device. False: no hint, every page is read when first touched.
+            See docs/lazy.md for the measurements.
         verify: check the CRC-32 of every mmapckpt entry loaded (reads every byte, so a CPU
             load is no longer free of I/O; ChecksumError on a mismatch). Stock DCP, safetensors
             and torch.save files have no checksums: for them it checks nothing more.
@@ -434,19 +439,23 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         return {n: out[n] for n in names if n in out}
 
 
-def read_tensors(ckpt: LazyCheckpoint, names: list[str], device: torch.device, *, prefetch: bool = False,
+def read_tensors(ckpt: LazyCheckpoint, names: list[str], device: torch.device, *, prefetch: bool | None = None,
                  staging_bytes: int = DEFAULT_STAGING_BYTES,
                  staging_buffers: int = DEFAULT_STAGING_BUFFERS) -> dict[str, torch.Tensor]:
     """The tensor entries ``names`` of the open ``ckpt`` on ``device``, as stored: what :func:`load` and
     ``load_model`` read. Names that are one stored tensor (tied weights, ``format/aliases.py``) are one tensor
     object in the result. On the CPU, views over the mappings where the format allows; on an accelerator,
-    through a staging pool of ``staging_buffers`` pinned buffers of ``staging_bytes`` made for this call."""
+    through a staging pool of ``staging_buffers`` pinned buffers of ``staging_bytes`` made for this call.
+    ``prefetch``: True, MADV_WILLNEED on every chunk; None, on the CPU, the files advised to be read in order and
+    the selection's runs of chunks read ahead where they fit in memory (reading/read_ahead.py); False, neither."""
     out: dict[str, torch.Tensor] = {}
     if prefetch:
         files = ckpt.backend
         for n in names:
             for c in ckpt.info(n).chunks:
                 files.advise(c, mmap.MADV_WILLNEED)
+    elif prefetch is None and device.type == "cpu":
+        read_ahead(ckpt.backend, [ckpt.info(n) for n in names])
     if device.type == "cpu":
         with paused_gc():
             files = ckpt.backend
@@ -456,8 +465,11 @@ def read_tensors(ckpt: LazyCheckpoint, names: list[str], device: torch.device, *
                 info = ckpt.info(n)
                 if info.whole is not None and isinstance(files.mapped(info, info.whole), StoredFile):
                     fetched.append((n, torch.empty(info.shape or (), dtype=info.dtype), info))
-            fill_targets(files, fetched)
-            out.update((n, t) for n, t, _ in fetched)
+            if fetched:  # the reading machinery (reading/fill.py, its reads and threads): only for objects
+                from .reading.fill import fill_targets
+
+                fill_targets(files, fetched)
+                out.update((n, t) for n, t, _ in fetched)
             for n in names:
                 if n not in out:
                     out[n] = read_tensor(files, ckpt.info(n))
@@ -474,6 +486,8 @@ def read_tensors(ckpt: LazyCheckpoint, names: list[str], device: torch.device, *
 
 def _load_to_device(ckpt: LazyCheckpoint, names: list[str], pool: StagingPool) -> dict[str, torch.Tensor]:
     """Every chunk through the staging pool into one device tensor per name (read from the files, reading/stager.py)."""
+    from .reading.stager import chunk_stager
+
     out: dict[str, torch.Tensor] = {}
     with chunk_stager(ckpt.backend, [ckpt.info(n) for n in names]) as stage_chunk:
         for n in names:

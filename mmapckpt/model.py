@@ -33,7 +33,6 @@ from torch import nn
 from .errors import ModelMismatchError, SizeMismatchError
 from .format.aliases import shared_names
 from .format.casts import check_cast
-from .into import fill_from
 from .io.staging_options import check_device
 from .lazy import LazyCheckpoint, read_tensors
 
@@ -162,7 +161,9 @@ def load_model(model: nn.Module, path: str | os.PathLike[str], *, strict: bool =
         # everything read and checked before the model is changed: a refused cast leaves it as it was
         given = _assigned(ckpt, slots, {n: source[n] for n in assign}, groups, dev, allow_cast)
         fill = {source[n]: slots[n].get() for n in source if n not in assign}
-        if fill:
+        if fill:  # tensors already in memory: load_into's reads (a meta model's are views, into.py not needed)
+            from .into import fill_from
+
             fill_from(ckpt, fill, allow_cast=allow_cast, values_first=True)  # a refusal leaves the model as it was
         _put(model, slots, given)
     for group in groups:  # assignment made one Parameter per name: one again

@@ -134,3 +134,54 @@ def test_inspect_and_verify_of_mmapckpt_and_safetensors_import_no_torch(tmp_path
     for what, (code, torch_modules) in report.items():
         assert code == 0, what
         assert torch_modules == [], f"{what} imported torch: {torch_modules[:5]}"
+
+
+_LAZY_CHILD = r"""
+import json, sys, torch
+import mmapckpt
+
+path = sys.argv[1]
+report = []
+
+def step(what, fn, absent):
+    fn()
+    report.append([what, sorted(m for m in absent if m in sys.modules)])
+
+def opened():
+    with mmapckpt.open(path) as f:
+        f.keys(), f.get_tensor("weight"), f.get_slice("weight")[1:2], f.info("bias"), f.metadata()
+
+def model():
+    with torch.device("meta"):
+        m = torch.nn.Linear(4, 3)
+    mmapckpt.load_model(m, path)
+
+# views need no reads into targets (reading/fill.py, its moves and reader threads); no load needs the
+# explanation of a missing shard (storage/commits.py) unless one is missing
+VIEWS = ("mmapckpt.reading.fill", "mmapckpt.reading.moves", "mmapckpt.io.direct_reads", "mmapckpt.io.reads",
+         "mmapckpt.storage.commits")
+# a cached file is copied from the page cache: no choice of a way to read a cold file, nor the ways
+COLD = ("mmapckpt.io.cold_plan", "mmapckpt.io.cold_reads", "mmapckpt.io.read_choice", "mmapckpt.io.odirect",
+        "mmapckpt.storage.commits")
+step("open", opened, VIEWS)
+step("load", lambda: mmapckpt.load(path), VIEWS)
+step("load_model", model, VIEWS)
+step("load_into", lambda: mmapckpt.load_into({"weight": torch.empty(3, 4), "bias": torch.empty(3)}, path), COLD)
+print(json.dumps(report))
+"""
+
+
+def test_loads_of_a_cached_checkpoint_import_only_what_they_use(tmp_path: Path) -> None:
+    """In a new process: ``open``, ``load`` and ``load_model`` of an mmapckpt checkpoint (views over its mappings)
+    import none of the machinery that reads into targets, and ``load_into`` of one whose pages are cached (just
+    written) none of the cold-file reading (the way's choice, O_DIRECT, the streams); none imports the missing-shard
+    explanation. Each is imported when used (tests/io: cold loads)."""
+    torch.manual_seed(0)
+    path = tmp_path / "mm"
+    mmapckpt.save(torch.nn.Linear(4, 3).state_dict(), path)
+    p = subprocess.run([sys.executable, "-c", _LAZY_CHILD, str(path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [what for what, _ in report] == ["open", "load", "load_model", "load_into"]
+    for what, imported in report:
+        assert imported == [], f"{what} of a cached mmapckpt checkpoint imported {imported}"

@@ -46,8 +46,9 @@ class ChunkBackend(Protocol):
         a view of (direct reads go around it), the file where it has no mapping, or None (a copy in memory)."""
         ...
 
-    def advise(self, c: ChunkInfo, advice: int) -> None:
-        """Pass a madvise hint for the chunk's pages (nothing where there is no mapping)."""
+    def advise(self, c: ChunkInfo, advice: int, *, sequential: bool = False) -> None:
+        """Pass a madvise hint for the chunk's pages (nothing where there is no mapping); ``sequential``: advise
+        its file to be read in order first (io/mapped.py)."""
         ...
 
     def check_unchanged(self, chunks: Iterable[ChunkInfo]) -> None:

@@ -164,11 +164,11 @@ class ChunkFiles:
     def _read_stock(self, c: ChunkInfo, label: str) -> bytes:
         return bytes(self.stock[c.file].read(c.file_offset, c.length, entry=label))
 
-    def advise(self, c: ChunkInfo, advice: int) -> None:
+    def advise(self, c: ChunkInfo, advice: int, *, sequential: bool = False) -> None:
         """Pass a madvise hint for the chunk's pages (no-op for stock files)."""
         shard = self.shards.get(c.file)
         if shard is not None and shard.file is not None:
-            shard.file.advise(advice, c.file_offset, c.length)
+            shard.file.advise(advice, c.file_offset, c.length, sequential=sequential)
 
     def check_unchanged(self, chunks: Iterable[ChunkInfo]) -> None:
         """Raise TruncatedFileError if a mapped file holding one of ``chunks`` shrank since it was opened."""

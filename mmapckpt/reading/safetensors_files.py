@@ -145,10 +145,10 @@ class SafetensorsFiles:
             return f.stored
         return f.file if not c.file_offset % info.dtype.itemsize else None  # type: ignore[union-attr]
 
-    def advise(self, c: ChunkInfo, advice: int) -> None:
+    def advise(self, c: ChunkInfo, advice: int, *, sequential: bool = False) -> None:
         f = self.files[c.file].file
         if f is not None:
-            f.advise(advice, c.file_offset, c.length)
+            f.advise(advice, c.file_offset, c.length, sequential=sequential)
 
     def check_unchanged(self, chunks: Any) -> None:
         for rel in {c.file for c in chunks}:

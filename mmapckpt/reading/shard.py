@@ -31,7 +31,6 @@ from ..format.entries import ROOT_MARKER, SaveId, reference_parts
 from ..format.transforms import StreamTransforms
 from ..io.mapped import MappedFile
 from ..storage.base import CheckpointStorage, StoredFile
-from ..storage.commits import missing_shard_error
 from ..storage.local import LocalFile
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: opening a shard, checking its header and its
@@ -63,6 +62,8 @@ def open_named(storage: CheckpointStorage, rel: str, save_id: str | None, entry:
     try:
         return storage.open_file(rel)
     except IncompleteCheckpointError:
+        from ..storage.commits import missing_shard_error  # the explanation of a missing file only
+
         raise missing_shard_error(storage, storage.full(rel), save_id, entry) from None
 
 

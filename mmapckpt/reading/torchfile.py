@@ -258,7 +258,7 @@ class TorchFiles:
     def mapped(self, info: EntryInfo, c: ChunkInfo) -> None:
         return None  # torch owns the mapping: its tensors are copied from, never read around
 
-    def advise(self, c: ChunkInfo, advice: int) -> None:
+    def advise(self, c: ChunkInfo, advice: int, *, sequential: bool = False) -> None:
         pass
 
     def check_unchanged(self, chunks: Any) -> None:

@@ -20,7 +20,7 @@ import torch
 import mmapckpt
 from helpers import (assert_bitwise_equal, assert_tree_equal, dcp_failure, dcp_load, dcp_save, refuse_o_direct,
                      seeded_tensor)
-from mmapckpt.io import cold_reads, direct_reads, read_choice, staging
+from mmapckpt.io import cold_plan, cold_reads, direct_reads, read_choice, staging
 from mmapckpt.io.read_choice import CANDIDATES, STREAM, Strategy
 
 B4, D8 = Strategy("buffered", 4), Strategy("direct", 8)
@@ -48,7 +48,7 @@ class Spy:
         self.runs: list[tuple[str, int, str]] = []
         self.direct_opens = 0
         self._mutex = threading.Lock()
-        real_pieces, real_buffered, real_direct, real_open = (direct_reads.read_pieces, cold_reads._buffered_run,
+        real_pieces, real_buffered, real_direct, real_open = (cold_plan.read_pieces, cold_reads._buffered_run,
                                                               cold_reads._direct_run, cold_reads._open_direct)
 
         def pieces(fd, path, ident, part, strategy, **kw):
@@ -68,7 +68,7 @@ class Spy:
                 self.direct_opens += 1
             return real_open(path, ident)
 
-        monkeypatch.setattr(direct_reads, "read_pieces", pieces)
+        monkeypatch.setattr(cold_plan, "read_pieces", pieces)
         monkeypatch.setattr(cold_reads, "_buffered_run", buffered)
         monkeypatch.setattr(cold_reads, "_direct_run", direct)
         monkeypatch.setattr(cold_reads, "_open_direct", open_direct)

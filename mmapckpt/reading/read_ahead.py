@@ -1,0 +1,81 @@
+"""Starting the read of a CPU load's views before ``mmapckpt.load`` returns them (its default, ``prefetch=None``).
+
+``load`` returns views over the files' mappings, and whoever calls it (not the lazy ``open``) wants every
+selected byte. Touching views of a cold file faulted its pages in a readahead window at a time, one
+window after another: a cold 1 GB checkpoint took longer to load and touch than safetensors' ``load_file``
+(docs/benchmarks.md, "A fresh process"). So ``load`` advises each file holding the selection to be read in
+order (``POSIX_FADV_SEQUENTIAL``) and asks the kernel to read the selected bytes now (``MADV_WILLNEED``),
+one call per run of adjacent chunks; the kernel reads them while the caller goes on, and a touch waits
+only for pages not yet in. On a cached file the advice finds every page there and reads nothing. It is
+given only where the selection fits in half of the memory available, so that reading ahead never pushes
+out pages it has just read (which the touch would then read a second time); and it is advice: where a
+call fails, the load goes on as it did without it (each page read when touched).
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import TYPE_CHECKING, Iterable
+
+from ..format.entries import ChunkInfo
+
+if TYPE_CHECKING:
+    from ..format.entries import EntryInfo
+    from .backend import ChunkBackend
+
+__all__ = ["available_memory", "file_runs", "read_ahead"]
+
+#: Chunks of a file closer than this are advised in one call (the padding between them is read ahead anyway).
+_GAP = 1 << 20
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, or None where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def file_runs(infos: Iterable[EntryInfo]) -> list[ChunkInfo]:
+    """The stored chunks of ``infos`` (those with bytes at a place in a file), each file's merged into runs
+    of adjacent bytes (gaps under ``_GAP``), as ranges of a file (``ChunkInfo((), (), file, offset, length)``),
+    in file order."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for info in infos:
+        for c in info.chunks:
+            if c.length > 0 and c.file_offset >= 0:
+                by_file.setdefault(c.file, []).append((c.file_offset, c.file_offset + c.length))
+    runs = []
+    for file in sorted(by_file):
+        lo = hi = -1
+        for a, b in sorted(by_file[file]):
+            if lo >= 0 and a - hi <= _GAP:
+                hi = max(hi, b)
+                continue
+            if lo >= 0:
+                runs.append(ChunkInfo((), (), file, lo, hi - lo))
+            lo, hi = a, b
+        if lo >= 0:
+            runs.append(ChunkInfo((), (), file, lo, hi - lo))
+    return runs
+
+
+def read_ahead(files: ChunkBackend, infos: Iterable[EntryInfo]) -> bool:
+    """Advise the files holding the chunks of ``infos`` to be read in order and their bytes to be read now, a
+    run of adjacent chunks at a time; False where nothing was asked (the selection does not fit in half of the
+    available memory) or a call failed (the rest is then read when touched, as without it)."""
+    runs = file_runs(infos)
+    avail = available_memory()
+    if not runs or avail is None or sum(r.length for r in runs) > avail // 2:
+        return False
+    for r in runs:
+        try:
+            files.advise(r, mmap.MADV_WILLNEED, sequential=True)
+        except OSError:
+            return False
+    return True
