@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import CheckpointError, TruncatedFileError, UnsafePathError
 
 __all__ = ["fsync_dir", "atomic_write", "pwrite_all", "pread_into", "map_file", "open_inside", "opened_inside",
-           "within", "is_cached", "unlink_quietly"]
+           "within", "is_cached", "unlink_quietly", "available_memory"]
 
 
 def fsync_dir(path: str) -> None:
@@ -144,3 +144,16 @@ def is_cached(fd: int, offsets: list[int]) -> bool:
         except OSError:  # EAGAIN: not cached; EOPNOTSUPP/EINVAL: cannot tell
             return False
     return True
+
+
+def available_memory() -> int | None:
+    """Bytes the page cache could hold now without evicting what a process uses (``MemAvailable`` of
+    ``/proc/meminfo``), or None where the kernel does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

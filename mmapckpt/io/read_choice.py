@@ -36,6 +36,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from .files import available_memory
+
 __all__ = ["Strategy", "STREAM", "CANDIDATES", "TRIALS", "MARGIN", "TRIAL_BYTES", "RETRY", "KEEP", "choose", "parse",
            "Segment", "segments", "plan", "record", "unsupported", "forget", "candidates", "cache_room", "state_path"]
 
@@ -147,15 +149,9 @@ _STATE_ENV = "MMAPCKPT_READ_CHOICE"
 
 def cache_room() -> int | None:
     """Bytes the page cache could hold now without evicting what a process uses (``MemAvailable``), or None
-    where the kernel does not say."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    where the kernel does not say (io/files.py ``available_memory``; a name of its own here, which the tests
+    set)."""
+    return available_memory()
 
 
 def candidates(nbytes: int) -> tuple[Strategy, ...]:

@@ -18,27 +18,16 @@ import mmap
 from typing import TYPE_CHECKING, Iterable
 
 from ..format.entries import ChunkInfo
+from ..io.files import available_memory
 
 if TYPE_CHECKING:
     from ..format.entries import EntryInfo
     from .backend import ChunkBackend
 
-__all__ = ["available_memory", "file_runs", "read_ahead"]
+__all__ = ["file_runs", "read_ahead"]
 
 #: Chunks of a file closer than this are advised in one call (the padding between them is read ahead anyway).
 _GAP = 1 << 20
-
-
-def available_memory() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes, or None where it cannot be read (not Linux)."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def file_runs(infos: Iterable[EntryInfo]) -> list[ChunkInfo]:
