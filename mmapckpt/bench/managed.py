@@ -9,7 +9,7 @@ Two state dicts of ``--size``, saved step after step:
   added on disk; the second to fifth as fractions of the first (full) managed save.
 - *fully changing*: every byte changed before every save; managed saves (each compared with the
   step before, which shares nothing) against plain ones: the median time ratio, which says what
-  deduplication costs a normal save (on a local root nothing is hashed: hash on second sight).
+  deduplication costs a normal save (on a local root only the first step is hashed: hash on second sight).
 
 Each save's CPU seconds (this process, every thread: ``time.process_time``) beside its wall time: on a
 machine shared with other work the wall time says as much about the others as about the save; what the

@@ -80,13 +80,16 @@ class HeaderCache:
 def save_index(storage: CheckpointStorage, reuse: Sequence[str], cache: HeaderCache | None = None,
                ) -> ReuseIndex | None:
     """What a save at ``storage`` compares its chunks with (``MmapWriter(reuse=...)``): the ``reuse`` steps'
-    chunks; none, but every chunk hashed so that the next step can compare, for a step of a managed root saved
-    without ``reuse`` (where ``blake3`` is installed); None (no hashing: a save outside a root costs nothing
-    more) otherwise."""
+    chunks; none, but every chunk hashed so that the next step can match by hash, for a step of a managed root
+    saved without ``reuse`` (its first step: where ``blake3`` is installed), on every medium: the chunks that
+    stay frozen from the first step on (a frozen tower, a reference model) are then matched by the hashes on
+    disk, by every later save and after every restart, and never compared byte for byte (hash on second sight
+    is for the chunks written by later saves of a local root); None (no hashing: a save outside a root costs
+    nothing more) otherwise."""
     if reuse:
         return reuse_index(storage, reuse, cache)
     if in_managed_root(storage) and find_spec("blake3") is not None:
-        return ReuseIndex({}, {}, hash_written=not _reads_cheaply(storage))
+        return ReuseIndex({}, {})  # hash_written: the first step of a root is hashed, on a local disk too
     return None
 
 

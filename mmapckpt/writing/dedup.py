@@ -6,8 +6,9 @@ of the reused steps holds (:class:`ReuseIndex`, built by dcp/reuse.py from their
 Where the hash, dtype, shape and length are equal, the chunk's storage record names the stored
 bytes (:class:`Reference`: ``../step-M/FILE``, offset, length) and nothing is written; every
 other entry is written as the one shard writer writes it, with its hash in the header, so that
-the next save can compare with it: on an object store (``ReuseIndex.hash_written``). On a local
-disk a written chunk carries its CRC-32 alone (hash on second sight): a later chunk that may equal
+the next save can compare with it: on an object store, and in the first step of a root on every medium
+(``ReuseIndex.hash_written``). In a later step on a local disk a written chunk carries its CRC-32 alone
+(hash on second sight): a later chunk that may equal
 such an unhashed stored one is compared with the stored bytes byte for byte (``ReuseIndex.compare``,
 on a helper thread, which hashes them meanwhile) and referenced only where all are equal; the hash
 is kept for the next save of the same manager (``ReuseIndex.confirmed``), which then matches by it.
@@ -71,8 +72,9 @@ class ReuseIndex:
                  hash_written: bool = True, compare: Callable[[Reusable, Any], str | None] | None = None,
                  stored: Mapping[str, dict[Any, Any]] | None = None) -> None:
         self.chunks = dict(chunks)
-        #: whether a chunk written because no stored chunk may equal it is hashed all the same (an object store,
-        #: where a later save cannot read stored bytes cheaply), or written with its CRC-32 alone (a local disk)
+        #: whether a chunk written because no stored chunk may equal it is hashed all the same (a root's first step,
+        #: and an object store, where a later save cannot read stored bytes cheaply), or written with its CRC-32
+        #: alone (a later step on a local disk)
         self.hash_written = hash_written
         #: ``compare(r, buf)``: the content hash of ``buf`` where its bytes equal those of stored chunk ``r`` (read
         #: and compared byte for byte), else None; None where stored bytes are not read (the unhashed are skipped)

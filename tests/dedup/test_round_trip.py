@@ -117,8 +117,12 @@ def test_every_step_of_an_object_store_root_records_hashes_and_saves_outside_a_r
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     local = make_root(tmp_path / "local")
     sd = frozen_and_trained()
-    save_step(local, 1, sd)  # a local root: written with CRC-32s alone (a later save compares the bytes)
-    assert Shard(str(local / "step-1" / "__0_0.distcp")).hashes() == {}
+    save_step(local, 1, sd)  # a local root's first step: hashed, as on every medium
+    assert set(Shard(str(local / "step-1" / "__0_0.distcp")).hashes()) == {
+        ("frozen.w", (0, 0)), ("frozen.b", (0,)), ("head.w", (0, 0))}
+    later = dict(sd, **{"head.w": sd["head.w"] + 1})
+    save_step(local, 2, later, reuse=(1,))  # what a later step writes there: CRC-32s alone (compared when needed)
+    assert Shard(str(local / "step-2" / "__0_0.distcp")).hashes() == {}
     root = make_root(tmp_path / "root")
     from mmapckpt.dcp import reuse
     monkeypatch.setattr(reuse, "_reads_cheaply", lambda storage: False)  # as on an object store (and before)
