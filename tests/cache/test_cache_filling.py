@@ -89,3 +89,35 @@ def test_a_range_is_served_only_once_its_entries_are_checked(medium, tmp_path, m
             mmapckpt.load_into(targets, url(tmp_path / "ck"), storage_options={"cache_dir": cache})
         e = Entry(cache, url(shard))
         assert e.read_record() is None and sorted(os.listdir(e.dir)) == ["#lock"]
+
+
+def test_a_fetch_that_fails_midway_raises_checkpoint_error_naming_the_url_and_caches_nothing(
+        medium, tmp_path, monkeypatch):  # noqa: F811
+    """An error that is not the medium's own CheckpointError (here an OSError from a read of the file's second
+    half) ends the first load with CheckpointError naming the remote file, and leaves no copy in the cache."""
+    import errno
+
+    from unmapped import _UnmappedFile
+
+    from mmapckpt.errors import CheckpointError
+
+    monkeypatch.setattr(entry, "_WINDOW", 96 << 10)
+    sd = _sd()
+    mmapckpt.save(sd, tmp_path / "ck")
+    shard = str(tmp_path / "ck" / "__0_0.distcp")
+    half = os.path.getsize(shard) // 2
+    read_into = _UnmappedFile.read_into
+
+    def failing(self, offset, buf, *, entry=None):  # noqa: ANN001
+        if self.path.endswith(shard) and offset >= half:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        read_into(self, offset, buf, entry=entry)
+    monkeypatch.setattr(_UnmappedFile, "read_into", failing)
+    cache = str(tmp_path / "cache")
+    targets = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with pytest.raises(CheckpointError, match="the fetch into the cache failed") as info:
+        mmapckpt.load_into(targets, url(tmp_path / "ck"), storage_options={"cache_dir": cache})
+    assert info.value.path == url(shard)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.EIO
+    e = Entry(cache, url(shard))
+    assert e.read_record() is None and sorted(os.listdir(e.dir)) == ["#lock"]
