@@ -25,11 +25,11 @@ import math
 import re
 import struct
 import sys
-import zlib
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _quote
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from .crc import crc32
 from ..errors import (BadMagicError, ByteOrderError, EntryBoundsError, FormatError, TruncatedFileError,
                       UnsupportedVersionError)
 from .dtypes import _DTYPE_TABLE, ITEMSIZES, NAMED, check_dtype_name, dtype_from_name, dtype_name  # noqa: F401 - the format's names
@@ -220,7 +220,7 @@ def layout_entries(specs: Sequence[EntrySpec], alignment: int = 4096, save_id: s
 def _framed(save_id: str | None, objects: list[str], minor: int = FORMAT_MINOR) -> bytes:
     """The preamble and the header document around the entries' objects."""
     body = _document(save_id, objects).encode("ascii")
-    return _PREAMBLE.pack(MAGIC, FORMAT_MAJOR, minor, host_byte_order(), len(body), zlib.crc32(body)) + body
+    return _PREAMBLE.pack(MAGIC, FORMAT_MAJOR, minor, host_byte_order(), len(body), crc32(body)) + body
 
 
 def _document(save_id: str | None, objects: list[str]) -> str:
@@ -408,7 +408,7 @@ def decode_header_doc(body: bytes, *, header_crc: int, path: str) -> tuple[dict[
     Its entries are not checked: :func:`decode_header` does that. A reader that takes
     every entry's place from the checkpoint metadata needs only this much.
     """
-    if zlib.crc32(body) != header_crc:
+    if crc32(body) != header_crc:
         raise FormatError("header checksum mismatch: the header is damaged", path=path)
     try:
         doc = json.loads(body.decode("utf-8"))

@@ -12,7 +12,6 @@ docs/reliability.md).
 
 from __future__ import annotations
 
-import zlib
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ from ..errors import (
     SizeMismatchError,
     TruncatedFileError,
 )
+from ..format.crc import crc32
 from ..format import layout as fmt
 from ..format.entries import ROOT_MARKER, SaveId, reference_parts
 from ..format.transforms import StreamTransforms
@@ -197,7 +197,7 @@ class Shard:
         """Whether the header is exactly what the writer wrote for ``records`` (every entry of this file, as
         the metadata of save ``save_id`` places them: fqn, chunk offsets, kind, dtype name, shape, offset,
         length) and its checksum holds. Then :meth:`view` of those chunks checks only their bounds."""
-        if save_id is None or zlib.crc32(self._body) != self._hcrc or not fmt.header_agrees(
+        if save_id is None or crc32(self._body) != self._hcrc or not fmt.header_agrees(
                 self._body, save_id, records):
             return False
         self._agreed = save_id
@@ -324,7 +324,7 @@ class Shard:
 
     def verify(self, e: fmt.Entry) -> None:
         """Raise ChecksumError if the entry's bytes do not match their CRC-32."""
-        got = zlib.crc32(self._bytes(e.offset, e.length, e.label)) if e.length else 0
+        got = crc32(self._bytes(e.offset, e.length, e.label)) if e.length else 0
         if got != e.crc32:
             raise ChecksumError(f"CRC-32 of the data is {got:08x}, the header says {e.crc32:08x}",
                                 path=self.path, entry=e.label)

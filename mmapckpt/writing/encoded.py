@@ -8,9 +8,9 @@ Writes are buffered (no O_DIRECT): the encoded bytes come in pieces of any lengt
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, Callable, Sequence
 
+from ..format.crc import crc32
 from ..format import layout as fmt
 from ..format.transforms import StreamTransforms
 from ..storage.base import FileOutput
@@ -43,7 +43,7 @@ class _Appender:
         self.out.put(self.pos, mv)
         self.pos += mv.nbytes
         self.length += mv.nbytes
-        self.crc = zlib.crc32(mv, self.crc)
+        self.crc = crc32(mv, self.crc)
 
 
 def write_encoded_entries(out: FileOutput, entries: Sequence[Any], resolve: Callable[[Any], Any],

@@ -9,7 +9,7 @@ Every shard file mmapckpt writes comes from :func:`write_shard`: the DCP writer'
 2. resolves each tensor lazily and in file order (accelerator tensors come to the host through
    ``io/d2h.py`` ``stage_to_host``, their copies running ahead within a bounded budget), checks
    it is the tensor laid out, and hands its bytes to ``FileOutput.put`` at ascending offsets,
-   with CRC-32s computed alongside (on a helper thread for large entries: zlib releases the GIL,
+   with CRC-32s computed alongside (format/crc.py; on a helper thread for large entries: it releases the GIL,
    so they overlap the copies into the O_DIRECT bounce buffers, which overlap the disk writes);
 3. finishes the file with the header, which holds the CRC-32s (``FileOutput.finish``: written
    at offset 0 last, the file made durable and put in place under its name).
@@ -24,12 +24,12 @@ tensor's bytes as a CheckpointWriteError naming the shard and the entry being wr
 
 from __future__ import annotations
 
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from ..errors import CheckpointError, CheckpointWriteError
+from ..format.crc import crc32
 from ..format import layout as fmt
 from ..format.transforms import StreamTransforms
 from ..storage.base import CheckpointStorage, FileOutput
@@ -159,7 +159,7 @@ def _write_entries(out: FileOutput, plan: fmt.ShardPlan, entries: Sequence[Shard
     if advance is not None:
         for i, j in aliases.items():
             extra[j] = extra.get(j, 0) + entries[i].length
-    # CRC-32s on a thread of their own (zlib releases the GIL): they overlap the copies into
+    # CRC-32s on a thread of their own (format/crc.py releases the GIL): they overlap the copies into
     # the bounce buffers, which overlap the disk writes.
     crc_pool = ThreadPoolExecutor(1, thread_name_prefix="mmapckpt-crc")
     try:
@@ -176,7 +176,7 @@ def _write_entries(out: FileOutput, plan: fmt.ShardPlan, entries: Sequence[Shard
                 big = True
             else:
                 held = None
-                crcs.append(zlib.crc32(buf))
+                crcs.append(crc32(buf))
             out.put(offset, buf)
             buf = None
             if one_at_a_time and held is not None:
@@ -194,7 +194,7 @@ def _write_entries(out: FileOutput, plan: fmt.ShardPlan, entries: Sequence[Shard
 
 
 def _crc_of(held: list[Any]) -> int:
-    return zlib.crc32(held[0])
+    return crc32(held[0])
 
 
 def _with_aliases(crcs: list[int], own: Sequence[int], aliases: Mapping[int, int]) -> list[int]:

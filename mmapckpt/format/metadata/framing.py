@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
 from ...errors import BadMagicError, FormatError, UnsupportedVersionError
+from ..crc import crc32
 
 __all__ = [
     "METADATA_NAME", "META_MAGIC", "META_PREAMBLE", "META_MAJOR", "META_MINOR", "META_MINOR_USER", "META_MINOR_REFS",
@@ -51,7 +51,7 @@ KIND_STOCK = "dcp"
 
 def frame(major: int, minor: int, body: bytes) -> bytes:
     """The file: the preamble, then ``body``."""
-    return META_PREAMBLE.pack(META_MAGIC, major, minor, zlib.crc32(body), len(body)) + body
+    return META_PREAMBLE.pack(META_MAGIC, major, minor, crc32(body), len(body)) + body
 
 
 def major_of(data: bytes) -> int:
@@ -70,7 +70,7 @@ def body_of(data: bytes, path: str) -> bytes:
     body = data[META_PREAMBLE.size:]
     if len(body) != blen:
         raise FormatError(f"metadata body is {len(body)} bytes, its preamble says {blen}", path=path)
-    if zlib.crc32(body) != crc:
+    if crc32(body) != crc:
         raise FormatError("metadata checksum mismatch: the file is damaged", path=path)
     return body
 

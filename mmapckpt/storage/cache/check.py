@@ -12,10 +12,10 @@ store's ETag, recorded beside it.
 from __future__ import annotations
 
 import bisect
-import zlib
 from typing import Any
 
 from ...errors import ChecksumError
+from ...format.crc import crc32
 from ...format import layout
 
 __all__ = ["Checker", "check_copy", "crc32_combine", "CRC32", "SIZE"]
@@ -73,7 +73,7 @@ class Checker:
             e = self.entries[i]
             lo, hi = max(e.offset, offset), min(e.offset + e.length, end)
             if lo < hi:
-                self.crcs[i] = zlib.crc32(mv[lo - offset:hi - offset], self.crcs[i])
+                self.crcs[i] = crc32(mv[lo - offset:hi - offset], self.crcs[i])
             if e.offset + e.length <= end and i == self._next:
                 self._next += 1
             i += 1
@@ -90,7 +90,7 @@ class Checker:
             e = self.entries[i]
             lo, hi = max(e.offset, offset), min(e.offset + e.length, end)
             if lo < hi:
-                out.append((i, zlib.crc32(mv[lo - offset:hi - offset]), hi - lo))
+                out.append((i, crc32(mv[lo - offset:hi - offset]), hi - lo))
             i += 1
         return out
 
