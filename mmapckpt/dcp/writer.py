@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointWriteError
-from ..format.entries import paused_gc
-from ..format.metadata import check_user_metadata, encode_metadata
+from ..format.metadata import check_user_metadata
+from ..format.metadata.written import DCP_VERSION
 from .compat import writer_compat
 from ..storage.base import CheckpointStorage, Lock
 from ..storage.commits import begin_save, commit_save, existing_shards, metadata_name, shard_name
@@ -28,13 +28,12 @@ from ..storage.local import writable_local_path
 from ..storage.credentials import StorageOptions
 from ..storage.location import is_url, storage_for
 from ..writing.dedup import ReuseIndex
-from ..writing.files import split_by_size
+from ..writing.files import how_written, split_by_size
 from .reuse import HeaderCache, references, save_index
 from .shard_writer import WriterOptions, chunk_nbytes, write_files
 
 __all__ = ["MmapWriter", "WriterOptions"]
 
-DCP_VERSION = "1.0.0"
 
 
 @dataclass(frozen=True)
@@ -209,13 +208,8 @@ class MmapWriter(StorageWriter):
         storage = self.storage
         target = metadata_name(self.rank if per_rank else None)
         try:
-            try:
-                with paused_gc():  # one object per entry to encode: the collector's passes would dominate
-                    data = encode_metadata(metadata, self.user_metadata, references=refs)
-            except (TypeError, ValueError) as e:
-                raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}",
-                                           path=storage.full(target)) from e
-            commit_save(storage, target, data, files={info.relative_path for info in metadata.storage_data.values()},
+            commit_save(storage, target, metadata, user_metadata=self.user_metadata, references=refs,
+                        files={info.relative_path for info in metadata.storage_data.values()},
                         rank_prefix=f"__{self.rank}_" if per_rank else None, sync=self.options.sync_files)
         finally:
             self.release()
@@ -247,7 +241,6 @@ class MmapWriter(StorageWriter):
     @property
     def write_path(self) -> str | None:
         """How the last save wrote its shards: "direct", "buffered", "mixed", or None before one."""
-        kinds = set(self.write_paths.values())
-        return None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
+        return how_written(self.write_paths)
 
 

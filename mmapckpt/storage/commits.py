@@ -21,13 +21,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, IncompleteCheckpointError
 from ..format.entries import EntryInfo
+from ..format.entries import paused_gc
 from ..format.metadata import (
     METADATA_NAME,
     decode_index_file,
     decode_user_metadata,
+    encode_metadata,
 )
 from .base import CheckpointStorage, Lock
 from .local import LocalStorage
@@ -152,10 +155,16 @@ def begin_save(storage: CheckpointStorage, path: str, *, overwrite: bool, lock: 
     return held
 
 
-def commit_save(storage: CheckpointStorage, target: str, data: bytes, *, files: set[str], rank_prefix: str | None,
-                sync: bool) -> None:
-    """A save's commit: ``data`` (the encoded metadata) put in place as ``target`` in one atomic step, durable
-    (``sync``), then what no commit references any more removed (:func:`remove_stale`)."""
+def commit_save(storage: CheckpointStorage, target: str, metadata: Any, *, user_metadata: Mapping[str, str] | None,
+                references: Mapping[str, str] | None, files: set[str], rank_prefix: str | None, sync: bool) -> None:
+    """A save's commit: ``metadata`` (DCP's ``Metadata``, or format/metadata/written.py's) encoded with the
+    user's and the cross-step ``references``, put in place as ``target`` in one atomic step, durable (``sync``),
+    then what no commit references any more removed (:func:`remove_stale`)."""
+    try:
+        with paused_gc():  # one object per entry to encode: the collector's passes would dominate
+            data = encode_metadata(metadata, user_metadata, references=references)
+    except (TypeError, ValueError) as e:
+        raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}", path=storage.full(target)) from e
     storage.commit(target, data, sync=sync)
     remove_stale(storage, keep_commit=target, keep_files=files, rank_prefix=rank_prefix, sync=sync)
 

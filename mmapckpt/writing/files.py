@@ -18,7 +18,7 @@ from ..storage.base import CheckpointStorage
 from .dedup import ReuseIndex
 from .shard import ShardEntry, ShardOptions, write_shard
 
-__all__ = ["ShardFile", "split_by_size", "write_files"]
+__all__ = ["ShardFile", "split_by_size", "write_files", "how_written"]
 
 #: One file to write: its name, its entries (in file order), and ``{i: j}`` exact aliases among them.
 ShardFile = tuple[str, Sequence[ShardEntry], Mapping[int, int] | None]
@@ -70,3 +70,10 @@ def write_files(storage: CheckpointStorage, files: Sequence[ShardFile], resolve:
         storage.remove(list(write_paths), sync=False)  # every file of this save (the pool has joined its threads)
         raise
     return per_file
+
+
+def how_written(write_paths: Mapping[str, str]) -> str | None:
+    """How a save wrote its shards (``write_files``' ``write_paths``): "direct", "buffered", "encoded", "mixed",
+    or None (no file written)."""
+    kinds = set(write_paths.values())
+    return None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
