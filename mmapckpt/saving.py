@@ -38,11 +38,16 @@ __all__ = ["save", "SavedCheckpoint"]
 
 @dataclass(frozen=True)
 class SavedCheckpoint:
-    """What :func:`save` saved: where, under which save id, and how each shard file was written."""
+    """What :func:`save` saved.
+
+    Attributes:
+        path: the checkpoint, as it was given to ``save``.
+        save_id: the save's id, recorded in its metadata and in every shard header.
+        write_paths: shard file name -> "direct" (written with O_DIRECT) or "buffered".
+    """
 
     path: str
     save_id: str
-    #: shard file name -> "direct" (O_DIRECT) or "buffered"
     write_paths: Mapping[str, str] = field(default_factory=dict)
 
     @property
