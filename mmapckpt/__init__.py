@@ -20,6 +20,7 @@ _WHERE = {
     "MmapReader": ".dcp.reader",
     "PinnedStager": ".dcp.stager",
     "save": ".saving",
+    "SavedCheckpoint": ".saving",
     "open": ".lazy",
     "load": ".lazy",
     "load_into": ".into",
@@ -64,7 +65,7 @@ _WHERE = {
 }
 
 __all__ = [
-    "MmapWriter", "MmapReader", "PinnedStager", "save", "open", "load", "load_into", "load_model", "LazyCheckpoint",
+    "MmapWriter", "MmapReader", "PinnedStager", "save", "SavedCheckpoint", "open", "load", "load_into", "load_model", "LazyCheckpoint",
     "TensorSlice",
     "EntryInfo", "ChunkInfo", "ZeroCopyLoadPlanner", "SafeLoadPlanner", "FastLoadPlanner", "FastSavePlanner",
     "convert", "ConvertResult", "ConversionWarning", "inspect_checkpoint", "CheckpointInfo",
@@ -110,7 +111,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imp
     from .manage.manager import CheckpointManager
     from .lazy import ChunkInfo, EntryInfo, LazyCheckpoint, TensorSlice, load, open
     from .model import load_model
-    from .saving import save
+    from .saving import SavedCheckpoint, save
     from .tools.describe import CheckpointInfo, inspect_checkpoint
     from .tools.verify import VerifyReport, verify_checkpoint
 

@@ -185,3 +185,36 @@ def test_loads_of_a_cached_checkpoint_import_only_what_they_use(tmp_path: Path) 
     assert [what for what, _ in report] == ["open", "load", "load_model", "load_into"]
     for what, imported in report:
         assert imported == [], f"{what} of a cached mmapckpt checkpoint imported {imported}"
+
+
+_SAVE_CHILD = r"""
+import json, sys
+import torch
+import mmapckpt
+
+sd = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "tied": None, "b": torch.ones(5, dtype=torch.bfloat16)}
+sd["tied"] = sd["w"]
+saved = mmapckpt.save(sd, sys.argv[1], metadata={"k": "v"}, thread_count=2)
+print(json.dumps([saved.write_path, sorted(m for m in sys.modules if m.startswith("torch.distributed"))]))
+"""
+
+
+def test_save_imports_no_torch_distributed(tmp_path: Path) -> None:
+    """``mmapckpt.save`` of a flat dict writes DCP's checkpoint without DCP (saving.py): ``torch.distributed``'s
+    package (which a plain ``import torch`` loads) and nothing under it; the checkpoint then loads with DCP."""
+    before = subprocess.run([sys.executable, "-c", "import json, sys, torch; print(json.dumps(sorted("
+                             "m for m in sys.modules if m.startswith('torch.distributed'))))"],
+                            capture_output=True, text=True, timeout=300)
+    assert before.returncode == 0, before.stderr
+    p = subprocess.run([sys.executable, "-c", _SAVE_CHILD, str(tmp_path / "ck")], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    how, loaded = json.loads(p.stdout.strip().splitlines()[-1])
+    assert how in ("direct", "buffered")
+    assert set(loaded) <= set(json.loads(before.stdout)), sorted(set(loaded) - set(json.loads(before.stdout)))
+    import torch.distributed.checkpoint as dcp
+
+    out = {"w": torch.zeros(3, 4), "tied": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}
+    dcp.load(out, storage_reader=mmapckpt.MmapReader(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(out["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert torch.equal(out["tied"], out["w"]) and torch.equal(out["b"], torch.ones(5, dtype=torch.bfloat16))

@@ -1,4 +1,4 @@
-"""The DCP side of writing shards: a rank's WriteItems to the one shard writer (writing/shard.py) and back.
+"""The DCP side of writing shards: a rank's WriteItems to the shard files (writing/files.py) and back.
 
 The writer (writer.py) decides which items go to which file and commits the metadata; this
 module resolves each file's non-tensor payloads, turns its items into the shard writer's
@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import io
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +25,8 @@ from ..format.aliases import item_aliases
 from ..format.transforms import StreamTransforms
 from ..storage.base import CheckpointStorage
 from ..writing.dedup import Reference, ReuseIndex
-from ..writing.shard import ShardEntry, ShardOptions, shard_error, write_shard
+from ..writing.files import write_files as write_shard_files
+from ..writing.shard import ShardEntry, ShardOptions, shard_error
 from .plan_items import write_result
 from .storable import CHECKED_ATTR, check_storable
 
@@ -66,28 +66,30 @@ def chunk_nbytes(item: WriteItem) -> int:
 def write_files(storage: CheckpointStorage, files: list[tuple[str, list[WriteItem]]], planner: SavePlanner,
                 save_id: str, options: WriterOptions, write_paths: dict[str, str],
                 reuse: ReuseIndex | None = None) -> list[WriteResult]:
-    """Write one rank's shard files (``thread_count`` at a time), then fsync the directory.
+    """Write one rank's shard files (writing/files.py: ``thread_count`` at a time, then the directory made durable,
+    and the finished files removed again if any fails); their items' WriteResults, with (file, offset, length).
 
-    ``write_paths`` receives each finished file's write path. If any file fails, the files
-    this call finished are removed again (no commit will name them) and the error is raised.
-    ``reuse``: hash every chunk, and record the chunks equal to ones it holds as references to their stored
-    bytes instead of writing them (writing/dedup.py).
+    ``write_paths`` receives each finished file's write path. ``reuse``: hash every chunk, and record the chunks
+    equal to ones it holds as references to their stored bytes instead of writing them (writing/dedup.py).
     """
     if not getattr(planner, CHECKED_ATTR, False):
         planner = _Checked(planner, storage.location)  # type: ignore[assignment]
-    try:
-        if options.thread_count > 1 and len(files) > 1:
-            with ThreadPoolExecutor(options.thread_count, thread_name_prefix="mmapckpt-write") as pool:
-                per_file = list(pool.map(lambda f: _write_one(storage, f, planner, save_id, options, write_paths, reuse),
-                                         files))
-        else:
-            per_file = [_write_one(storage, f, planner, save_id, options, write_paths, reuse) for f in files]
-        if options.sync_files and files:
-            storage.sync()
-    except BaseException:
-        storage.remove(list(write_paths), sync=False)  # every file of this save (the pool has joined its threads)
-        raise
-    return [r for rs in per_file for r in rs]
+    shards = []
+    for name, items in files:
+        try:
+            entries = _entries(items, planner, storage.location)
+        except BaseException as e:  # a payload the planner could not give: typed as the shard writer types it
+            typed = shard_error(e, storage.full(name))
+            if typed is e:
+                raise
+            raise typed from e
+        aliases = None if options.transforms is not None else item_aliases([it.index for it in items], planner)
+        shards.append((name, entries, aliases))
+    done = write_shard_files(storage, shards, planner.resolve_data, save_id=save_id, options=options.shard,
+                             thread_count=options.thread_count, write_paths=write_paths, reuse=reuse)
+    return [write_result(it.index, e.length, _StorageInfo(e.file, e.offset, e.length) if type(e) is Reference else
+                         _StorageInfo(name, e.offset, e.length, list(e.transforms) if e.transforms else None))
+            for (name, items), written in zip(files, done) for e, it in zip(written, items)]
 
 
 class _Checked:
@@ -104,26 +106,6 @@ class _Checked:
 
     def __getattr__(self, name: str) -> Any:  # the rest (tied-weight records, ...) is the planner's
         return getattr(self._planner, name)
-
-
-def _write_one(storage: CheckpointStorage, f: tuple[str, list[WriteItem]], planner: SavePlanner, save_id: str,
-               options: WriterOptions, write_paths: dict[str, str], reuse: ReuseIndex | None) -> list[WriteResult]:
-    name, items = f
-    try:
-        entries = _entries(items, planner, storage.location)
-    except BaseException as e:  # a payload the planner could not give: typed as the shard writer types it
-        typed = shard_error(e, storage.full(name))
-        if typed is e:
-            raise
-        raise typed from e
-    aliases = None if options.transforms is not None else item_aliases([it.index for it in items], planner)
-    done, how = write_shard(storage, name, entries, planner.resolve_data, save_id=save_id,
-                            options=options.shard, aliases=aliases, reuse=reuse)
-    if how != "referenced":  # a file was written (one whose every chunk is referenced is not)
-        write_paths[name] = how
-    return [write_result(it.index, e.length, _StorageInfo(e.file, e.offset, e.length) if type(e) is Reference else
-                         _StorageInfo(name, e.offset, e.length, list(e.transforms) if e.transforms else None))
-            for e, it in zip(done, items)]
 
 
 def _entries(items: list[WriteItem], planner: SavePlanner, directory: str) -> list[ShardEntry]:

@@ -18,22 +18,22 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointExistsError, CheckpointWriteError
-from ..format.entries import paused_gc
-from ..format.metadata import check_user_metadata, encode_metadata
+from ..errors import CheckpointWriteError
+from ..format.metadata import check_user_metadata
+from ..format.metadata.written import DCP_VERSION
 from .compat import writer_compat
 from ..storage.base import CheckpointStorage, Lock
-from ..storage.commits import commit_files, existing_shards, metadata_name, remove_stale, shard_name
+from ..storage.commits import begin_save, commit_save, existing_shards, metadata_name, shard_name
 from ..storage.local import writable_local_path
 from ..storage.credentials import StorageOptions
 from ..storage.location import is_url, storage_for
 from ..writing.dedup import ReuseIndex
+from ..writing.files import how_written, split_by_size
 from .reuse import HeaderCache, references, save_index
 from .shard_writer import WriterOptions, chunk_nbytes, write_files
 
 __all__ = ["MmapWriter", "WriterOptions"]
 
-DCP_VERSION = "1.0.0"
 
 
 @dataclass(frozen=True)
@@ -56,20 +56,9 @@ def _with_prefixes(plans: list[SavePlan], save_id: str, used: set[str]) -> list[
 
 
 def _split_into_files(n: int, items: list[WriteItem]) -> list[list[WriteItem]]:
-    """Spread items over ``n`` files of similar byte counts (greedy, largest first)."""
-    if n == 1:
-        return [list(items)] if items else []
-    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
-    sizes = [0] * n
-    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
-    tensor_items = sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=chunk_nbytes, reverse=True)
-    for k, it in enumerate(byte_items):
-        buckets[k % n].append(it)
-    for it in tensor_items:
-        k = sizes.index(min(sizes))
-        buckets[k].append(it)
-        sizes[k] += chunk_nbytes(it)
-    return [b for b in buckets if b]
+    """Spread items over ``n`` files of similar byte counts (writing/files.py ``split_by_size``)."""
+    sizes = [None if it.type == WriteItemType.BYTE_IO else chunk_nbytes(it) for it in items]
+    return [[items[i] for i in group] for group in split_by_size(n, sizes)]
 
 
 class MmapWriter(StorageWriter):
@@ -171,16 +160,10 @@ class MmapWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         storage = self.storage
-        storage.prepare()
         per_rank = not self.use_collectives and self.rank is not None
-        if self.is_coordinator or per_rank:  # the rank that commits holds the lock until it has
-            self._lock = storage.lock(shared=per_rank)
-        commits = commit_files(storage)
-        if commits and not self.options.overwrite:
-            self.release()
-            raise CheckpointExistsError("Checkpoint already exists and overwrite=False: pass overwrite=True to "
-                                        "replace it (the old one stays loadable until the new one is committed)",
-                                        path=self.path)
+        # the rank that commits holds the lock until it has
+        self._lock = begin_save(storage, self.path, overwrite=self.options.overwrite,
+                                lock=self.is_coordinator or per_rank, shared=per_rank)
         if per_rank:
             prefix = f"__{self.rank}_"
             avoid = frozenset(n for n in existing_shards(storage) if n.startswith(prefix))
@@ -225,16 +208,9 @@ class MmapWriter(StorageWriter):
         storage = self.storage
         target = metadata_name(self.rank if per_rank else None)
         try:
-            try:
-                with paused_gc():  # one object per entry to encode: the collector's passes would dominate
-                    data = encode_metadata(metadata, self.user_metadata, references=refs)
-            except (TypeError, ValueError) as e:
-                raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}",
-                                           path=storage.full(target)) from e
-            storage.commit(target, data, sync=self.options.sync_files)
-            files = {info.relative_path for info in metadata.storage_data.values()}
-            remove_stale(storage, keep_commit=target, keep_files=files,
-                         rank_prefix=f"__{self.rank}_" if per_rank else None, sync=self.options.sync_files)
+            commit_save(storage, target, metadata, user_metadata=self.user_metadata, references=refs,
+                        files={info.relative_path for info in metadata.storage_data.values()},
+                        rank_prefix=f"__{self.rank}_" if per_rank else None, sync=self.options.sync_files)
         finally:
             self.release()
 
@@ -265,7 +241,6 @@ class MmapWriter(StorageWriter):
     @property
     def write_path(self) -> str | None:
         """How the last save wrote its shards: "direct", "buffered", "mixed", or None before one."""
-        kinds = set(self.write_paths.values())
-        return None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
+        return how_written(self.write_paths)
 
 

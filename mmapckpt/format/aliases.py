@@ -22,7 +22,7 @@ from .entries import EntryInfo
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-__all__ = ["ALIASES_ATTR", "exact_aliases", "item_aliases", "shared_names"]
+__all__ = ["ALIASES_ATTR", "exact_aliases", "item_aliases", "position_aliases", "shared_names"]
 
 #: A SavePlanner attribute, ``{alias MetadataIndex: canonical MetadataIndex}``, naming items
 #: whose data is exactly another item's; the shard writer then stores their bytes once.
@@ -65,16 +65,19 @@ def exact_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 def item_aliases(indexes: Sequence[MetadataIndex], planner: Any) -> dict[int, int]:
     """``{position: position of its canonical item}`` among one shard's items, from the planner's
-    :data:`ALIASES_ATTR` (empty without one). Only a canonical item in the same shard, placed
-    before its alias and not itself an alias, counts: any other alias is written as its own copy.
-    """
+    :data:`ALIASES_ATTR` (empty without one): :func:`position_aliases`."""
     declared: Mapping[MetadataIndex, MetadataIndex] | None = getattr(planner, ALIASES_ATTR, None)
-    if not declared:
-        return {}
-    where = {idx: i for i, idx in enumerate(indexes)}
+    return position_aliases(indexes, declared) if declared else {}
+
+
+def position_aliases(keys: Sequence[Any], declared: Mapping[Any, Any]) -> dict[int, int]:
+    """``{position: position of its canonical key}`` among one shard's ``keys``, given ``declared``
+    ``{alias key: canonical key}``. Only a canonical key in the same shard, placed before its alias and
+    not itself an alias, counts: any other alias is written as its own copy."""
+    where = {k: i for i, k in enumerate(keys)}
     out: dict[int, int] = {}
-    for i, idx in enumerate(indexes):
-        j = where.get(declared.get(idx))  # type: ignore[arg-type]
+    for i, k in enumerate(keys):
+        j = where.get(declared.get(k))
         if j is not None and j < i and j not in out:
             out[i] = j
     return out

@@ -21,19 +21,22 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from typing import Any
 
-from ..errors import CheckpointError, CheckpointWriteError, IncompleteCheckpointError
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, IncompleteCheckpointError
 from ..format.entries import EntryInfo
+from ..format.entries import paused_gc
 from ..format.metadata import (
     METADATA_NAME,
     decode_index_file,
     decode_user_metadata,
+    encode_metadata,
 )
-from .base import CheckpointStorage
+from .base import CheckpointStorage, Lock
 from .local import LocalStorage
 
 __all__ = ["SHARD_SUFFIX", "metadata_name", "commit_files", "committed_files", "existing_shards", "shard_name",
-           "remove_stale", "read_index", "read_user_metadata", "missing_shard_error",
+           "remove_stale", "begin_save", "commit_save", "read_index", "read_user_metadata", "missing_shard_error",
            "read_index_file", "read_user_metadata_file"]
 
 SHARD_SUFFIX = ".distcp"
@@ -134,6 +137,36 @@ def shard_name(prefix: str, k: int, save_id: str, avoid: frozenset[str] | set[st
     if name in avoid:  # cannot happen for a fresh save id; refuse rather than overwrite a committed file
         raise CheckpointWriteError("no free shard file name (both candidates exist)", path=name)
     return name
+
+
+def begin_save(storage: CheckpointStorage, path: str, *, overwrite: bool, lock: bool,
+               shared: bool = False) -> Lock | None:
+    """A save's start at ``storage`` (``path``, as the caller named it, for the error): the location prepared, its
+    save lock taken (``lock``; ``shared``: a per-rank save's), and an existing checkpoint refused unless
+    ``overwrite``. Returns the lock held."""
+    storage.prepare()
+    held = storage.lock(shared=shared) if lock else None
+    if commit_files(storage) and not overwrite:
+        if held is not None:
+            held.release()
+        raise CheckpointExistsError("Checkpoint already exists and overwrite=False: pass overwrite=True to "
+                                    "replace it (the old one stays loadable until the new one is committed)",
+                                    path=path)
+    return held
+
+
+def commit_save(storage: CheckpointStorage, target: str, metadata: Any, *, user_metadata: Mapping[str, str] | None,
+                references: Mapping[str, str] | None, files: set[str], rank_prefix: str | None, sync: bool) -> None:
+    """A save's commit: ``metadata`` (DCP's ``Metadata``, or format/metadata/written.py's) encoded with the
+    user's and the cross-step ``references``, put in place as ``target`` in one atomic step, durable (``sync``),
+    then what no commit references any more removed (:func:`remove_stale`)."""
+    try:
+        with paused_gc():  # one object per entry to encode: the collector's passes would dominate
+            data = encode_metadata(metadata, user_metadata, references=references)
+    except (TypeError, ValueError) as e:
+        raise CheckpointWriteError(f"cannot encode the checkpoint metadata: {e}", path=storage.full(target)) from e
+    storage.commit(target, data, sync=sync)
+    remove_stale(storage, keep_commit=target, keep_files=files, rank_prefix=rank_prefix, sync=sync)
 
 
 def remove_stale(storage: CheckpointStorage, *, keep_commit: str, keep_files: set[str], rank_prefix: str | None, sync: bool) -> None:

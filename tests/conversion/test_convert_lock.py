@@ -65,6 +65,7 @@ _CHILD = textwrap.dedent("""
 
 #: where a child pauses: (module, owner attributes, name)
 SAVE_BEFORE_COMMIT = ("mmapckpt.dcp.writer", ["MmapWriter"], "finish")  # every shard written, nothing committed
+API_SAVE_BEFORE_COMMIT = ("mmapckpt.saving", [], "commit_save")  # mmapckpt.save's: every shard written, no commit
 SAVE_BEFORE_WRITE = ("mmapckpt.dcp.writer", ["MmapWriter"], "write_data")  # planned, the lock taken
 CONVERT_BEFORE_SWAP = ("mmapckpt.storage.local", ["Swap"], "commit")  # the new checkpoint written beside dst
 CONVERT_AFTER_SWAP = ("mmapckpt.storage.replace", [], "_retire")  # dst is the new tree, the old one not yet retired
@@ -139,11 +140,11 @@ def _convert_cli(src: str, dst: str, to: str, capsys) -> None:
 # --------------------------------------------------------------------------- a save in progress, then a convert
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("op, at, how, to", [
-    ("save", SAVE_BEFORE_COMMIT, "api", "mmapckpt"),
+    ("save", API_SAVE_BEFORE_COMMIT, "api", "mmapckpt"),
     ("dcp", SAVE_BEFORE_COMMIT, "api", "dcp"),
-    ("save", SAVE_BEFORE_COMMIT, "api", "hf"),
+    ("save", API_SAVE_BEFORE_COMMIT, "api", "hf"),
     ("dcp", SAVE_BEFORE_WRITE, "api", "mmapckpt"),
-    ("save", SAVE_BEFORE_COMMIT, "cli", "mmapckpt"),
+    ("save", API_SAVE_BEFORE_COMMIT, "cli", "mmapckpt"),
 ], ids=["save-before-commit", "dcp.save-before-commit", "save-before-commit-to-hf", "dcp.save-before-write",
         "save-before-commit-cli"])
 def test_a_convert_while_a_save_is_in_progress_is_refused_and_the_save_commits(tmp_path, capsys, op, at, how, to):
@@ -226,7 +227,7 @@ def test_a_convert_through_a_link_takes_the_lock_of_the_linked_directory(tmp_pat
     dst, src = _setup(tmp_path)
     link = str(tmp_path / "latest")
     os.symlink("dst", link)
-    with Child("save", SAVE_BEFORE_COMMIT, 3, dst) as child:
+    with Child("save", API_SAVE_BEFORE_COMMIT, 3, dst) as child:
         child.blocked()
         with pytest.raises(CheckpointWriteError, match="in progress"):
             _convert_api(src, link, "mmapckpt")

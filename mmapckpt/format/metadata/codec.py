@@ -39,12 +39,15 @@ from .index import InvalidMetadata, MetaIndex
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from .written import WrittenMetadata
+
 __all__ = ["encode_metadata", "decode_index", "decode_built", "decode_index_file"]
 
 
-def encode_metadata(md: Metadata, user_metadata: Mapping[str, str] | None = None, *, major: int = META_MAJOR,
+def encode_metadata(md: Metadata | WrittenMetadata, user_metadata: Mapping[str, str] | None = None, *, major: int = META_MAJOR,
                     references: Mapping[str, str] | None = None) -> bytes:
-    """Encode DCP ``Metadata`` whose storage_data values are ``_StorageInfo`` records.
+    """Encode DCP ``Metadata`` whose storage_data values are ``_StorageInfo`` records, or its shape in the
+    format's own types (written.py ``WrittenMetadata``, what ``mmapckpt.save`` builds without DCP).
 
     ``user_metadata`` ({str: str}, as safetensors' ``__metadata__``) is stored as the body's
     ``user_metadata`` key. ``major``: 2 (the entry table, v2.py) or 1 (one JSON object per

@@ -27,16 +27,17 @@ from ..tiling import check_entries
 from .index import InvalidMetadata, MetaIndex, top_fields
 from .v2_columns import bulk_index
 
-if TYPE_CHECKING:  # the encoder reads DCP objects a caller built; decoding needs none
+if TYPE_CHECKING:  # the encoder reads DCP objects a caller built, or written.py's; decoding needs none
     from torch.distributed.checkpoint.metadata import Metadata
+
+    from .written import WrittenMetadata
 
 __all__ = ["encode", "decode", "encode_table", "encode_planner_data", "planner_paths"]
 
 
-def encode_table(md: Metadata) -> dict[str, Any]:
-    """The ``table`` of DCP ``Metadata`` whose storage_data values are ``_StorageInfo`` records."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # loaded already: md is DCP's
-
+def encode_table(md: Metadata | WrittenMetadata) -> dict[str, Any]:
+    """The ``table`` of DCP ``Metadata`` whose storage_data values are ``_StorageInfo`` records, or of its
+    shape in the format's own types (written.py): a tensor entry has ``chunks``, a payload has none."""
     recs = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): (idx.index, info)
             for idx, info in (md.storage_data or {}).items()}
     names, rows, transforms = [], [], {}
@@ -58,7 +59,7 @@ def encode_table(md: Metadata) -> dict[str, Any]:
 
     for fqn, item in md.state_dict_metadata.items():
         names.append(fqn)
-        if not isinstance(item, TensorStorageMetadata):
+        if getattr(item, "chunks", None) is None:  # DCP's BytesStorageMetadata (a payload)
             rows.append(-1)
             record((fqn, None))
             continue
@@ -78,12 +79,12 @@ def encode_table(md: Metadata) -> dict[str, Any]:
     return {"names": names, "dtypes": list(dtypes), "files": list(files), "rows": rows, "transforms": transforms}
 
 
-def encode(md: Metadata) -> dict[str, Any]:
+def encode(md: Metadata | WrittenMetadata) -> dict[str, Any]:
     """The version-2 body's fields that describe the entries (in the body's key order)."""
     return {"planner_data": encode_planner_data(md), "table": encode_table(md)}
 
 
-def encode_planner_data(md: Metadata) -> Any:
+def encode_planner_data(md: Metadata | WrittenMetadata) -> Any:
     """DCP's ``planner_data`` ({fqn: path}) without the paths that follow from the name: null, or
     ``{"rule": "dots" | "whole", "paths": {fqn: path, ...}}`` holding only the others."""
     pd = md.planner_data
