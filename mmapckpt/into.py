@@ -18,11 +18,8 @@ from typing import Any, Mapping
 import torch
 
 from .errors import SizeMismatchError
-from .format.casts import check_cast, copy_in_range, range_can_shrink
 from .format.entries import EntryInfo, paused_gc
 from .reading.fill import fill_targets
-from .reading.regions import read_tensor
-from .reading.stager import chunk_stager
 from .io.staging_options import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, needs_staging, stage_cpu_targets
 from .lazy import LazyCheckpoint
 
@@ -109,19 +106,23 @@ def fill_from(ckpt: LazyCheckpoint, targets: Mapping[str, torch.Tensor], *, stri
         info_of = ckpt.tensor_info
         plan = [(n, t, info_of(n)) for n, t in targets.items() if n not in skip] if skip else \
             [(n, t, info_of(n)) for n, t in targets.items()]
+        cast = False
         for name, t, info in plan:
             if t.shape != info.shape:  # torch.Size is a tuple: equal to the stored shape's tuple
                 raise SizeMismatchError(f"stored tensor is {list(info.shape or ())} but the target is {list(t.shape)}",
                                         path=ckpt.path, entry=info.name)
             if info.dtype != t.dtype:
-                check_cast(None, info.dtype, t.dtype, allow_cast=allow_cast, path=ckpt.path, entry=info.name)
+                cast = True
+                _casts().check_cast(None, info.dtype, t.dtype, allow_cast=allow_cast, path=ckpt.path, entry=info.name)
         # the values, where the target's dtype may not hold them all (none of it with allow_cast)
-        checked = [] if allow_cast else [p for p in plan if p[2].dtype != p[1].dtype
-                                         and range_can_shrink(p[2].dtype, p[1].dtype)]
+        checked = [] if allow_cast or not cast else [p for p in plan if p[2].dtype != p[1].dtype
+                                                     and _casts().range_can_shrink(p[2].dtype, p[1].dtype)]
         if checked and values_first:
+            from .reading.regions import read_tensor
+
             for name, t, info in checked:
-                check_cast(read_tensor(ckpt.backend, info), info.dtype, t.dtype, allow_cast=False, path=ckpt.path,
-                           entry=info.name)
+                _casts().check_cast(read_tensor(ckpt.backend, info), info.dtype, t.dtype, allow_cast=False,
+                                    path=ckpt.path, entry=info.name)
         elif checked:
             plan = _fill_checked(ckpt, plan, checked)
         # needs_staging per target, with the tests' switch asked once
@@ -137,6 +138,9 @@ def _fill_checked(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, Entr
     """Fill the CPU targets of ``checked`` (whose dtype may not hold every stored value) first, each piece's values
     checked as it is copied (format/casts.py, one read of the stored bytes); check the accelerator ones' values
     (read once more: they are staged later). Return the rest of ``plan``, to fill: a refusal leaves it unwritten."""
+    from .format.casts import check_cast, copy_in_range
+    from .reading.regions import read_tensor
+
     done: set[str] = set()
     for name, t, info in checked:
         if needs_staging(t):
@@ -154,6 +158,7 @@ def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, Entr
                   staging_buffers: int) -> None:
     """Accelerator targets: every chunk read into the pinned staging ring and copied into its region."""
     from .io.staging import StagingPool  # the pipeline, imported by loads that have accelerator targets only
+    from .reading.stager import chunk_stager
 
     by_device: dict[torch.device, list[tuple[str, torch.Tensor, EntryInfo]]] = {}
     for p in plan:
@@ -168,6 +173,13 @@ def _fill_devices(ckpt: LazyCheckpoint, plan: list[tuple[str, torch.Tensor, Entr
                         stage_chunk(pool, info, c, t.detach()[region])
         finally:
             pool.close()
+
+
+def _casts() -> Any:
+    """format/casts.py, imported by the loads whose targets' dtypes differ from the stored ones only."""
+    from .format import casts
+
+    return casts
 
 
 def _refuse_dtensors(targets: dict[str, torch.Tensor]) -> None:

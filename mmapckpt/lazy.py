@@ -1,21 +1,17 @@
 """Lazy access to a checkpoint: ``mmapckpt.open`` (shaped like ``safetensors.safe_open``) and ``mmapckpt.load``.
 
-Works on every checkpoint ``reading/locate.py`` finds: mmapckpt and stock DCP
-(``FileSystemWriter``) directories, safetensors files and Hugging Face directories
-(sharded with an index, or one ``model.safetensors``), and ``torch.save`` files.
-A tensor stored as one chunk in an mmapckpt shard or a safetensors file is returned
-as a copy-on-write view over the MAP_PRIVATE mapping of its file: nothing is read
-until the bytes are used, the view keeps its mapping alive after the handle is
-closed, and writing to it copies the touched pages and never changes the file.
-Tensors stored as several chunks (saved from several ranks) are assembled into one
-new tensor; slices read only the chunks and pages they need. Stock DCP items are
-read with ``torch.load(weights_only=True)``, one whole item at a time.
+Works on every checkpoint ``reading/locate.py`` finds: mmapckpt and stock DCP (``FileSystemWriter``) directories,
+safetensors files and Hugging Face directories (sharded with an index, or one ``model.safetensors``), and
+``torch.save`` files. A tensor stored as one chunk in an mmapckpt shard or a safetensors file is returned as a
+copy-on-write view over the MAP_PRIVATE mapping of its file: nothing is read until the bytes are used, the view
+keeps its mapping alive after the handle is closed, and writing to it copies the touched pages and never changes
+the file. Tensors stored as several chunks (saved from several ranks) are assembled into one new tensor; slices
+read only the chunks and pages they need. Stock DCP items are read with ``torch.load(weights_only=True)``, one
+whole item at a time.
 
-The formats differ only in their chunk backend (``reading/backend.py``: ``reading/chunks.py``
-``ChunkFiles``, ``reading/safetensors_files.py`` ``SafetensorsFiles``, ``reading/torchfile.py``
-``TorchFiles``).
-Inside this package ``open`` names the checkpoint opener, so no module may
-``from .lazy import *``.
+The formats differ only in their chunk backend (``reading/backend.py``: ``reading/chunks.py`` ``ChunkFiles``,
+``reading/safetensors_files.py`` ``SafetensorsFiles``, ``reading/torchfile.py`` ``TorchFiles``). Inside this
+package ``open`` names the checkpoint opener, so no module may ``from .lazy import *``.
 """
 
 from __future__ import annotations
@@ -28,19 +24,14 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Mapping, 
 import torch
 
 from .errors import CheckpointError, FormatError
-from .format.aliases import shared_names
-from .format.casts import check_cast
 from .format.entries import ChunkInfo, EntryInfo, paused_gc
 from .reading.backend import ChunkBackend
-from .reading.keys import check_patterns, pick, strip_names
 from .reading.locate import open_backend
-from .reading.read_ahead import read_ahead
-from .reading.regions import normalize_index, read_selection, read_tensor
 from .storage.base import StoredFile
 from .io.staging_options import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, check_device, staging_options
 
-if TYPE_CHECKING:  # the pipeline (io/staging.py) is imported by loads onto an accelerator only
-    from .io.staging import StagingPool
+if TYPE_CHECKING:  # the pipeline (io/staging.py) is imported by loads onto an accelerator only; where used (load_into
+    from .io.staging import StagingPool  # needs none): reading/regions, keys, read_ahead, format/aliases, casts
 
 __all__ = ["open", "load", "read_tensors", "LazyCheckpoint", "TensorSlice", "EntryInfo", "ChunkInfo"]
 
@@ -92,6 +83,7 @@ class TensorSlice:
     def __getitem__(self, index: Any) -> Any:
         """A new tensor (a numpy array with ``framework="numpy"``) holding ``full_tensor[index]``,
         read from only the chunks and pages it needs."""
+        from .reading.regions import normalize_index, read_selection
         sel, out_shape = normalize_index(index, self.shape)
         t = read_selection(self._ckpt.backend, self._info, sel).view(out_shape)
         return self._ckpt._returned(t, self._info.name)
@@ -132,6 +124,7 @@ class LazyCheckpoint:
         self._files: ChunkBackend | None = opened.files
         if strip_prefix is not None:  # entries keep their stored names (EntryInfo.name), for messages
             try:
+                from .reading.keys import strip_names
                 renamed = strip_names(list(self._entries), strip_prefix, self.path)
             except BaseException:
                 self.close()
@@ -205,6 +198,7 @@ class LazyCheckpoint:
             KeyError: no such name.
             CheckpointError: ``name`` is not a tensor, or its stored bytes are inconsistent.
         """
+        from .reading.regions import read_tensor
         info = self.tensor_info(name)
         return self._returned(read_tensor(self.backend, info), info.name)
 
@@ -334,6 +328,7 @@ def _select(names: list[str], keys: KeySelector, path: str) -> tuple[list[str], 
         return names, set()
     if callable(keys):
         return [n for n in names if keys(n)], set()
+    from .reading.keys import check_patterns, pick
     pats = check_patterns(keys)
     chosen, unmatched = pick(names, pats)
     if unmatched:
@@ -416,11 +411,13 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
             raise CheckpointError("entry is a non-tensor value: pass allow_unpickle=True to include such values",
                                   path=ckpt.path, entry=named_objects[0])
         if strip_prefix is not None:
+            from .reading.keys import strip_names
             new_names = {old: new for new, old in strip_names(names, strip_prefix, ckpt.path).items()}
         tensors = [n for n in names if ckpt.info(n).kind == "tensor"]
         out: dict[str, Any] = read_tensors(ckpt, tensors, device, prefetch=prefetch, staging_bytes=nbytes,
                                            staging_buffers=count)
         if dtype is not None:
+            from .format.casts import check_cast
             cast: dict[int, torch.Tensor] = {}  # tied names: one tensor, cast once
             for n in tensors:
                 t = out[n]
@@ -448,6 +445,8 @@ def read_tensors(ckpt: LazyCheckpoint, names: list[str], device: torch.device, *
     through a staging pool of ``staging_buffers`` pinned buffers of ``staging_bytes`` made for this call.
     ``prefetch``: True, MADV_WILLNEED on every chunk; None, on the CPU, the files advised to be read in order and
     the selection's runs of chunks read ahead where they fit in memory (reading/read_ahead.py); False, neither."""
+    from .format.aliases import shared_names
+    from .reading.regions import read_tensor
     out: dict[str, torch.Tensor] = {}
     if prefetch:
         files = ckpt.backend
@@ -455,6 +454,7 @@ def read_tensors(ckpt: LazyCheckpoint, names: list[str], device: torch.device, *
             for c in ckpt.info(n).chunks:
                 files.advise(c, mmap.MADV_WILLNEED)
     elif prefetch is None and device.type == "cpu":
+        from .reading.read_ahead import read_ahead
         read_ahead(ckpt.backend, [ckpt.info(n) for n in names])
     if device.type == "cpu":
         with paused_gc():

@@ -140,12 +140,13 @@ _LAZY_CHILD = r"""
 import json, sys, torch
 import mmapckpt
 
-path = sys.argv[1]
+path, steps, prefixed = sys.argv[1], sys.argv[2], sys.argv[3]
 report = []
 
-def step(what, fn, absent):
+def step(what, fn, absent, present=()):
     fn()
-    report.append([what, sorted(m for m in absent if m in sys.modules)])
+    report.append([what, sorted(m for m in absent if m in sys.modules),
+                   sorted(m for m in present if m not in sys.modules)])
 
 def opened():
     with mmapckpt.open(path) as f:
@@ -163,10 +164,22 @@ VIEWS = ("mmapckpt.reading.fill", "mmapckpt.reading.moves", "mmapckpt.io.direct_
 # a cached file is copied from the page cache: no choice of a way to read a cold file, nor the ways
 COLD = ("mmapckpt.io.cold_plan", "mmapckpt.io.cold_reads", "mmapckpt.io.read_choice", "mmapckpt.io.odirect",
         "mmapckpt.storage.commits")
-step("open", opened, VIEWS)
-step("load", lambda: mmapckpt.load(path), VIEWS)
-step("load_model", model, VIEWS)
-step("load_into", lambda: mmapckpt.load_into({"weight": torch.empty(3, 4), "bias": torch.empty(3)}, path), COLD)
+# load_into of tensors stored whole into CPU targets of their dtypes uses none of: the assembly of chunks and reads of
+# selections (reading/regions.py), the reads of files without a mapping (reading/fetches.py), the accelerator's
+# stager, the checks of casts, the name filters, the read ahead of views, tied weights, decoded entries' transforms
+INTO = COLD + ("mmapckpt.reading.regions", "mmapckpt.reading.fetches", "mmapckpt.reading.stager",
+               "mmapckpt.format.casts", "mmapckpt.reading.keys", "mmapckpt.reading.read_ahead",
+               "mmapckpt.format.aliases", "mmapckpt.format.transforms")
+if steps == "views":
+    step("open", opened, VIEWS)
+    step("load", lambda: mmapckpt.load(path), VIEWS)
+    step("load_model", model, VIEWS)
+else:  # each is imported by the call that uses it (a cast into float64, a strip_prefix)
+    step("load_into", lambda: mmapckpt.load_into({"weight": torch.empty(3, 4), "bias": torch.empty(3)}, path), INTO)
+    step("load_into, a cast", lambda: mmapckpt.load_into({"weight": torch.empty(3, 4, dtype=torch.float64)}, path,
+                                                         strict=False), COLD, ("mmapckpt.format.casts",))
+    step("load_into, strip_prefix", lambda: mmapckpt.load_into({"weight": torch.empty(3, 4)}, prefixed,
+                                                               strip_prefix="model."), COLD, ("mmapckpt.reading.keys",))
 print(json.dumps(report))
 """
 
@@ -174,17 +187,26 @@ print(json.dumps(report))
 def test_loads_of_a_cached_checkpoint_import_only_what_they_use(tmp_path: Path) -> None:
     """In a new process: ``open``, ``load`` and ``load_model`` of an mmapckpt checkpoint (views over its mappings)
     import none of the machinery that reads into targets, and ``load_into`` of one whose pages are cached (just
-    written) none of the cold-file reading (the way's choice, O_DIRECT, the streams); none imports the missing-shard
-    explanation. Each is imported when used (tests/io: cold loads)."""
+    written) none of the cold-file reading (the way's choice, O_DIRECT, the streams), nor, into CPU targets of the
+    stored dtypes, any of the modules only other loads use (chunk assembly, objects' reads, the accelerator's
+    stager, casts, name filters, read ahead, tied weights, transforms); none imports the missing-shard explanation.
+    Each is imported when used (tests/io: cold loads; here a cast and a strip_prefix)."""
     torch.manual_seed(0)
     path = tmp_path / "mm"
-    mmapckpt.save(torch.nn.Linear(4, 3).state_dict(), path)
-    p = subprocess.run([sys.executable, "-c", _LAZY_CHILD, str(path)], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    report = json.loads(p.stdout.strip().splitlines()[-1])
-    assert [what for what, _ in report] == ["open", "load", "load_model", "load_into"]
-    for what, imported in report:
+    sd = torch.nn.Linear(4, 3).state_dict()
+    mmapckpt.save(sd, path)
+    mmapckpt.save({f"model.{k}": v for k, v in sd.items()}, tmp_path / "prefixed")
+    report = []
+    for steps in ("views", "into"):  # each in its own new process (views import what load_into must not)
+        p = subprocess.run([sys.executable, "-c", _LAZY_CHILD, str(path), steps, str(tmp_path / "prefixed")], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr
+        report += json.loads(p.stdout.strip().splitlines()[-1])
+    assert [what for what, _, _ in report] == ["open", "load", "load_model", "load_into", "load_into, a cast",
+                                                 "load_into, strip_prefix"]
+    for what, imported, not_imported in report:
         assert imported == [], f"{what} of a cached mmapckpt checkpoint imported {imported}"
+        assert not_imported == [], f"{what} did not import {not_imported}, which it uses"
 
 
 _SAVE_CHILD = r"""

@@ -25,7 +25,6 @@ import math
 import re
 import struct
 import sys
-from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _quote
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -133,16 +132,23 @@ def _entry_rest(e: Entry | EntrySpec) -> str:
     return rest + ',"offset":'
 
 
-@dataclass(frozen=True)
 class ShardHeader:
-    """A decoded shard header. ``data_start`` is the first byte after the header."""
+    """A decoded shard header. ``data_start`` is the first byte after the header.
 
-    entries: tuple[Entry, ...]
-    data_start: int
-    byte_order: int
-    minor: int
-    #: The id of the save that wrote this shard (matches the metadata's storage_meta.save_id), if recorded.
-    save_id: str | None = None
+    A plain class (not a dataclass: building one costs about half a millisecond of every new process's first load).
+    """
+
+    __slots__ = ("entries", "data_start", "byte_order", "minor", "save_id")
+
+    def __init__(self, entries: tuple[Entry, ...], data_start: int, byte_order: int, minor: int,
+                 save_id: str | None = None) -> None:
+        self.entries, self.data_start, self.byte_order, self.minor = entries, data_start, byte_order, minor
+        #: The id of the save that wrote this shard (matches the metadata's storage_meta.save_id), if recorded.
+        self.save_id = save_id
+
+    def __repr__(self) -> str:
+        return (f"ShardHeader({len(self.entries)} entries, data_start={self.data_start}, "
+                f"byte_order={self.byte_order}, minor={self.minor}, save_id={self.save_id!r})")
 
     def by_key(self) -> dict[tuple[str, tuple[int, ...] | None], Entry]:
         return {e.key: e for e in self.entries}
@@ -228,10 +234,11 @@ def _document(save_id: str | None, objects: list[str]) -> str:
     return f'{{"format":"mmapckpt"{sid},"entries":[{",".join(objects)}]}}'
 
 
-_CRC_FIELD = re.compile(r'"crc32":"([0-9a-f]{8})"\}')
-_HASH_FIELD = re.compile(r',"blake3":"[0-9a-f]{64}"(,"crc32_head":"[0-9a-f]{8}")?')
-_HASH_VALUE = re.compile(r"[0-9a-f]{64}")
-_HEAD_VALUE = re.compile(r"[0-9a-f]{8}")
+# patterns, compiled by ``re`` on first use and kept in its cache (compiling them at import costs every new process)
+_CRC_FIELD = r'"crc32":"([0-9a-f]{8})"\}'
+_HASH_FIELD = r',"blake3":"[0-9a-f]{64}"(,"crc32_head":"[0-9a-f]{8}")?'
+_HASH_VALUE = r"[0-9a-f]{64}"
+_HEAD_VALUE = r"[0-9a-f]{8}"
 
 
 def header_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any, ...]]) -> list[int] | None:
@@ -254,8 +261,8 @@ def _agreeing_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any
         return None
     text = body.decode("ascii")
     if '"blake3":"' in text:  # content hashes (2.7) are not the metadata's to compare
-        text = _HASH_FIELD.sub("", text)
-    crcs = _CRC_FIELD.findall(text)
+        text = re.sub(_HASH_FIELD, "", text)
+    crcs = re.findall(_CRC_FIELD, text)
     if len(crcs) != len(records):
         return None
     rests: dict[tuple[Any, ...], str] = {}  # an entry's object after its name, per (chunk, kind, dtype, shape)
@@ -300,9 +307,9 @@ def entry_hashes(doc: Mapping[str, Any], *, unhashed: bool = False,
                 and type(e.get("offset")) is int):
             continue
         h = e.get(HASH_KEY)
-        if isinstance(h, str) and _HASH_VALUE.fullmatch(h):
+        if isinstance(h, str) and re.fullmatch(_HASH_VALUE, h):
             head = e.get(HEAD_KEY)
-            head = int(head, 16) if isinstance(head, str) and _HEAD_VALUE.fullmatch(head) else None
+            head = int(head, 16) if isinstance(head, str) and re.fullmatch(_HEAD_VALUE, head) else None
             out[(e["fqn"], tuple(e["chunk_offsets"]))] = (h, e["offset"], head)
         elif unhashed and h is None:
             out[(e["fqn"], tuple(e["chunk_offsets"]))] = (None, e["offset"], None)

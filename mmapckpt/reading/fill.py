@@ -17,7 +17,6 @@ from ..io.mapped import MappedFile
 from ..storage.base import StoredFile
 from .backend import ChunkBackend
 from .moves import Moves, close_all
-from .regions import read_tensor
 
 __all__ = ["fill_targets"]
 
@@ -56,6 +55,9 @@ def fill_targets(files: ChunkBackend, plan: Sequence[tuple[str, torch.Tensor, En
             else:
                 for name, t, info, c in items:
                     move(chunk(info, c), t.detach() if t.requires_grad else t, lambda: name, _nothing)
+        if assembled:  # the assembly of chunks (reading/regions.py) is imported by the loads that have some
+            from .regions import read_tensor
+
         memory = Moves(None)
         for name, t, info in assembled:
             memory.move(read_tensor(files, info), t.detach() if t.requires_grad else t, lambda: name, _nothing)

@@ -22,7 +22,6 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
@@ -84,7 +83,6 @@ class Probe:
         return None
 
 
-@dataclass(frozen=True)
 class Format:
     """One format's record.
 
@@ -121,26 +119,28 @@ class Format:
         version: ``(opened, index) -> str``: the version of a checkpoint of flat files, in words.
     """
 
-    name: str
-    family: str
-    what: str
-    recognise: Callable[[Probe], bool]
-    opener: Callable[[Place, Files | None, bool], Opened] | None = None
-    files: Callable[[Place], tuple[Files, str | None]] | None = None
-    dcp_metadata: str | None = None
-    resolve: Callable[[Place], Place] | None = None
-    extensions: tuple[str, ...] = ()
-    owns: tuple[str, ...] = ()
-    sink: str | None = None
-    directory: bool = False
-    shards: bool = False
-    dir_file: str | None = None
-    drops: str = ""
-    user_metadata: bool = False
-    scratch: bool = False
-    note: str = ""
-    checks: str | None = None
-    version: Callable[[Opened, str | None], str] | None = None
+    # a plain class with slots, not a dataclass: building a dataclass of these fields costs about a millisecond of
+    # every new process's first load
+    __slots__ = ("name", "family", "what", "recognise", "opener", "files", "dcp_metadata", "resolve", "extensions",
+                 "owns", "sink", "directory", "shards", "dir_file", "drops", "user_metadata", "scratch", "note",
+                 "checks", "version")
+
+    def __init__(self, name: str, family: str, what: str, recognise: Callable[[Probe], bool],
+                 opener: Callable[[Place, Files | None, bool], Opened] | None = None,
+                 files: Callable[[Place], tuple[Files, str | None]] | None = None, dcp_metadata: str | None = None,
+                 resolve: Callable[[Place], Place] | None = None, extensions: tuple[str, ...] = (),
+                 owns: tuple[str, ...] = (), sink: str | None = None, directory: bool = False, shards: bool = False,
+                 dir_file: str | None = None, drops: str = "", user_metadata: bool = False, scratch: bool = False,
+                 note: str = "", checks: str | None = None,
+                 version: Callable[[Opened, str | None], str] | None = None) -> None:
+        self.name, self.family, self.what, self.recognise = name, family, what, recognise
+        self.opener, self.files, self.dcp_metadata, self.resolve = opener, files, dcp_metadata, resolve
+        self.extensions, self.owns, self.sink, self.directory, self.shards = extensions, owns, sink, directory, shards
+        self.dir_file, self.drops, self.user_metadata, self.scratch = dir_file, drops, user_metadata, scratch
+        self.note, self.checks, self.version = note, checks, version
+
+    def __repr__(self) -> str:
+        return f"Format({self.name!r})"
 
     def resolved(self, attribute: str) -> Any:
         """The object ``attribute`` (``"dcp_metadata"``, ``"sink"``) names, imported."""

@@ -156,17 +156,17 @@ def indexed_files(place: Place, kind: str, *, listing: bool = False) -> tuple[Fi
 
 
 #: A shard's name as Hugging Face numbers them: model-00001-of-00003.safetensors, pytorch_model-00002-of-00003.bin.
-_SHARD = re.compile(r"(.+)-\d{5}-of-(\d{5})(\.[^/]+)")
+_SHARD = r"(.+)-\d{5}-of-(\d{5})(\.[^/]+)"  # compiled by re on first use (a Hugging Face directory's)
 
 
 def _no_unnamed_shards(place: Place, files: Mapping[str, Any]) -> None:
     """Refuse a shard of the index's series (same stem, count and ending) that the index never names: its tensors
     would be silently left out."""
-    series = {(m[1], m[2], m[3]) for rel in files if (m := _SHARD.fullmatch(rel))}
+    series = {(m[1], m[2], m[3]) for rel in files if (m := re.fullmatch(_SHARD, rel))}
     if not series:
         return
     for name in sorted(place.storage.list()):
-        m = _SHARD.fullmatch(name)
+        m = re.fullmatch(_SHARD, name)
         if m and (m[1], m[2], m[3]) in series and name not in files:
             raise CheckpointError("shard file the index never names: its tensors would be left out. Restore the "
                                   "index that names it, or move the file away", path=place.full(name))

@@ -34,10 +34,10 @@ from ..io.direct_reads import DirectReads
 from ..io.mapped import MappedFile
 from ..io.staging_options import stage_cpu_targets
 from ..storage.base import StoredFile
-from .fetches import FetchReads, is_placeholder
 
 if TYPE_CHECKING:  # the pipeline (io/staging.py) is imported by the staged moves only, on their first use
     from ..io.staging import StagingPool
+    from .fetches import FetchReads  # the reads of files without a mapping, imported where there is one
 
 __all__ = ["Move", "MappedCopy", "DirectRead", "Fetched", "Staged", "Moves", "close_all"]
 
@@ -111,7 +111,7 @@ class Staged:
         from ..io.staging import stage  # imported by now: the caller made the pool
 
         read = self.reads.reader_for(src, label()) if self.reads is not None else None
-        if read is None and isinstance(self.reads, FetchReads):
+        if read is None and self.reads is not None and not isinstance(self.reads, DirectReads):  # FetchReads
             src = self.reads.materialize(src, label())  # a placeholder not contiguous in the file
         device = dst.device
         self.devices.add(device)
@@ -149,6 +149,8 @@ class Moves:
         self.fetches: FetchReads | None = None
         self.direct: DirectRead | Fetched | None = None
         if isinstance(mapping, StoredFile):
+            from .fetches import FetchReads
+
             self.fetches = FetchReads(mapping)
             self.direct = Fetched(self.fetches) if read else None
         elif mapping is not None:
@@ -169,8 +171,11 @@ class Moves:
         m = self.strategy(dst)
         if m.take(src, dst, label, done):
             return m
-        if self.fetches is not None and is_placeholder(src):
-            src = self.fetches.materialize(src, label())
+        if self.fetches is not None:
+            from .fetches import is_placeholder  # imported with FetchReads
+
+            if is_placeholder(src):
+                src = self.fetches.materialize(src, label())
         self.copy.take(src, dst, label, done)
         return self.copy
 

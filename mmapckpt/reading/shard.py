@@ -28,13 +28,13 @@ from ..errors import (
 from ..format.crc import crc32
 from ..format import layout as fmt
 from ..format.entries import ROOT_MARKER, SaveId, reference_parts
-from ..format.transforms import StreamTransforms
 from ..io.mapped import MappedFile
 from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.local import LocalFile
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: opening a shard, checking its header and its
     import torch   # checksums need none (inspect and verify of an mmapckpt checkpoint import no torch)
+    from ..format.transforms import StreamTransforms  # a caller that decodes entries brings its own
 
 __all__ = ["Shard", "is_mmapckpt_shard", "encoded_bytes", "decode_entry", "open_named", "shard_of", "check_reach",
            "file_save_id"]

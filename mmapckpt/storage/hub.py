@@ -42,7 +42,7 @@ def hub_blobs(root: str) -> str | None:
 
 
 #: A revision as refs/ files hold it (a commit hash; a name only, never a path).
-_HUB_REVISION = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,254}")
+_HUB_REVISION = r"[0-9A-Za-z][0-9A-Za-z._-]{0,254}"  # compiled by re on first use (a hub repository's)
 
 
 def is_hub_repository(path: str) -> bool:
@@ -73,7 +73,7 @@ def hub_snapshot(repo: str) -> str | None:
         raise CheckpointNotFoundError(f"hub cache repository without a readable refs/main ({e}): {fix}",
                                       path=repo) from None
     snap = os.path.join(snapshots, rev)
-    if not _HUB_REVISION.fullmatch(rev) or not os.path.isdir(snap) or \
+    if not re.fullmatch(_HUB_REVISION, rev) or not os.path.isdir(snap) or \
             not within(os.path.realpath(snapshots), os.path.realpath(snap)):
         raise CheckpointNotFoundError(f"hub cache refs/main names revision {rev[:80]!r}, which has no snapshot "
                                       f"here: {fix}", path=repo)
