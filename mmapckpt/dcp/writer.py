@@ -35,7 +35,6 @@ from .shard_writer import WriterOptions, chunk_nbytes, write_files
 __all__ = ["MmapWriter", "WriterOptions"]
 
 
-
 @dataclass(frozen=True)
 class _Prefix:
     prefix: str

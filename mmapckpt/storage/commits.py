@@ -24,8 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, IncompleteCheckpointError
-from ..format.entries import EntryInfo
-from ..format.entries import paused_gc
+from ..format.entries import EntryInfo, paused_gc
 from ..format.metadata import (
     METADATA_NAME,
     decode_index_file,
