@@ -129,10 +129,8 @@ def _save(storage: Any, tensors: dict[str, torch.Tensor], where: str, save_id: s
                           write_paths=write_paths)
     records = {w.Index(e.fqn, e.chunk_offsets, 0): w.Record(name, d.offset, d.length)
                for (name, group, _), done in zip(files, written) for e, d in zip(group, done)}
-    zeros: dict[int, tuple[int, ...]] = {}
-    sdm = {n: w.TensorEntry(w.Properties(t.dtype, t.requires_grad), tuple(t.shape),
-                            [w.Chunk(zeros.setdefault(t.dim(), (0,) * t.dim()), tuple(t.shape))])
-           for n, t in tensors.items()}
+    sdm = {e.fqn: w.TensorEntry(w.Properties(e.data.dtype, e.data.requires_grad), e.shape,
+                                [w.Chunk(e.chunk_offsets, e.shape)]) for e in entries}
     md = w.WrittenMetadata(w.DCP_VERSION, sdm, {n: (n,) for n in names}, records, w.StorageMeta(where, save_id))
     commit_save(storage, METADATA_NAME, md, user_metadata=user, references=None,
                 files={r.relative_path for r in records.values()}, rank_prefix=None, sync=options.sync)

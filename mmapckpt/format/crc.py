@@ -23,19 +23,17 @@ __all__ = ["crc32", "SMALL"]
 #: Buffers shorter than this are checksummed by the standard library's zlib.
 SMALL = 1 << 16
 
-_fast: Callable[..., int] | None = None
-_looked = False
+_fast: Callable[..., int] | None = None  # found on the first large buffer
 
 
 def _fast_crc32() -> Callable[..., int]:
-    global _fast, _looked
-    if not _looked:
-        try:
-            from zlib_ng.zlib_ng import crc32 as fast
-        except ImportError:  # a platform zlib-ng has no wheel for: the standard library's zlib, slower
-            fast = zlib.crc32
-        _fast, _looked = fast, True
-    return _fast  # type: ignore[return-value]
+    global _fast
+    try:
+        from zlib_ng.zlib_ng import crc32 as fast
+    except ImportError:  # a platform zlib-ng has no wheel for: the standard library's zlib, slower
+        fast = zlib.crc32
+    _fast = fast
+    return fast
 
 
 def crc32(data: Any, value: int = 0) -> int:
@@ -43,4 +41,4 @@ def crc32(data: Any, value: int = 0) -> int:
     n = len(data) if type(data) is bytes else memoryview(data).nbytes
     if n < SMALL:
         return zlib.crc32(data, value)
-    return (_fast if _looked else _fast_crc32())(data, value)  # type: ignore[misc]
+    return (_fast or _fast_crc32())(data, value)

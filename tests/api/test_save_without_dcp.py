@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import uuid
 
+import pytest
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -69,3 +71,11 @@ def test_save_writes_what_dcp_save_with_mmapwriter_writes(tmp_path_factory, valu
     loaded = mmapckpt.load(ours)
     for name, t in sd.items():
         assert_bitwise_equal(loaded[name], t.detach())
+
+
+@pytest.mark.parametrize("bad", [{"thread_count": 0}, {"alignment": 100}, {"metadata": {"k": 1}}])
+def test_bad_options_are_refused_before_anything_is_written(tmp_path, bad):
+    """As ``MmapWriter``'s: refused with ValueError/TypeError before the directory is made or locked."""
+    with pytest.raises((ValueError, TypeError)):
+        mmapckpt.save({"w": torch.ones(3)}, tmp_path / "c", **bad)
+    assert not (tmp_path / "c").exists()
