@@ -15,7 +15,9 @@ and the save id that the reused step's metadata (read every time) records for it
 file has the size and preamble it was written or read with: a manager's later saves decode no header
 of the files it wrote, and any other once. Headers are decoded with the cyclic collector paused
 (format/entries.paused_gc): their many small objects otherwise set off full collections that took
-0.2-0.5 s of a save here.
+0.2-0.5 s of a save here. Beside each chunk's hash the cache keeps the chunk's equality tag where the
+manager knows it (writing/tags.py, under the cache's own key): the tag of the bytes it wrote, or found equal
+to the stored ones; a later save compares such a chunk by its tag alone.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ..storage.commits import read_index
 from ..storage.local import LocalStorage
 from ..storage.location import is_url
 from ..writing.dedup import Reusable, ReuseIndex, require_hasher
+from ..writing.tags import Tagger
 
 #: Stored bytes are compared in pieces of this size (each hashed while it is in cache).
 _PIECE = 1 << 20
@@ -42,7 +45,7 @@ _PIECE = 1 << 20
 __all__ = ["HeaderCache", "reuse_index", "in_managed_root", "step_name", "save_index", "references"]
 
 
-_Hashes = dict[Any, tuple["str | None", int, "int | None"]]
+_Hashes = dict[Any, tuple["str | None", int, "int | None", "bytes | None"]]
 
 
 class HeaderCache:
@@ -51,11 +54,13 @@ class HeaderCache:
     A file's are looked up by (root, ``../step-M/FILE``, the save id the reused step's metadata, read again for
     every save, records for it) and used only while the file has the size and the first bytes (its preamble:
     the header's length and CRC-32) they were read with; otherwise its header is read and checked again. What
-    one save did not use is dropped at the next."""
+    one save did not use is dropped at the next. ``tagger``: the equality tags' key (None without ``cryptography``),
+    which never leaves the process."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[str, str, str], tuple[Any, _Hashes]] = {}
         self._used: dict[tuple[str, str, str], tuple[Any, _Hashes]] = {}
+        self.tagger = Tagger.make()
 
     def hashes(self, key: tuple[str, str, str], stamp: Any, read: Callable[[], _Hashes]) -> _Hashes:
         """The hashes of the file ``key`` names, now of size and preamble ``stamp``: kept, else ``read()``."""
@@ -89,7 +94,9 @@ def save_index(storage: CheckpointStorage, reuse: Sequence[str], cache: HeaderCa
     if reuse:
         return reuse_index(storage, reuse, cache)
     if in_managed_root(storage) and find_spec("blake3") is not None:
-        return ReuseIndex({}, {})  # hash_written: the first step of a root is hashed, on a local disk too
+        # hash_written: the first step of a root is hashed (and tagged, for the same manager's next save), on a
+        # local disk too
+        return ReuseIndex({}, {}, tagger=cache.tagger if cache is not None else None)
     return None
 
 
@@ -169,7 +176,7 @@ def reuse_index(storage: CheckpointStorage, paths: Sequence[str | os.PathLike[st
                                    f"no {ROOT_MARKER} (CheckpointManager writes it)", path=storage.location)
     chunks: dict[tuple[str, tuple[int, ...]], Reusable] = {}
     save_ids: dict[str, str] = {}
-    cache = cache or HeaderCache()
+    kept, cache = cache is not None, cache or HeaderCache()  # tags only where a manager keeps them
     cache.next_save()
     root = storage.sibling("").location
     local = _reads_cheaply(storage)
@@ -186,7 +193,7 @@ def reuse_index(storage: CheckpointStorage, paths: Sequence[str | os.PathLike[st
         with paused_gc():  # many small objects, freed before the collector resumes (see the module's docstring)
             _index_step(step, name, here, chunks, save_ids, cache, root, stored, local)
     return ReuseIndex(chunks, save_ids, hash_written=not local, compare=_comparer(storage) if local else None,
-                      stored=stored)
+                      stored=stored, tagger=cache.tagger if kept else None)
 
 
 def _index_step(step: CheckpointStorage, name: str, here: str, chunks: dict[Any, Reusable],
@@ -214,8 +221,8 @@ def _index_step(step: CheckpointStorage, name: str, here: str, chunks: dict[Any,
         hashes = stored[ref] = _hashes(step, rel, save_id, sid, cache, (root, ref, sid), local)
         for key, offset, length, dt, sizes in recs:
             h = hashes.get(key)
-            if h is not None and h[1] == offset and (h[0] is not None or local):
-                chunks[key] = Reusable(h[0], ref, offset, length, dt, sizes, h[2])
+            if h is not None and h[1] == offset and (h[0] is not None or h[3] is not None or local):
+                chunks[key] = Reusable(h[0], ref, offset, length, dt, sizes, h[2], h[3])
         save_ids[ref] = sid
 
 
@@ -229,6 +236,6 @@ def _hashes(step: CheckpointStorage, rel: str, save_id: Any, sid: str, cache: He
         def read() -> _Hashes:
             shard = shard_of(f, sid, stock=False, check_entries=True, referenced=True)
             assert shard is not None  # stock=False (an invariant of ours)
-            return shard.hashes(unhashed=unhashed)
+            return {k: (*h, None) for k, h in shard.hashes(unhashed=unhashed).items()}  # no tag: not ours
 
         return cache.hashes(key, stamp, read)

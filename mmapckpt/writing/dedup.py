@@ -39,6 +39,7 @@ from ..errors import CheckpointWriteError
 from ..format.crc import crc32
 from ..format import layout as fmt
 from ..storage.base import CheckpointStorage, FileOutput
+from .tags import Tagger
 from .tensors import entry_bytes
 
 __all__ = ["Reference", "Reusable", "ReuseIndex", "chunk_hash", "require_hasher", "write_deduplicated"]
@@ -63,6 +64,7 @@ class Reusable(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     head: int | None = None  # CRC-32 of the first HEAD_BYTES, where the header records it
+    tag: bytes | None = None  # the manager's equality tag of the stored bytes, where it knows it (writing/tags.py)
 
 
 class ReuseIndex:
@@ -70,8 +72,12 @@ class ReuseIndex:
 
     def __init__(self, chunks: Mapping[tuple[str, tuple[int, ...]], Reusable], save_ids: Mapping[str, str], *,
                  hash_written: bool = True, compare: Callable[[Reusable, Any], str | None] | None = None,
-                 stored: Mapping[str, dict[Any, Any]] | None = None) -> None:
+                 stored: Mapping[str, dict[Any, Any]] | None = None, tagger: Tagger | None = None) -> None:
         self.chunks = dict(chunks)
+        #: the manager's equality tags (writing/tags.py), None without a manager (nothing would keep them) or
+        #: without the ``cryptography`` package: a chunk whose stored bytes have a tag is compared by it alone;
+        #: a chunk hashed or compared byte for byte is tagged as well, for the manager's next save
+        self.tagger = tagger
         #: whether a chunk written because no stored chunk may equal it is hashed all the same (a root's first step,
         #: and an object store, where a later save cannot read stored bytes cheaply), or written with its CRC-32
         #: alone (a later step on a local disk)
@@ -79,32 +85,40 @@ class ReuseIndex:
         #: ``compare(r, buf)``: the content hash of ``buf`` where its bytes equal those of stored chunk ``r`` (read
         #: and compared byte for byte), else None; None where stored bytes are not read (the unhashed are skipped)
         self.compare = compare
-        #: "../step-M/FILE" -> the hashes its header records, as the manager's HeaderCache keeps them: a hash
-        #: found by ``compare`` is added there, so that the manager's next save matches the chunk by its hash
+        #: "../step-M/FILE" -> the hashes its header records, as the manager's HeaderCache keeps them
+        #: (``(hash, offset, head CRC-32, tag)``): a hash found by ``compare`` and a tag computed are added
+        #: there, so that the manager's next save matches the chunk by them
         self.stored = stored if stored is not None else {}
         #: "../step-M/FILE" -> the save id its header carries (checked when the index was built)
         self.save_ids = dict(save_ids)
         #: shard file name -> ((its size, its preamble), its header's hashes as ``Shard.hashes`` gives them), of
         #: the files this save wrote: what the next save of the same manager would read of them (dcp/reuse.py)
-        #: (a written chunk's hash is None where it was written with its CRC-32 alone)
+        #: (a written chunk's hash is None where it was written with its CRC-32 alone; its tag None where untagged)
         self.written: dict[str, tuple[tuple[int, bytes],
-                                      dict[tuple[str, tuple[int, ...]], tuple[str | None, int, int]]]] = {}
+                                      dict[tuple[str, tuple[int, ...]],
+                                           tuple[str | None, int, int, bytes | None]]]] = {}
 
     def candidate(self, e: Any, head: int) -> bool:
         """Whether entry ``e``, whose first bytes have CRC-32 ``head``, may equal a stored chunk (else it is
         written at once, without waiting for its whole hash)."""
         r = self.chunks.get((e.fqn, e.chunk_offsets))
         return r is not None and r.length == e.length and r.dtype == e.dtype and r.shape == e.shape and (
-            r.head is None or r.head == head) and (r.hash is not None or self.compare is not None)
+            r.head is None or r.head == head) and (r.hash is not None or self.compare is not None
+                                                    or self.by_tag(r))
 
-    def confirmed(self, e: Any, digest: str, head: int) -> Reference:
-        """Entry ``e``'s bytes were found equal to the unhashed stored chunk of its name (``compare``), whose hash
-        is ``digest``: the reference to it, and the hash kept for the next save (``stored``, ``chunks``)."""
+    def by_tag(self, r: Reusable) -> bool:
+        """Whether stored chunk ``r`` is compared by its equality tag alone."""
+        return r.tag is not None and self.tagger is not None
+
+    def confirmed(self, e: Any, digest: str | None, head: int, tag: bytes | None) -> Reference:
+        """Entry ``e``'s bytes were found equal to the stored chunk of its name (by ``compare``, its hash or its
+        tag), of hash ``digest`` (None: unhashed, matched by tag) and tag ``tag`` (None: untagged): the reference
+        to it, and what is known of it kept for the next save (``stored``, ``chunks``)."""
         key = (e.fqn, e.chunk_offsets)
-        r = self.chunks[key] = self.chunks[key]._replace(hash=digest, head=head)
+        r = self.chunks[key] = self.chunks[key]._replace(hash=digest, head=head, tag=tag)
         kept = self.stored.get(r.file)
         if kept is not None:
-            kept[key] = (digest, r.offset, head)
+            kept[key] = (digest, r.offset, head, tag)
         return Reference(r.file, r.offset, r.length)
 
     def match(self, e: Any, digest: str) -> Reference | None:
@@ -145,17 +159,35 @@ _PENDING_BYTES, _PENDING_CHUNKS = 256 << 20, 64
 _PIECE = 1 << 20
 
 
-def _crc_and_hash(buf: Any, hashed: bool) -> tuple[int, str | None]:
-    """The CRC-32 of ``buf`` and, where ``hashed``, its content hash, from one pass over its bytes."""
+def _crc_and_hash(buf: Any, hashed: bool, tagger: Tagger | None) -> tuple[int, str | None, bytes | None]:
+    """The CRC-32 of ``buf`` and, where ``hashed``, its content hash, from one pass over its bytes, and its
+    tag where ``hashed`` and ``tagger`` (a second pass: GMAC is fastest fed whole, 3-4 times BLAKE3)."""
     if not hashed:
-        return crc32(buf), None
+        return crc32(buf), None, None
     from blake3 import blake3
     h, crc, mv = blake3(), 0, memoryview(buf)
     for o in range(0, len(mv), _PIECE):
         piece = mv[o:o + _PIECE]
         crc = crc32(piece, crc)
         h.update(piece)
-    return crc, h.hexdigest()
+    return crc, h.hexdigest(), None if tagger is None else tagger.tag(buf)
+
+
+def _tag_only(buf: Any, tagger: Tagger) -> tuple[None, bytes]:
+    """The tag of ``buf`` (no content hash), shaped as :func:`_hash_and_tag`'s answer."""
+    return None, tagger.tag(buf)
+
+
+def _hash_and_tag(buf: Any, tagger: Tagger | None) -> tuple[str, bytes | None]:
+    """The content hash of ``buf`` and, with ``tagger``, its tag."""
+    return chunk_hash(buf), None if tagger is None else tagger.tag(buf)
+
+
+def _compare_and_tag(compare: Callable[[Reusable, Any], str | None], r: Reusable, buf: Any,
+                     tagger: Tagger | None) -> tuple[str | None, bytes | None]:
+    """``compare(r, buf)`` and, where the bytes are equal and ``tagger`` given, the tag of ``buf``."""
+    digest = compare(r, buf)
+    return digest, None if digest is None or tagger is None else tagger.tag(buf)
 
 
 def write_deduplicated(storage: CheckpointStorage, name: str, entries: Sequence[Any], resolve: Callable[[Any], Any],
@@ -175,7 +207,7 @@ def write_deduplicated(storage: CheckpointStorage, name: str, entries: Sequence[
                                       for i in own), alignment)
     out = storage.create_file(name, most, head=first, direct=direct, sync=sync)
     try:
-        placed, hashes, end = _place(out, entries, own, resolve, index, first, alignment, at)
+        placed, hashes, tags, end = _place(out, entries, own, resolve, index, first, alignment, at)
         _add_aliases(entries, placed, hashes, aliases)
         written = [i for i, p in enumerate(placed) if type(p) is not Reference]
         if not written:
@@ -191,31 +223,35 @@ def write_deduplicated(storage: CheckpointStorage, name: str, entries: Sequence[
         out.abort()
         raise
     index.written[name] = ((size, head[:fmt.PREAMBLE_SIZE]), {
-        (placed[i].fqn, placed[i].chunk_offsets): (hashes[i][0], placed[i].offset, hashes[i][1])
+        (placed[i].fqn, placed[i].chunk_offsets): (hashes[i][0], placed[i].offset, hashes[i][1], tags.get(i))
         for i in written if hashes[i] is not None and placed[i].kind == fmt.KIND_TENSOR})
     return placed, out.how
 
 
 def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve: Callable[[Any], Any],
-           index: ReuseIndex, first: int, alignment: int, at: Any) -> tuple[list[Any], list[Any], int]:
+           index: ReuseIndex, first: int, alignment: int, at: Any,
+           ) -> tuple[list[Any], list[Any], dict[int, bytes], int]:
     """Every own entry referenced or written at the next free aligned offset: (per entry its Entry or
-    Reference, None for aliases; per entry its hash or None; the end of the last byte written).
+    Reference, None for aliases; per entry its hash or None; the equality tags known of the entries written;
+    the end of the last byte written).
 
-    A tensor chunk that may equal a stored one (:meth:`ReuseIndex.candidate`) waits, with its hash computed on a
-    helper thread, among at most ``_PENDING_BYTES`` held; every other entry is written at once, its CRC-32 and
-    hash computed in one pass on a helper thread while the bytes are copied out. A held chunk whose hash
-    matches is referenced, any other written when its hash is known: the file's entries are in the order they
-    were decided."""
+    A tensor chunk that may equal a stored one (:meth:`ReuseIndex.candidate`) waits, with its tag, or else its
+    hash (and tag), computed on a helper thread, among at most ``_PENDING_BYTES`` held; every other entry is
+    written at once, its CRC-32 and hash computed in one pass on a helper thread while the bytes are copied out.
+    A held chunk whose tag or hash matches is referenced, any other written when it is known: the file's entries
+    are in the order they were decided."""
     placed: list[Any] = [None] * len(entries)
     hashes: list[Any] = [None] * len(entries)  # per entry: (hash, head CRC-32)
-    sums: dict[int, Any] = {}  # per written entry: (CRC-32, hash or None), or a future of it
+    tags: dict[int, bytes] = {}  # per written entry whose tag is known
+    sums: dict[int, Any] = {}  # per written entry: (CRC-32, hash or None, tag or None), or a future of it
+    tagger = index.tagger
     pos = first
     pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="mmapckpt-hash")
     try:
         pending: deque[tuple[int, Any, Any, int, bool]] = deque()
         held = 0
 
-        def write(i: int, buf: Any, digest: str | None, head: int) -> None:
+        def write(i: int, buf: Any, digest: str | None, head: int, tag: bytes | None = None) -> None:
             nonlocal pos
             e = entries[i]
             at.index = i
@@ -223,27 +259,36 @@ def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve:
             placed[i] = fmt.Entry(e.fqn, e.chunk_offsets, e.kind, e.dtype, e.shape, pos, e.length, 0)
             hashed = digest is None and e.kind == fmt.KIND_TENSOR and e.length > 0 and index.hash_written
             hashes[i] = (digest, head) if e.kind == fmt.KIND_TENSOR and e.length else None
-            sums[i] = (pool.submit(_crc_and_hash, buf, hashed) if len(buf) >= _THREAD_MIN
-                       else _crc_and_hash(buf, hashed))
+            if tag is not None:
+                tags[i] = tag
+            sums[i] = (pool.submit(_crc_and_hash, buf, hashed, tagger) if len(buf) >= _THREAD_MIN
+                       else _crc_and_hash(buf, hashed, tagger))
             out.put(pos, buf)
             pos += e.length
 
         def settle() -> None:
             nonlocal held
-            i, buf, digest, head, compared = pending.popleft()
+            i, buf, got, head, how = pending.popleft()
             held -= len(buf)
-            digest = digest if digest is None or type(digest) is str else digest.result()
-            if compared:  # an unhashed stored chunk: compared byte for byte, digest None where they differ
+            got = got if type(got) is tuple else got.result()
+            e, r = entries[i], index.chunks[(entries[i].fqn, entries[i].chunk_offsets)]
+            if how == "tag":  # compared by the stored bytes' tag alone: equal bytes, or written again
+                if got[1] == r.tag:
+                    hashes[i], placed[i] = (r.hash, head), index.confirmed(e, r.hash, head, r.tag)
+                else:
+                    write(i, buf, None, head, got[1])
+                return
+            digest, tag = got
+            if how == "compared":  # an unhashed stored chunk: compared byte for byte, digest None where they differ
                 if digest is not None:
-                    hashes[i], placed[i] = (digest, head), index.confirmed(entries[i], digest, head)
+                    hashes[i], placed[i] = (digest, head), index.confirmed(e, digest, head, tag)
                 else:
                     write(i, buf, None, head)
                 return
-            ref = index.match(entries[i], digest)
-            if ref is not None:
-                hashes[i], placed[i] = (digest, head), ref
+            if index.match(e, digest) is not None:
+                hashes[i], placed[i] = (digest, head), index.confirmed(e, digest, head, tag)
             else:
-                write(i, buf, digest, head)
+                write(i, buf, digest, head, tag)
 
         for i, buf in entry_bytes(entries, own, resolve, at):
             e = entries[i]
@@ -252,15 +297,19 @@ def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve:
             head = crc32(memoryview(buf)[:fmt.HEAD_BYTES]) if e.kind == fmt.KIND_TENSOR and e.length else 0
             if e.kind == fmt.KIND_TENSOR and e.length and index.candidate(e, head):
                 r = index.chunks[(e.fqn, e.chunk_offsets)]
-                if r.hash is None:
+                if index.by_tag(r):
+                    assert tagger is not None  # by_tag() (an invariant of ours)
+                    how, job, args = "tag", _tag_only, (buf, tagger)
+                elif r.hash is None:
                     assert index.compare is not None  # candidate() (an invariant of ours)
-                    pending.append((i, buf, pool.submit(index.compare, r, buf), head, True))
+                    how, job, args = "compared", _compare_and_tag, (index.compare, r, buf, tagger)
                 else:
-                    pending.append((i, buf, pool.submit(chunk_hash, buf) if len(buf) >= _THREAD_MIN
-                                    else chunk_hash(buf), head, False))
+                    how, job, args = "hashed", _hash_and_tag, (buf, tagger)
+                pending.append((i, buf, pool.submit(job, *args) if len(buf) >= _THREAD_MIN or how == "compared"
+                                else job(*args), head, how))
                 held += len(buf)
                 while pending and (held > _PENDING_BYTES or len(pending) > _PENDING_CHUNKS
-                                   or type(pending[0][2]) is str or pending[0][2].done()):
+                                   or type(pending[0][2]) is tuple or pending[0][2].done()):
                     settle()
             else:
                 write(i, buf, None, head)
@@ -268,12 +317,14 @@ def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve:
         while pending:
             settle()
         for i, c in sums.items():
-            crc, digest = c if type(c) is tuple else c.result()
+            crc, digest, tag = c if type(c) is tuple else c.result()
             placed[i] = placed[i]._replace(crc32=crc)
             if digest is not None:
                 hashes[i] = (digest, hashes[i][1])
+            if tag is not None:
+                tags[i] = tag
         at.index = None
-        return placed, hashes, pos
+        return placed, hashes, tags, pos
     finally:
         pool.shutdown(wait=True)
 

@@ -39,14 +39,19 @@ def decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
+def _stored_bytes(shard: Shard, key: Any) -> bytes:
+    """The stored bytes of entry ``key`` of ``shard``."""
+    e = shard.header.by_key()[key]
+    with open(shard.path, "rb") as f:
+        f.seek(e.offset)
+        return f.read(e.length)
+
+
 def _stored_hash(shard: Shard, key: Any) -> str:
     """BLAKE3 of the stored bytes of entry ``key`` of ``shard``."""
     from blake3 import blake3
 
-    e = shard.header.by_key()[key]
-    with open(shard.path, "rb") as f:
-        f.seek(e.offset)
-        return blake3(f.read(e.length)).hexdigest()
+    return blake3(_stored_bytes(shard, key)).hexdigest()
 
 
 def test_a_manager_decodes_no_header_it_wrote_or_read_before(tmp_path: Path, decoded: list[str]) -> None:
@@ -69,8 +74,10 @@ def test_a_manager_decodes_no_header_it_wrote_or_read_before(tmp_path: Path, dec
             assert shard.save_id == sid and stamp[0] == shard.size, ref
             recorded = shard.hashes(unhashed=True)
             assert {k: v[1] for k, v in recorded.items()} == {k: v[1] for k, v in hashes.items()}, ref
-            for key, (digest, offset, _) in hashes.items():
+            for key, (digest, offset, _, tag) in hashes.items():
                 assert digest == recorded[key][0] or digest == _stored_hash(shard, key), (ref, key)
+                # an equality tag kept is the tag of the stored bytes (writing/tags.py)
+                assert tag is None or tag == manager._headers.tagger.tag(_stored_bytes(shard, key)), (ref, key)
         finally:
             shard.close()
     target = {k: torch.zeros_like(v) for k, v in _state(3).items() if isinstance(v, torch.Tensor)}
