@@ -248,7 +248,7 @@ def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve:
     pos = first
     pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="mmapckpt-hash")
     try:
-        pending: deque[tuple[int, Any, Any, int, bool]] = deque()
+        pending: deque[tuple[int, Any, Any, int, str]] = deque()  # (entry, bytes, answer, head, how)
         held = 0
 
         def write(i: int, buf: Any, digest: str | None, head: int, tag: bytes | None = None) -> None:
@@ -261,8 +261,9 @@ def _place(out: FileOutput, entries: Sequence[Any], own: Sequence[int], resolve:
             hashes[i] = (digest, head) if e.kind == fmt.KIND_TENSOR and e.length else None
             if tag is not None:
                 tags[i] = tag
-            sums[i] = (pool.submit(_crc_and_hash, buf, hashed, tagger) if len(buf) >= _THREAD_MIN
-                       else _crc_and_hash(buf, hashed, tagger))
+            tagging = tagger if tag is None else None  # a tag already computed is not computed again
+            sums[i] = (pool.submit(_crc_and_hash, buf, hashed, tagging) if len(buf) >= _THREAD_MIN
+                       else _crc_and_hash(buf, hashed, tagging))
             out.put(pos, buf)
             pos += e.length
 
