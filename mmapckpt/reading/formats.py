@@ -49,6 +49,7 @@ class Probe:
         self.place = place
         self._names: set[str] | None = None
         self._kind: str | None = None
+        self._commit: bool | None = None
 
     @property
     def is_dir(self) -> bool:
@@ -60,7 +61,14 @@ class Probe:
         return self._names
 
     def has(self, name: str) -> bool:
-        """Whether the directory holds file ``name`` (a regular file, where the medium tells)."""
+        """Whether the directory holds file ``name`` (a regular file, where the medium tells). At a URL the commit
+        is looked up by its name, not in a listing: the look is the request that reads its first bytes, which a
+        load of the checkpoint reads next (listing an object store's prefix takes two requests on S3: its objects
+        and its uploads in progress)."""
+        if name == METADATA_NAME and not self.place.local and self._names is None:
+            if self._commit is None:
+                self._commit = self.place.exists(name)
+            return self._commit
         return name in self.names() and self.place.exists(name)
 
     def commit_kind(self) -> str | None:

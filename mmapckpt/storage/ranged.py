@@ -1,7 +1,8 @@
 """Ranged reads of one object version into the callers' buffers, for every object store.
 
 A batch of reads (``(offset, buffer)`` pairs: target tensors, staging buffers, broadcast buffers) becomes
-requests of at most ``part_size`` bytes (:func:`plan_requests`): a long read is split, short reads of
+requests of at most ``part_size`` bytes (:func:`plan_requests`; a batch of more than ``concurrency`` parts gets
+longer requests, one per thread, up to ``_MAX_PARTS`` parts: :meth:`RangedReads.request_size`): a long read is split, short reads of
 neighbouring ranges are joined into one request whose body is scattered into their buffers (gaps of at
 most ``_GAP`` bytes are read and dropped). The requests run on a shared pool of ``concurrency`` threads per
 medium. A medium supplies :meth:`RangedReads._fetch`, which writes one request's bytes into a :class:`Into`
@@ -22,6 +23,11 @@ __all__ = ["Into", "RangedReads", "Fetch", "plan_requests", "replaced_while_read
 
 #: Neighbouring reads at most this far apart are joined into one request (the gap is read and dropped).
 _GAP = 256 << 10
+
+#: A request of a large batch is at most this many parts long (its share of the threads, where that is more than
+#: one part): fewer, longer GETs cost the client and the store less per byte (radosgw, 1 GB, 8 threads: 16 MiB
+#: parts 0.81 of the best, 32 MiB 0.87, 64 MiB 1.0), while a request stays short enough to retry.
+_MAX_PARTS = 4
 
 #: One read of a batch: ``(offset, buffer)``; a buffer is any writable bytes-like object.
 Fetch = tuple[int, Any]
@@ -111,6 +117,11 @@ class RangedReads:
                  on_fetch: Callable[[int, int], None] | None = None) -> None:
         self.size, self.url, self.part_size, self.concurrency, self.on_fetch = size, url, part_size, concurrency, on_fetch
 
+    def request_size(self, total: int) -> int:
+        """The longest request of a batch of ``total`` bytes: ``part_size``, or, for a batch of more than
+        ``concurrency`` such parts, its share of the threads (one request each), at most ``_MAX_PARTS`` parts."""
+        return min(max(self.part_size, -(-total // self.concurrency)), _MAX_PARTS * self.part_size)
+
     def _fetch(self, start: int, length: int, into: Into, entry: str | None) -> None:
         """GET bytes ``[start, start + length)`` of the version opened into ``into``; a CheckpointError on failure."""
         raise NotImplementedError
@@ -122,7 +133,8 @@ class RangedReads:
             if offset < 0 or offset + n > self.size:
                 raise TruncatedFileError(f"data [{offset}, +{n}) runs past the end of the {self.size}-byte object",
                                          path=self.url, entry=entry)
-        requests = plan_requests([(o, b) for o, b in fetches if memoryview(b).nbytes], self.part_size)
+        wanted = [(o, b) for o, b in fetches if memoryview(b).nbytes]
+        requests = plan_requests(wanted, self.request_size(sum(memoryview(b).nbytes for _, b in wanted)))
         if len(requests) <= 1:
             for start, segments in requests:
                 self._get(start, segments, entry)

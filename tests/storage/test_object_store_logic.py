@@ -2,7 +2,7 @@
 
 - ``plan_requests`` (storage/s3/reads.py): every byte of every read is covered exactly once by the
   requests, in the right buffer; no request is longer than the part size; neighbours are joined
-  (property test over random batches).
+  (property test over random batches); a batch of more parts than threads is one request per thread.
 - ``part_size_for`` (storage/s3/uploads.py): at least 5 MiB, at most 10,000 parts for any size.
 - ``S3Options.of``: s3fs's names and aliases, unknown keys refused, S3's 5 MiB part minimum.
 - ``FetchReads.materialize`` (reading/fetches.py): any basic-indexing view of a placeholder reads
@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from mmapckpt import CheckpointError
 from mmapckpt.reading.fetches import FetchReads, placeholder
+from mmapckpt.storage.ranged import Into, RangedReads
 from mmapckpt.storage.s3.options import MAX_PARTS, MIN_PART, S3Options, parse_url
 from mmapckpt.storage.s3.reads import plan_requests
 from mmapckpt.storage.s3.uploads import part_size_for
@@ -59,6 +60,35 @@ def test_neighbours_join_and_long_reads_split() -> None:
     assert [(s, [x if isinstance(x, int) else len(x) for x in segs]) for s, segs in requests] == [
         (0, [100, 50, 100]), (10_000, [1000]), (11_000, [1000]), (12_000, [500])]
     assert len(plan_requests([(0, a), (300, b)], part_size=1000, gap=64)) == 2  # too far apart
+
+
+class _Memory(RangedReads):
+    """Ranged reads of an object held in memory, each request's length recorded."""
+
+    def __init__(self, data: bytes, part_size: int, concurrency: int) -> None:
+        super().__init__(len(data), "mem://x", part_size, concurrency)
+        self.data, self.lengths = data, []
+
+    def _fetch(self, start: int, length: int, into: Into, entry: str | None) -> None:
+        self.lengths.append(length)
+        into.write(self.data[start:start + length])
+
+
+@pytest.mark.parametrize("size, concurrency, lengths", [
+    (64 << 10, 4, [16 << 10] * 4),  # 16 parts of 4 KiB: one request per thread
+    (64 << 10, 2, [16 << 10] * 4),  # a thread's share (32 KiB) is more than 4 parts: 4 parts each
+    (8 << 10, 4, [4 << 10] * 2),  # fewer parts than threads: part_size
+    (56 << 10, 4, [14 << 10] * 4),  # a share between one part and four
+])
+def test_a_large_batch_is_one_request_per_thread(size: int, concurrency: int, lengths: list[int]) -> None:
+    """Fewer, longer GETs where a batch holds more parts than there are threads (storage/ranged.py request_size),
+    every byte still in its buffer; without request_size a 64 KiB batch of 4 KiB parts was 16 requests."""
+    data = bytes((i * 13 + 5) % 251 for i in range(size + 100))
+    reads = _Memory(data, part_size=4 << 10, concurrency=concurrency)
+    bufs = [bytearray(size // 2), bytearray(size - size // 2)]  # two neighbouring tensors
+    reads.read([(100, bufs[0]), (100 + size // 2, bufs[1])])
+    assert sorted(reads.lengths, reverse=True) == lengths
+    assert bytes(bufs[0] + bufs[1]) == data[100:100 + size]
 
 
 # ---------------------------------------------------------------------------- uploads and options

@@ -33,6 +33,7 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ..store_options import Clients, MiB, StoreOptions, bucket_and_prefix
+from .quick_acks import quick_acks
 
 __all__ = ["S3Options", "parse_url", "client_for", "boto"]
 
@@ -160,4 +161,6 @@ def _make_client(opts: S3Options) -> Any:
         kwargs["endpoint_url"] = endpoint
     if opts.key is not None:  # with its secret, and the token issued with them if any (S3Options.of checked)
         kwargs.update(aws_access_key_id=opts.key, aws_secret_access_key=opts.secret, aws_session_token=opts.token)
-    return session.client("s3", **kwargs)
+    client = session.client("s3", **kwargs)
+    quick_acks(client)
+    return client
