@@ -256,6 +256,13 @@ class Shard:
             self.stored.read_into(offset, out.reshape(-1).view(torch.uint8).numpy(), entry=_label(key))
         return out
 
+    def mapped_offset(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
+                      shape: tuple[int, ...]) -> int | None:
+        """``offset``, checked as :meth:`view` checks it, where the file is mapped (a read may then stand in for the
+        view: reading/fill.py); None where it is not."""
+        self._check_placed(key, offset, length, dtype, shape)
+        return offset if self.file is not None else None
+
     def region(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
                shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
         """``view(...)[index]``, checked as :meth:`view`; without a mapping only the bytes ``index`` needs are
