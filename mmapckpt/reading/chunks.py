@@ -136,10 +136,11 @@ class ChunkFiles:
         """The chunk's file offset in its shard's mapping, checked as :meth:`chunk` checks it (None: a stock file,
         or ``verify``, whose checksum runs as the chunk is made)."""
         shard = self.shards.get(c.file)
-        if shard is None or self.verify:
+        if shard is None or shard.file is None or self.verify:
             return None
-        return shard.mapped_offset((info.name, c.offsets), c.file_offset, c.length, info.dtype,  # type: ignore[arg-type]
-                                   c.sizes)
+        shard.check_placed((info.name, c.offsets), c.file_offset, c.length, info.dtype,  # type: ignore[arg-type]
+                           c.sizes)
+        return c.file_offset
 
     def _stock_safetensors(self, info: EntryInfo, c: ChunkInfo) -> SafetensorsChunks | None:
         """The safetensors data a stock shard holds its tensors in, where chunk ``c`` is recorded (else None:

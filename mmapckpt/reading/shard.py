@@ -242,7 +242,7 @@ class Shard:
         decoding every entry of the header), and the bytes must lie after the header, inside
         the file, aligned, and be as long as the shape says.
         """
-        self._check_placed(key, offset, length, dtype, shape)
+        self.check_placed(key, offset, length, dtype, shape)
         if self.file is not None:
             return self.file.view(offset, dtype, shape)
         if lazy:
@@ -256,25 +256,18 @@ class Shard:
             self.stored.read_into(offset, out.reshape(-1).view(torch.uint8).numpy(), entry=_label(key))
         return out
 
-    def mapped_offset(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
-                      shape: tuple[int, ...]) -> int | None:
-        """``offset``, checked as :meth:`view` checks it, where the file is mapped (a read may then stand in for the
-        view: reading/fill.py); None where it is not."""
-        self._check_placed(key, offset, length, dtype, shape)
-        return offset if self.file is not None else None
-
     def region(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
                shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
         """``view(...)[index]``, checked as :meth:`view`; without a mapping only the bytes ``index`` needs are
         read (reading/regions.py ``read_region``)."""
         if self.file is not None:
             return self.view(key, offset, length, dtype, shape)[index]
-        self._check_placed(key, offset, length, dtype, shape)
+        self.check_placed(key, offset, length, dtype, shape)
         from .regions import read_region
 
         return read_region(self.stored, offset, dtype, shape, index, entry=_label(key))
 
-    def _check_placed(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
+    def check_placed(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
                       shape: tuple[int, ...]) -> None:
         if self._agreed is None:
             want = (offset, length, fmt.dtype_name(dtype), list(shape))
