@@ -103,21 +103,7 @@ class DirectReads:
             return False
         if self._base is None:
             self._base = self.file.address()
-        self._queue(src.data_ptr() - self._base, target, token, label)
-        return True
-
-    def take_at(self, offset: int, target: torch.Tensor, dtype: torch.dtype, token: Any, label: str) -> bool:
-        """Queue the read of the ``target.nbytes`` bytes at file ``offset`` (a tensor of ``dtype`` there, placed
-        and bounded by the caller) into ``target``, if a read can fill it: :meth:`take` without the source view.
-        Regions of any size, a cached file's small ones too: without a view to make, queueing a read costs less
-        than a copy out of the mapping (``load_into`` of 323 tensors, 193 of them under 64 KiB: 1.5 ms less)."""
-        if not (self.enabled and target.is_cpu and target.dtype == dtype and target.numel()
-                and target.is_contiguous() and not target.is_conj() and not target.is_neg()):
-            return False
-        self._queue(offset, target, token, label)
-        return True
-
-    def _queue(self, offset: int, target: torch.Tensor, token: Any, label: str) -> None:
+        offset = src.data_ptr() - self._base
         buf = target.reshape(-1).view(torch.uint8).numpy()
         job = ReadJob(buf, offset, label)
         self.jobs.append((job, token, target))
@@ -126,6 +112,7 @@ class DirectReads:
             self._pending_bytes += buf.nbytes
             if self._pending_bytes >= _BATCH:
                 self._start()
+        return True
 
     def reader_for(self, src: torch.Tensor, label: str | None = None) -> Callable[[torch.Tensor, int, int], None] | None:
         """For the staging pool: a function that reads ``src``'s bytes (a contiguous view of the mapping)

@@ -46,12 +46,6 @@ class ChunkBackend(Protocol):
         a view of (direct reads go around it), the file where it has no mapping, or None (a copy in memory)."""
         ...
 
-    def mapped_offset(self, info: EntryInfo, c: ChunkInfo) -> int | None:
-        """Where :meth:`chunk`'s bytes start in the mapping :meth:`mapped` gave, placed and bounded as :meth:`chunk`
-        checks them, for a read into a target without the view (``load_into``: reading/fill.py); None where only
-        :meth:`chunk` will do (no mapping, a stock item, ``verify``, whose check runs as the chunk is made)."""
-        ...
-
     def advise(self, c: ChunkInfo, advice: int, *, sequential: bool = False) -> None:
         """Pass a madvise hint for the chunk's pages (nothing where there is no mapping); ``sequential``: advise
         its file to be read in order first (io/mapped.py)."""

@@ -132,16 +132,6 @@ class ChunkFiles:
         offset, _ = st.locate(info.name, c.offsets, info.dtype, c.sizes, info.name)  # type: ignore[arg-type]
         return st.source if st.aligned(offset, info.dtype) else None  # type: ignore[arg-type]
 
-    def mapped_offset(self, info: EntryInfo, c: ChunkInfo) -> int | None:
-        """The chunk's file offset in its shard's mapping, checked as :meth:`chunk` checks it (None: a stock file,
-        or ``verify``, whose checksum runs as the chunk is made)."""
-        shard = self.shards.get(c.file)
-        if shard is None or shard.file is None or self.verify:
-            return None
-        shard.check_placed((info.name, c.offsets), c.file_offset, c.length, info.dtype,  # type: ignore[arg-type]
-                           c.sizes)
-        return c.file_offset
-
     def _stock_safetensors(self, info: EntryInfo, c: ChunkInfo) -> SafetensorsChunks | None:
         """The safetensors data a stock shard holds its tensors in, where chunk ``c`` is recorded (else None:
         a torch.save item, whose bytes are not probed: reading/dcp_safetensors.py ``raw_record``)."""

@@ -52,13 +52,9 @@ def fill_targets(files: ChunkBackend, plan: Sequence[tuple[str, torch.Tensor, En
             if isinstance(mapped, StoredFile):  # no mapping: placeholders, read at finish
                 for name, t, info, c in items:
                     move(chunk(info, c, lazy=True), t.detach() if t.requires_grad else t, lambda: name, _nothing)
-            else:  # a direct read from the checked offset where it can (no view to make), else the view moved
-                read_at, offset_of = moves[rel].read_at, files.mapped_offset
+            else:
                 for name, t, info, c in items:
-                    dst = t.detach() if t.requires_grad else t
-                    offset = offset_of(info, c)
-                    if offset is None or not read_at(offset, dst, info.dtype, name, _nothing):
-                        move(chunk(info, c), dst, lambda: name, _nothing)
+                    move(chunk(info, c), t.detach() if t.requires_grad else t, lambda: name, _nothing)
         if assembled:  # the assembly of chunks (reading/regions.py) is imported by the loads that have some
             from .regions import read_tensor
 

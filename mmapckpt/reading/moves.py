@@ -179,13 +179,6 @@ class Moves:
         self.copy.take(src, dst, label, done)
         return self.copy
 
-    def read_at(self, offset: int, dst: torch.Tensor, dtype: torch.dtype, label: str, done: Done) -> bool:
-        """Queue a direct read of the file's bytes at ``offset`` (a region of ``dtype``, placed and bounded by the
-        caller: ``ChunkBackend.mapped_offset``) into the CPU target ``dst`` (``done`` at :meth:`finish`), where this
-        file's moves read and stage nothing; False where :meth:`move` must take it (with the source view)."""
-        return (self.staged is None and self.reads is not None and self.direct is not None
-                and self.reads.take_at(offset, dst, dtype, done, label))
-
     def finish(self) -> None:
         """Run the direct reads queued (each target's ``done`` follows its read)."""
         for reads in (self.reads, self.fetches):

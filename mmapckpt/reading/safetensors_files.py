@@ -145,12 +145,6 @@ class SafetensorsFiles:
             return f.stored
         return f.file if not c.file_offset % info.dtype.itemsize else None  # type: ignore[union-attr]
 
-    def mapped_offset(self, info: EntryInfo, c: ChunkInfo) -> int | None:
-        """The tensor's offset in its file's mapping (bounds checked when the header was parsed), where
-        :meth:`mapped` gives the mapping."""
-        f = self.files[c.file]
-        return c.file_offset if f.file is not None and not c.file_offset % info.dtype.itemsize else None
-
     def advise(self, c: ChunkInfo, advice: int, *, sequential: bool = False) -> None:
         f = self.files[c.file].file
         if f is not None:

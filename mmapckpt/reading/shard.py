@@ -242,7 +242,7 @@ class Shard:
         decoding every entry of the header), and the bytes must lie after the header, inside
         the file, aligned, and be as long as the shape says.
         """
-        self.check_placed(key, offset, length, dtype, shape)
+        self._check_placed(key, offset, length, dtype, shape)
         if self.file is not None:
             return self.file.view(offset, dtype, shape)
         if lazy:
@@ -262,12 +262,12 @@ class Shard:
         read (reading/regions.py ``read_region``)."""
         if self.file is not None:
             return self.view(key, offset, length, dtype, shape)[index]
-        self.check_placed(key, offset, length, dtype, shape)
+        self._check_placed(key, offset, length, dtype, shape)
         from .regions import read_region
 
         return read_region(self.stored, offset, dtype, shape, index, entry=_label(key))
 
-    def check_placed(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
+    def _check_placed(self, key: tuple[str, tuple[int, ...]], offset: int, length: int, dtype: torch.dtype,
                       shape: tuple[int, ...]) -> None:
         if self._agreed is None:
             want = (offset, length, fmt.dtype_name(dtype), list(shape))

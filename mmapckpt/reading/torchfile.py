@@ -258,9 +258,6 @@ class TorchFiles:
     def mapped(self, info: EntryInfo, c: ChunkInfo) -> None:
         return None  # torch owns the mapping: its tensors are copied from, never read around
 
-    def mapped_offset(self, info: EntryInfo, c: ChunkInfo) -> None:
-        return None
-
     def advise(self, c: ChunkInfo, advice: int, *, sequential: bool = False) -> None:
         pass
 
