@@ -4,34 +4,16 @@ vouches for the listing recorded with it; a stock DCP commit, or a record of ano
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
-from s3_data import assert_same, state_dict
+from s3_data import assert_same, s3_operations, state_dict
 
 import mmapckpt
 from mmapckpt.storage.cache.listing import LISTING
-from mmapckpt.storage.s3.options import S3Options, client_for
 
 
 def _sd(salt: int) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state_dict(salt=salt).items() if v.numel()}
-
-
-@contextmanager
-def _operations() -> Iterator[list[str]]:
-    """The S3 operations mmapckpt's client makes meanwhile (HeadObject, ListObjectsV2, GetObject, ...)."""
-    client = client_for(S3Options.of(None))
-    ops: list[str] = []
-
-    def count(event_name: str, **_: object) -> None:
-        ops.append(event_name.rsplit(".", 1)[-1])
-    client.meta.events.register("provide-client-params.s3", count)
-    try:
-        yield ops
-    finally:
-        client.meta.events.unregister("provide-client-params.s3", count)
 
 
 def _records(cache: str) -> list[str]:
@@ -41,11 +23,11 @@ def _records(cache: str) -> list[str]:
 def test_a_warm_load_asks_one_head_and_a_new_save_is_listed_again(env, bucket, cache):
     url, opts = f"s3://{bucket}/ck", {"cache_dir": cache}
     mmapckpt.save(_sd(1), url)
-    with _operations() as first:
+    with s3_operations() as first:
         assert_same(mmapckpt.load(url, storage_options=opts), _sd(1), "first: ")
     assert "ListObjectsV2" in first and len(_records(cache)) == 1
     for _ in range(2):
-        with _operations() as warm:
+        with s3_operations() as warm:
             assert_same(mmapckpt.load(url, storage_options=opts), _sd(1), "warm: ")
             targets = {k: torch.zeros_like(v) for k, v in _sd(1).items()}
             mmapckpt.load_into(targets, url, storage_options=opts)
@@ -53,10 +35,10 @@ def test_a_warm_load_asks_one_head_and_a_new_save_is_listed_again(env, bucket, c
         assert warm == ["HeadObject", "HeadObject"], warm  # one per load: the commit's version
 
     mmapckpt.save(_sd(2), url)  # a new commit (new version), a new shard: the record no longer applies
-    with _operations() as after:
+    with s3_operations() as after:
         assert_same(mmapckpt.load(url, storage_options=opts), _sd(2), "after a new save: ")
     assert "ListObjectsV2" in after and "GetObject" in after
-    with _operations() as warm:
+    with s3_operations() as warm:
         assert_same(mmapckpt.load(url, storage_options=opts), _sd(2), "warm after: ")
     assert warm == ["HeadObject"], warm
 
@@ -67,7 +49,7 @@ def test_a_stock_dcp_commit_and_a_damaged_record_are_listed(env, bucket, cache, 
     dcp_url, url, opts = f"s3://{bucket}/dcp", f"s3://{bucket}/ck", {"cache_dir": cache}
     mmapckpt.convert(local, dcp_url, to="dcp")  # its .metadata is the same for two saves of one model: listed
     for _ in range(2):
-        with _operations() as ops:
+        with s3_operations() as ops:
             assert_same(mmapckpt.load(dcp_url, storage_options=opts), _sd(3), "dcp: ")
         assert "ListObjectsV2" in ops
     assert not _records(cache)
@@ -77,9 +59,9 @@ def test_a_stock_dcp_commit_and_a_damaged_record_are_listed(env, bucket, cache, 
     (record,) = _records(cache)
     with open(record, "r+b") as f:
         f.write(b"[")  # no longer the record (a list)
-    with _operations() as ops:
+    with s3_operations() as ops:
         assert_same(mmapckpt.load(url, storage_options=opts), _sd(4), "damaged record: ")
     assert "ListObjectsV2" in ops and "GetObject" not in ops  # listed again; the copies still served
-    with _operations() as ops:
+    with s3_operations() as ops:
         mmapckpt.load(url, storage_options=opts)
     assert ops == ["HeadObject"], ops  # recorded again

@@ -1,4 +1,5 @@
-"""Managed roots for the dedup tests: a marker, steps saved with and without ``reuse``, and their files."""
+"""Managed roots for the dedup tests: a marker, steps saved with and without ``reuse``, their files, and state dicts
+whose tensors stay, change once or change every step."""
 
 from __future__ import annotations
 
@@ -57,3 +58,13 @@ def frozen_and_trained(seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     return {"frozen.w": torch.randn(256, 64, generator=g), "frozen.b": torch.randn(64, generator=g).bfloat16(),
             "head.w": torch.randn(64, 8, generator=g), "step": seed}
+
+
+def late_frozen(step: int) -> dict[str, Any]:
+    """frozen.*: the same from step 1 on; late.w: changes from step 1 to 2, then the same; head.w: new every step."""
+    g = torch.Generator().manual_seed(0)
+    sd: dict[str, Any] = {"frozen.w": torch.randn(256, 256, generator=g),  # 256 KiB: past the 64 KiB head
+                          "frozen.b": torch.randn(64, generator=g).bfloat16()}
+    sd["late.w"] = torch.randn(256, 256, generator=torch.Generator().manual_seed(min(step, 2)))
+    sd["head.w"] = torch.full((64, 8), float(step))
+    return sd

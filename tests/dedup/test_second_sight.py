@@ -17,19 +17,9 @@ from mmapckpt import CheckpointManager
 from mmapckpt.dcp import reuse
 from mmapckpt.format import layout as fmt
 from mmapckpt.reading.shard import Shard
-from roots import files_of, make_root, save_step
+from roots import files_of, late_frozen, make_root, save_step
 
 pytest.importorskip("blake3")
-
-
-def _state(step: int) -> dict[str, Any]:
-    """frozen.*: the same from step 1 on; late.w: changes from step 1 to 2, then the same; head.w: new every step."""
-    g = torch.Generator().manual_seed(0)
-    sd: dict[str, Any] = {"frozen.w": torch.randn(256, 256, generator=g),  # 256 KiB: past the 64 KiB head
-                          "frozen.b": torch.randn(64, generator=g).bfloat16()}
-    sd["late.w"] = torch.randn(256, 256, generator=torch.Generator().manual_seed(min(step, 2)))
-    sd["head.w"] = torch.full((64, 8), float(step))
-    return sd
 
 
 @pytest.fixture
@@ -75,13 +65,13 @@ def test_the_first_step_is_hashed_and_its_frozen_chunks_are_never_compared(tmp_p
     hashes on disk by every later save, a restarted job's included, and their bytes are never read back."""
     root = tmp_path / "root"
     manager = CheckpointManager(root)
-    manager.save(_state(1), 1)
+    manager.save(late_frozen(1), 1)
     assert _hashed(root / "step-1") == {"frozen.w", "frozen.b", "late.w", "head.w"}
-    manager.save(_state(2), 2)
+    manager.save(late_frozen(2), 2)
     assert compared == []  # frozen.*: by hash; late.w, head.w: their heads changed
     assert _headers_have_no_hash(root / "step-2")  # what a later save writes: its CRC-32 alone
     resumed = CheckpointManager(root)  # nothing kept in memory
-    resumed.save(_state(3), 3)
+    resumed.save(late_frozen(3), 3)
     assert "../step-1/__0_0.distcp" not in compared  # frozen.* matched by step 1's hashes on disk
     files = files_of(root / "step-3")
     assert files["frozen.w"] == files["frozen.b"] == "../step-1/__0_0.distcp"
@@ -90,10 +80,10 @@ def test_the_first_step_is_hashed_and_its_frozen_chunks_are_never_compared(tmp_p
 
 def test_a_chunk_equal_but_unhashed_is_compared_then_referenced(tmp_path: Path, compared: list[str]) -> None:
     root = make_root(tmp_path / "root")
-    save_step(root, 1, _state(1))
-    save_step(root, 2, _state(2), reuse=(1,))
+    save_step(root, 1, late_frozen(1))
+    save_step(root, 2, late_frozen(2), reuse=(1,))
     assert compared == [] and _headers_have_no_hash(root / "step-2")
-    save_step(root, 3, _state(3), reuse=(2,))
+    save_step(root, 3, late_frozen(3), reuse=(2,))
     assert _headers_have_no_hash(root / "step-3")
     files = files_of(root / "step-3")
     assert files["frozen.w"] == files["frozen.b"] == "../step-1/__0_0.distcp"  # by step 1's hashes
@@ -101,16 +91,16 @@ def test_a_chunk_equal_but_unhashed_is_compared_then_referenced(tmp_path: Path, 
     # late.w compared and equal; head.w compared too: step 2's header records no head CRC-32 to tell it changed
     assert sorted(compared) == ["../step-2/__0_0.distcp"] * 2
     got = mmapckpt.load(root / "step-3")
-    for k, v in _state(3).items():
+    for k, v in late_frozen(3).items():
         assert_bitwise_equal(got[k], v, k)
     assert mmapckpt.verify_checkpoint(root / "step-3").ok
 
 
 def test_a_chunk_with_an_equal_head_but_another_byte_later_is_written(tmp_path: Path) -> None:
     root = make_root(tmp_path / "root")
-    save_step(root, 1, _state(1))
-    save_step(root, 2, _state(2), reuse=(1,))
-    sd = _state(3)
+    save_step(root, 1, late_frozen(1))
+    save_step(root, 2, late_frozen(2), reuse=(1,))
+    sd = late_frozen(3)
     sd["late.w"] = sd["late.w"].clone()
     sd["late.w"][255, 255] = -sd["late.w"][255, 255]  # the last 4 bytes of 256 KiB: the head is the same
     save_step(root, 3, sd, reuse=(2,))
@@ -123,55 +113,55 @@ def test_a_chunk_with_an_equal_head_but_another_byte_later_is_written(tmp_path: 
 
 def test_a_manager_compares_once_then_matches_by_the_hash_it_kept(tmp_path: Path, compared: list[str]) -> None:
     manager = CheckpointManager(tmp_path / "root")
-    manager.save(_state(1), 1)
-    manager.save(_state(2), 2)
+    manager.save(late_frozen(1), 1)
+    manager.save(late_frozen(2), 2)
     assert compared == []
-    manager.save(_state(3), 3)
+    manager.save(late_frozen(3), 3)
     assert compared == ["../step-2/__0_0.distcp"]  # late.w (equal); head.w: the head CRC the manager kept
     compared.clear()
-    manager.save(_state(4), 4)
+    manager.save(late_frozen(4), 4)
     assert compared == []  # late.w: by the hash kept from step 3's comparison; head.w: by the head CRC kept
     files = files_of(tmp_path / "root" / "step-4")
     assert files["late.w"] == "../step-2/__0_0.distcp" and files["frozen.w"] == "../step-1/__0_0.distcp"
     # a resumed job has no hashes kept: it compares late.w again, once (and head.w: no head CRC is on disk to
     # tell it changed; its bytes differ and it is written); frozen.*: by step 1's hashes, never compared
     resumed = CheckpointManager(tmp_path / "root")
-    resumed.save(_state(5), 5)
+    resumed.save(late_frozen(5), 5)
     assert sorted(compared) == ["../step-2/__0_0.distcp", "../step-4/__0_0.distcp"]
     assert files_of(tmp_path / "root" / "step-5")["head.w"] == "__0_0.distcp"
     compared.clear()
-    resumed.save(_state(6), 6)
+    resumed.save(late_frozen(6), 6)
     assert compared == []
-    target = {k: torch.zeros_like(v) for k, v in _state(6).items()}
+    target = {k: torch.zeros_like(v) for k, v in late_frozen(6).items()}
     assert resumed.load(target) == 6
     for k, v in target.items():
-        assert_bitwise_equal(v, _state(6)[k], k)
+        assert_bitwise_equal(v, late_frozen(6)[k], k)
 
 
 def test_a_step_with_hashes_serves_as_a_reuse_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      compared: list[str]) -> None:
     root = make_root(tmp_path / "root")
-    save_step(root, 1, _state(1))
+    save_step(root, 1, late_frozen(1))
     with monkeypatch.context() as m:  # step 2 as main wrote every step (and an object store still does)
         m.setattr(reuse, "_reads_cheaply", lambda storage: False)
-        save_step(root, 2, _state(2), reuse=(1,))
+        save_step(root, 2, late_frozen(2), reuse=(1,))
     assert _hashed(root / "step-2") == {"late.w", "head.w"}
-    save_step(root, 3, _state(3), reuse=(2,))
+    save_step(root, 3, late_frozen(3), reuse=(2,))
     assert compared == []  # matched by the recorded hashes (head.w: by its recorded head CRC)
     files = files_of(root / "step-3")
     assert files["late.w"] == "../step-2/__0_0.distcp" and files["head.w"] == "__0_0.distcp"
     assert _headers_have_no_hash(root / "step-3")
     got = mmapckpt.load(root / "step-3")
-    assert_bitwise_equal(got["head.w"], _state(3)["head.w"])
-    assert_bitwise_equal(got["late.w"], _state(3)["late.w"])
+    assert_bitwise_equal(got["head.w"], late_frozen(3)["head.w"])
+    assert_bitwise_equal(got["late.w"], late_frozen(3)["late.w"])
 
 
 def test_a_resumed_job_reads_only_the_head_of_a_stored_chunk_that_changed(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from mmapckpt.storage.local import LocalFile
     root = make_root(tmp_path / "root")
-    save_step(root, 1, _state(1))
-    save_step(root, 2, _state(2), reuse=(1,))  # late.w written again, unhashed
+    save_step(root, 1, late_frozen(1))
+    save_step(root, 2, late_frozen(2), reuse=(1,))  # late.w written again, unhashed
     shard = Shard(str(root / "step-2" / "__0_0.distcp"))
     e = shard.header.by_key()[("late.w", (0, 0))]
     shard.close()
@@ -184,7 +174,7 @@ def test_a_resumed_job_reads_only_the_head_of_a_stored_chunk_that_changed(tmp_pa
         real(self, offset, buf, **kw)
 
     monkeypatch.setattr(LocalFile, "read_into", spy)
-    sd = _state(3)
+    sd = late_frozen(3)
     sd["late.w"] = -sd["late.w"]  # changed from its first byte on; no head CRC-32 on disk to tell
     save_step(root, 3, sd, reuse=(2,))
     assert files_of(root / "step-3")["late.w"] == "__0_0.distcp"

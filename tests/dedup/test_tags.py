@@ -16,20 +16,10 @@ import mmapckpt
 from helpers import assert_bitwise_equal
 from mmapckpt import CheckpointManager
 from mmapckpt.writing import dedup, tags
-from roots import files_of
+from roots import files_of, late_frozen
 
 pytest.importorskip("blake3")
 pytest.importorskip("cryptography")
-
-
-def _state(step: int) -> dict[str, Any]:
-    """frozen.*: the same from step 1 on; late.w: changes from step 1 to 2, then the same; head.w: new every step."""
-    g = torch.Generator().manual_seed(0)
-    sd: dict[str, Any] = {"frozen.w": torch.randn(256, 256, generator=g),  # 256 KiB: past the 64 KiB head
-                          "frozen.b": torch.randn(64, generator=g).bfloat16()}
-    sd["late.w"] = torch.randn(256, 256, generator=torch.Generator().manual_seed(min(step, 2)))
-    sd["head.w"] = torch.full((64, 8), float(step))
-    return sd
 
 
 @pytest.fixture
@@ -71,42 +61,42 @@ def test_a_long_chunk_is_tagged_in_pieces_as_one(monkeypatch: pytest.MonkeyPatch
 
 def test_a_manager_compares_what_it_tagged_by_the_tag_alone(tmp_path: Path, calls: Counter[str]) -> None:
     manager = CheckpointManager(tmp_path / "root")
-    manager.save(_state(1), 1)  # every chunk hashed and tagged as it is written
+    manager.save(late_frozen(1), 1)  # every chunk hashed and tagged as it is written
     calls.clear()
-    manager.save(_state(2), 2)
+    manager.save(late_frozen(2), 2)
     # frozen.*: by their tags; late.w: its tag differs (its head too, so it is not even tagged again): written
     assert calls == Counter(_tag_only=2)
     calls.clear()
-    manager.save(_state(3), 3)
+    manager.save(late_frozen(3), 3)
     # late.w, written by step 2 with its CRC-32 alone, is compared byte for byte once (and tagged meanwhile)
     assert calls == Counter(_tag_only=2, _compare_and_tag=1)
     calls.clear()
-    manager.save(_state(4), 4)
+    manager.save(late_frozen(4), 4)
     assert calls == Counter(_tag_only=3)  # nothing hashed, nothing read back
     files = files_of(tmp_path / "root" / "step-4")
     assert files["frozen.w"] == "../step-1/__0_0.distcp" and files["late.w"] == "../step-2/__0_0.distcp"
     assert files["head.w"] == "__0_0.distcp"
-    target = {k: torch.zeros_like(v) for k, v in _state(4).items()}
+    target = {k: torch.zeros_like(v) for k, v in late_frozen(4).items()}
     assert manager.load(target) == 4
     for k, v in target.items():
-        assert_bitwise_equal(v, _state(4)[k], k)
+        assert_bitwise_equal(v, late_frozen(4)[k], k)
     # a resumed job has no tags: it matches frozen.* by the hashes on disk (tagging them), compares late.w and
     # head.w (no head CRC on disk tells that head.w changed) byte for byte, then matches by tag
     resumed = CheckpointManager(tmp_path / "root")
     calls.clear()
-    resumed.save(_state(5), 5)
+    resumed.save(late_frozen(5), 5)
     assert calls == Counter(_hash_and_tag=2, _compare_and_tag=2)
     calls.clear()
-    resumed.save(_state(6), 6)
+    resumed.save(late_frozen(6), 6)
     assert calls == Counter(_tag_only=3)
     assert files_of(tmp_path / "root" / "step-6")["frozen.w"] == "../step-1/__0_0.distcp"
 
 
 def test_a_chunk_equal_but_for_one_late_byte_is_written(tmp_path: Path, calls: Counter[str]) -> None:
     manager = CheckpointManager(tmp_path / "root")
-    manager.save(_state(1), 1)
-    manager.save(_state(2), 2)
-    sd = _state(3)
+    manager.save(late_frozen(1), 1)
+    manager.save(late_frozen(2), 2)
+    sd = late_frozen(3)
     sd["frozen.w"] = sd["frozen.w"].clone()
     sd["frozen.w"][255, 255] = -sd["frozen.w"][255, 255]  # the last 4 bytes of 256 KiB: the head is the same
     calls.clear()
@@ -122,7 +112,7 @@ def test_a_chunk_equal_but_for_one_late_byte_is_written(tmp_path: Path, calls: C
 def test_tags_never_reach_the_disk(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path / "root")
     for step in (1, 2, 3):
-        manager.save(_state(step), step)
+        manager.save(late_frozen(step), step)
     kept = [h[3] for _, hashes in manager._headers._used.values() for h in hashes.values() if h[3] is not None]
     assert len(kept) >= 3
     files = [p.read_bytes() for p in (tmp_path / "root").rglob("*") if p.is_file()]
@@ -134,8 +124,8 @@ def test_without_cryptography_a_manager_matches_by_hash(tmp_path: Path, monkeypa
     monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers", None)  # import fails
     manager = CheckpointManager(tmp_path / "root")
     assert manager._headers.tagger is None
-    manager.save(_state(1), 1)
+    manager.save(late_frozen(1), 1)
     calls.clear()
-    manager.save(_state(2), 2)
+    manager.save(late_frozen(2), 2)
     assert calls == Counter(_hash_and_tag=2)
     assert files_of(tmp_path / "root" / "step-2")["frozen.w"] == "../step-1/__0_0.distcp"

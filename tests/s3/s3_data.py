@@ -11,8 +11,9 @@ says it took.
 from __future__ import annotations
 
 import threading
-
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -104,3 +105,20 @@ class GetCounter:
 
     def __exit__(self, *exc: object) -> None:
         self.client.meta.events.unregister("provide-client-params.s3.GetObject", self._count)
+
+
+@contextmanager
+def s3_operations() -> Iterator[list[str]]:
+    """The S3 operations mmapckpt's own client makes meanwhile, in order (HeadObject, ListObjectsV2, GetObject, ...)."""
+    from mmapckpt.storage.s3.options import S3Options, client_for
+
+    client = client_for(S3Options.of(None))
+    ops: list[str] = []
+
+    def count(event_name: str, **_: object) -> None:
+        ops.append(event_name.rsplit(".", 1)[-1])
+    client.meta.events.register("provide-client-params.s3", count)
+    try:
+        yield ops
+    finally:
+        client.meta.events.unregister("provide-client-params.s3", count)

@@ -9,15 +9,12 @@ a small response from radosgw otherwise waits 40 ms for the client's delayed ack
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import socket
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from s3_data import assert_same, state_dict
+from s3_data import assert_same, s3_operations, state_dict
 
 import mmapckpt
 from mmapckpt.reading.locate import detect_format
@@ -26,21 +23,6 @@ from mmapckpt.storage.s3.options import S3Options, client_for
 
 def _sd() -> dict[str, torch.Tensor]:
     return {k: v for k, v in state_dict(salt=5).items() if v.numel()}
-
-
-@contextmanager
-def _operations() -> Iterator[list[str]]:
-    """The S3 operations mmapckpt's client makes meanwhile (GetObject, ListObjectsV2, ...)."""
-    client = client_for(S3Options.of(None))
-    ops: list[str] = []
-
-    def count(event_name: str, **_: object) -> None:
-        ops.append(event_name.rsplit(".", 1)[-1])
-    client.meta.events.register("provide-client-params.s3", count)
-    try:
-        yield ops
-    finally:
-        client.meta.events.unregister("provide-client-params.s3", count)
 
 
 def _into(url: str) -> dict[str, torch.Tensor]:
@@ -64,7 +46,7 @@ def test_opening_a_committed_checkpoint_lists_nothing(s3_env, s3_bucket, tmp_pat
     else:
         mmapckpt.save(_sd(), tmp_path / "local")
         mmapckpt.convert(tmp_path / "local", url, to="dcp")
-    with _operations() as ops:
+    with s3_operations() as ops:
         if entry == "open":
             with mmapckpt.open(url) as ckpt:
                 got = {k: ckpt.get_tensor(k) for k in ckpt.keys()}
@@ -86,7 +68,7 @@ def test_a_prefix_without_a_commit_is_still_listed(s3_env, s3_bucket, tmp_path):
     url = f"s3://{s3_bucket}/hf"
     client = client_for(S3Options.of(None))
     client.upload_file(str(local / "model.safetensors"), s3_bucket, "hf/model.safetensors")
-    with _operations() as ops:
+    with s3_operations() as ops:
         assert detect_format(url) == "safetensors"
         assert_same(mmapckpt.load(url), sd, "hf at the store: ")
     assert "ListObjectsV2" in ops, ops
@@ -106,6 +88,6 @@ def test_every_response_is_read_with_quick_acknowledgements(s3_env, s3_bucket, m
             set_on.append(self.fileno())
         setsockopt(self, level, option, *value)  # type: ignore[arg-type]
     monkeypatch.setattr(socket.socket, "setsockopt", spy)
-    with _operations() as ops:
+    with s3_operations() as ops:
         assert_same(mmapckpt.load(url), _sd(), "load: ")
     assert len(ops) >= 3 and len(set_on) == len(ops), (ops, set_on)  # one per response
