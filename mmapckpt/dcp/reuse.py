@@ -54,13 +54,13 @@ class HeaderCache:
     A file's are looked up by (root, ``../step-M/FILE``, the save id the reused step's metadata, read again for
     every save, records for it) and used only while the file has the size and the first bytes (its preamble:
     the header's length and CRC-32) they were read with; otherwise its header is read and checked again. What
-    one save did not use is dropped at the next. ``tagger``: the equality tags' key (None without ``cryptography``),
-    which never leaves the process."""
+    one save did not use is dropped at the next. ``tagger``: the equality tags' key (None without ``cryptography``,
+    and for a cache no later save reads: ``tags=False``), which never leaves the process."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, tags: bool = True) -> None:
         self._kept: dict[tuple[str, str, str], tuple[Any, _Hashes]] = {}
         self._used: dict[tuple[str, str, str], tuple[Any, _Hashes]] = {}
-        self.tagger = Tagger.make()
+        self.tagger = Tagger.make() if tags else None
 
     def hashes(self, key: tuple[str, str, str], stamp: Any, read: Callable[[], _Hashes]) -> _Hashes:
         """The hashes of the file ``key`` names, now of size and preamble ``stamp``: kept, else ``read()``."""
@@ -176,7 +176,7 @@ def reuse_index(storage: CheckpointStorage, paths: Sequence[str | os.PathLike[st
                                    f"no {ROOT_MARKER} (CheckpointManager writes it)", path=storage.location)
     chunks: dict[tuple[str, tuple[int, ...]], Reusable] = {}
     save_ids: dict[str, str] = {}
-    kept, cache = cache is not None, cache or HeaderCache()  # tags only where a manager keeps them
+    cache = cache or HeaderCache(tags=False)  # tags only where a manager keeps the cache for its next save
     cache.next_save()
     root = storage.sibling("").location
     local = _reads_cheaply(storage)
@@ -193,7 +193,7 @@ def reuse_index(storage: CheckpointStorage, paths: Sequence[str | os.PathLike[st
         with paused_gc():  # many small objects, freed before the collector resumes (see the module's docstring)
             _index_step(step, name, here, chunks, save_ids, cache, root, stored, local)
     return ReuseIndex(chunks, save_ids, hash_written=not local, compare=_comparer(storage) if local else None,
-                      stored=stored, tagger=cache.tagger if kept else None)
+                      stored=stored, tagger=cache.tagger)
 
 
 def _index_step(step: CheckpointStorage, name: str, here: str, chunks: dict[Any, Reusable],
