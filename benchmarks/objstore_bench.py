@@ -10,10 +10,11 @@ One run, one server, the same transformer-shaped state dict throughout, the rows
 rotating between repetitions. It measures:
 
 - the limits, with the store's own client as mmapckpt configures it: parallel ranged downloads of
-  the saved shard object into one preallocated buffer (S3: boto3 GETs read with ``readinto``; Azure:
-  azure-storage-blob ``download_blob(offset, length).readinto``; GCS: google-cloud-storage
-  ``download_to_file`` of a range), a sweep of part sizes and concurrencies whose best is the GET
-  limit; and parallel uploads of as many bytes from memory (S3: a multipart upload; Azure: staged
+  the saved shard object into one preallocated buffer, each response's body read with ``readinto`` from
+  the ``http.client`` response beneath urllib3's, straight into the buffer (S3: boto3's ``get_object``;
+  Azure: azure-storage-blob's Get Blob operation through its pipeline, body unread; GCS:
+  google-cloud-storage's download URL through its authorized session), a sweep of part sizes and
+  concurrencies whose best is the GET limit; and parallel uploads of as many bytes from memory (S3: a multipart upload; Azure: staged
   blocks and one block list; GCS: part objects composed into one), a sweep of concurrencies whose
   best is the PUT limit;
 - mmapckpt: ``dcp.save`` with MmapWriter, ``load_into`` into preallocated targets, ``dcp.load``
@@ -140,17 +141,18 @@ class _Run:
 
 
 # ---------------------------------------------------------------------------- the stores' own clients
-class _Into:
-    """A file-like writer into ``mv`` (the SDKs' downloads write their bodies into it, no copy of their own)."""
-
-    def __init__(self, mv: memoryview) -> None:
-        self.mv, self.pos = mv, 0
-
-    def write(self, b: Any) -> int:
-        n = len(b)
-        self.mv[self.pos:self.pos + n] = b
-        self.pos += n
-        return n
+def _read_body(raw: Any, mv: memoryview) -> None:
+    """Read the body of urllib3's response ``raw`` into ``mv`` with the ``http.client`` response beneath it (the
+    socket read into the buffer itself: no chunk objects, no copy), then give the connection back to its pool."""
+    from mmapckpt.storage.ranged import _direct_stream
+    stream, release = _direct_stream(raw)
+    pos, n = 0, len(mv)
+    while pos < n:
+        got = stream.readinto(mv[pos:])
+        if not got:
+            raise ConnectionError(f"the body ended after {pos} of {n} bytes")
+        pos += got
+    release()
 
 
 def _parallel(threads: int, fn: Callable[[Any], Any], items: Any) -> list[Any]:
@@ -177,19 +179,10 @@ class _S3:
         return out
 
     def get(self, key: str, size: int, part: int, threads: int, buf: memoryview) -> None:
-        from mmapckpt.storage.s3.reads import _direct_stream
-
         def one(start: int) -> None:
             n = min(part, size - start)
             r = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + n - 1}")
-            stream, release = _direct_stream(r["Body"])
-            mv, pos = buf[start:start + n], 0
-            while pos < n:
-                got = stream.readinto(mv[pos:])
-                if not got:
-                    raise ConnectionError("body ended early")
-                pos += got
-            release()
+            _read_body(r["Body"]._raw_stream, buf[start:start + n])
         _parallel(threads, one, range(0, size, part))
 
     def put(self, key: str, data: memoryview, part: int, threads: int) -> None:
@@ -236,9 +229,8 @@ class _Azure:
 
         def one(start: int) -> None:
             n = min(part, size - start)
-            got = blob.download_blob(offset=start, length=n, max_concurrency=1).readinto(_Into(buf[start:start + n]))
-            if got != n:
-                raise ConnectionError(f"{got} of {n} bytes")
+            response = blob._client.blob.download(range=f"bytes={start}-{start + n - 1}", cls=lambda r, _d, _h: r)
+            _read_body(response.http_response.internal_response.raw, buf[start:start + n])
         _parallel(threads, one, range(0, size, part))
 
     def put(self, key: str, data: memoryview, part: int, threads: int) -> None:
@@ -284,12 +276,14 @@ class _GCS:
         return {o.name: o.size for o in self.client.list_blobs(self.bucket, prefix=prefix + "/")}
 
     def get(self, key: str, size: int, part: int, threads: int, buf: memoryview) -> None:
+        url = self.b.blob(key)._get_download_url(self.client)
+
         def one(start: int) -> None:
             n = min(part, size - start)
-            into = _Into(buf[start:start + n])
-            self.b.blob(key).download_to_file(into, start=start, end=start + n - 1, raw_download=True, checksum=None)
-            if into.pos != n:
-                raise ConnectionError(f"{into.pos} of {n} bytes")
+            response = self.client._http.request("GET", url, headers={"Range": f"bytes={start}-{start + n - 1}"},
+                                                 stream=True)
+            response.raise_for_status()
+            _read_body(response.raw, buf[start:start + n])
         _parallel(threads, one, range(0, size, part))
 
     def put(self, key: str, data: memoryview, part: int, threads: int) -> None:

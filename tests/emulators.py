@@ -7,7 +7,11 @@ bounded wait (``StartError`` with the log's tail when it does not come up) and s
 - Azurite: npm ``azurite`` (.ci/run installs it into ``~/.cache/mmapckpt-ci/azurite``; also found on
   PATH or at ``MMAPCKPT_AZURITE``, the path of its ``azurite-blob``); node 20 runs it, despite the
   engines field's ">=22". The development account ``devstoreaccount1`` and its well-known key.
-- gcp-storage-emulator: PyPI (the test extra), run with this interpreter, in memory.
+- gcp-storage-emulator: PyPI (the test extra), run with this interpreter, in memory. Its server (the standard
+  library's single-threaded ``http.server.HTTPServer``) listens with socketserver's backlog of 5 and closes every
+  connection after its answer, so a load of 8 or more concurrent GETs overflowed the queue and each dropped SYN
+  cost a 1 s retransmission (``TcpExtListenDrops``); it is started with a backlog of 128, as a real front end
+  queues, and serves one request at a time as before.
 """
 
 from __future__ import annotations
@@ -145,9 +149,13 @@ class GCSEmulator(_Child):
 
     name = "gcp-storage-emulator"
 
+    #: the emulator's own entry point, its listening socket's backlog raised from socketserver's 5
+    _LAUNCH = ("import runpy, socketserver; socketserver.TCPServer.request_queue_size = 128; "
+               "runpy.run_module('gcp_storage_emulator', run_name='__main__', alter_sys=True)")
+
     def _command(self) -> list[str]:
-        return [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port",
-                str(self.port), "--in-memory"]
+        return [sys.executable, "-c", self._LAUNCH, "start", "--host", "127.0.0.1", "--port", str(self.port),
+                "--in-memory"]
 
     def _ready_url(self) -> str:
         return f"{self.endpoint}/storage/v1/b"

@@ -1,25 +1,31 @@
 """Ranged reads of one object version into the callers' buffers, for every object store.
 
-A batch of reads (``(offset, buffer)`` pairs: target tensors, staging buffers, broadcast buffers) becomes
-requests of at most ``part_size`` bytes (:func:`plan_requests`; a batch of more than ``concurrency`` parts gets
-longer requests, one per thread, up to ``_MAX_PARTS`` parts: :meth:`RangedReads.request_size`): a long read is split, short reads of
-neighbouring ranges are joined into one request whose body is scattered into their buffers (gaps of at
-most ``_GAP`` bytes are read and dropped). The requests run on a shared pool of ``concurrency`` threads per
-medium. A medium supplies :meth:`RangedReads._fetch`, which writes one request's bytes into a :class:`Into`
-over its buffers as they arrive (Azure Blob's ``readinto``, GCS's ``download_to_file``: the one copy those
-clients allow), or its own :meth:`RangedReads._get` (S3's, which reads the body into the buffers themselves
-and resumes a body that breaks off).
+A batch of reads (``(offset, buffer)`` pairs: target tensors, staging buffers, broadcast buffers) becomes requests of
+at most ``part_size`` bytes (:func:`plan_requests`; a batch of more than ``concurrency`` parts gets longer requests,
+one per thread, up to ``_MAX_PARTS`` parts: :meth:`RangedReads.request_size`): a long read is split, short reads of
+neighbouring ranges are joined into one request whose body is scattered into their buffers (gaps of at most
+``_GAP`` bytes are read and dropped). The requests run on a shared pool of ``concurrency`` threads per medium.
+
+A medium supplies :meth:`RangedReads._open`, one GET of a byte range of the version opened, answered by its
+client's HTTP response (urllib3 beneath boto3, azure-core and google-auth's session alike). Every medium's body is
+then read the same way, here: with ``readinto`` from the ``http.client`` response beneath urllib3's, straight into
+the buffers themselves (no chunk objects, no copy), where the body is not content-encoded; and a body that breaks
+off is asked for again from its first byte not yet received, at most ``retries`` times with backoff (the clients
+retry a request that fails; a broken stream is ours).
 """
 
 from __future__ import annotations
 
+import http.client
+import random
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from ..errors import IncompleteCheckpointError, TruncatedFileError
+from ..errors import CheckpointError, IncompleteCheckpointError, StorageUnavailableError, TruncatedFileError
 
-__all__ = ["Into", "RangedReads", "Fetch", "plan_requests", "replaced_while_read"]
+__all__ = ["RangedReads", "Fetch", "plan_requests", "replaced_while_read", "TRANSIENT_STREAM_ERRORS"]
 
 #: Neighbouring reads at most this far apart are joined into one request (the gap is read and dropped).
 _GAP = 256 << 10
@@ -28,6 +34,9 @@ _GAP = 256 << 10
 #: one part): fewer, longer GETs cost the client and the store less per byte (radosgw, 1 GB, 8 threads: 16 MiB
 #: parts 0.81 of the best, 32 MiB 0.87, 64 MiB 1.0), while a request stays short enough to retry.
 _MAX_PARTS = 4
+
+#: A request's body is read in pieces of at most this many bytes (so a retry resumes close to where it broke).
+_STEP = 4 << 20
 
 #: One read of a batch: ``(offset, buffer)``; a buffer is any writable bytes-like object.
 Fetch = tuple[int, Any]
@@ -78,52 +87,43 @@ def _pool(name: str, threads: int) -> ThreadPoolExecutor:
         return pool
 
 
-class Into:
-    """A write-only file over a request's segments (buffers, and gaps given as lengths that are dropped)."""
-
-    def __init__(self, segments: list[Any]) -> None:
-        self.segments, self.i, self.pos, self.received = segments, 0, 0, 0
-
-    def write(self, data: Any) -> int:
-        mv = memoryview(data).cast("B")
-        n = len(mv)
-        while len(mv):
-            if self.i >= len(self.segments):
-                raise TruncatedFileError(f"the store sent {len(mv)} bytes more than asked for")
-            seg = self.segments[self.i]
-            size = seg if isinstance(seg, int) else len(seg)
-            take = min(size - self.pos, len(mv))
-            if not isinstance(seg, int):
-                seg[self.pos:self.pos + take] = mv[:take]
-            mv, self.pos = mv[take:], self.pos + take
-            if self.pos == size:
-                self.i, self.pos = self.i + 1, 0
-        self.received += n
-        return n
-
-    def writable(self) -> bool:
-        return True
-
-    def flush(self) -> None:
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    """Errors of a response body's stream that asking again from the bytes already read may cure."""
+    out: list[type[BaseException]] = [ConnectionError, TimeoutError, http.client.IncompleteRead]
+    try:
+        import urllib3.exceptions as u
+        out += [u.ProtocolError, u.ReadTimeoutError, u.IncompleteRead]
+    except ImportError:  # no object store's client is installed: nothing streams
         pass
+    return tuple(out)
+
+
+#: A broken response body (the connection reset, closed early or timed out mid-body): read again from where it broke.
+TRANSIENT_STREAM_ERRORS = _stream_errors()
 
 
 class RangedReads:
-    """Ranged reads of one object version of ``size`` bytes; ``on_fetch(bytes, requests)`` hears of each GET."""
+    """Ranged reads of one object version of ``size`` bytes; ``on_fetch(bytes, requests)`` hears of every GET and
+    every byte received (gaps and bytes received again after a break included: what the store sent); a broken body
+    is asked for again at most ``retries`` times."""
 
     pool_name = "ranged"
+    #: what a broken body's error tells the user to check
+    endpoint_hint = "check the store's endpoint and the network"
 
     def __init__(self, size: int, url: str, part_size: int, concurrency: int,
-                 on_fetch: Callable[[int, int], None] | None = None) -> None:
+                 on_fetch: Callable[[int, int], None] | None = None, *, retries: int = 5) -> None:
         self.size, self.url, self.part_size, self.concurrency, self.on_fetch = size, url, part_size, concurrency, on_fetch
+        self.retries = retries
 
     def request_size(self, total: int) -> int:
         """The longest request of a batch of ``total`` bytes: ``part_size``, or, for a batch of more than
         ``concurrency`` such parts, its share of the threads (one request each), at most ``_MAX_PARTS`` parts."""
         return min(max(self.part_size, -(-total // self.concurrency)), _MAX_PARTS * self.part_size)
 
-    def _fetch(self, start: int, length: int, into: Into, entry: str | None) -> None:
-        """GET bytes ``[start, start + length)`` of the version opened into ``into``; a CheckpointError on failure."""
+    def _open(self, start: int, length: int, entry: str | None) -> Any:
+        """GET bytes ``[start, start + length)`` of the version opened: the client's urllib3 response, its body not
+        yet read, after a successful status; a CheckpointError otherwise (a version gone: ``replaced_while_read``)."""
         raise NotImplementedError
 
     def read(self, fetches: list[Fetch], entry: str | None = None) -> None:
@@ -160,15 +160,111 @@ class RangedReads:
             raise error
 
     def _get(self, start: int, segments: list[Any], entry: str | None) -> None:
+        """One request: the bytes from ``start`` scattered into ``segments``, asked for again from the first byte
+        not received where a body breaks off."""
         total = sum(s if isinstance(s, int) else len(s) for s in segments)
-        into = Into(segments)
+        progress, attempt = [0], 0  # bytes of the request received, across attempts
+        while progress[0] < total:
+            try:
+                self._stream(start, total, segments, progress, entry)
+            except CheckpointError:  # the request itself failed (the client has retried it): not a broken body
+                raise
+            except TRANSIENT_STREAM_ERRORS as e:
+                attempt += 1
+                if attempt > self.retries:
+                    raise StorageUnavailableError(
+                        f"reading bytes [{start}, +{total}): the object store is unreachable or stopped answering "
+                        f"({type(e).__name__}: {e}); {self.endpoint_hint}", path=self.url, entry=entry) from e
+                time.sleep(min(5.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
+
+    def _stream(self, start: int, total: int, segments: list[Any], progress: list[int], entry: str | None) -> None:
+        """GET the request's bytes from ``start + progress[0]`` on into its segments, advancing ``progress`` as they
+        arrive (a body that breaks off raises a transient stream error, the progress kept)."""
+        pos, n = start + progress[0], total - progress[0]
+        raw = self._open(pos, n, entry)
+        if self.on_fetch is not None:
+            self.on_fetch(0, 1)
+        length = _content_length(raw)
+        if length is not None and length != n:
+            raw.close()
+            raise TruncatedFileError(f"asked for {n} bytes at {pos}, the store sent {length}", path=self.url,
+                                     entry=entry)
+        stream, release = _direct_stream(raw)
         try:
-            self._fetch(start, total, into, entry)
-        except TruncatedFileError as e:
-            raise TruncatedFileError(e.message, path=self.url, entry=entry) from None
+            for mv in _segments_from(segments, progress[0]):
+                _read_exactly(stream, mv, progress, self.on_fetch)
         finally:
-            if self.on_fetch is not None:
-                self.on_fetch(into.received, 1)
-        if into.received != total:
-            raise TruncatedFileError(f"asked for {total} bytes at {start}, the store sent {into.received}",
-                                     path=self.url, entry=entry)
+            if progress[0] < total:
+                raw.close()
+            else:
+                release()
+
+
+def _content_length(raw: Any) -> int | None:
+    value = (getattr(raw, "headers", None) or {}).get("content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _segments_from(segments: list[Any], skip: int):  # type: ignore[no-untyped-def]
+    """The writable memoryviews of ``segments`` past their first ``skip`` bytes (gaps as scratch buffers)."""
+    for s in segments:
+        n = s if isinstance(s, int) else len(s)
+        if skip >= n:
+            skip -= n
+            continue
+        if isinstance(s, int):
+            yield memoryview(bytearray(n - skip))
+        else:
+            yield s[skip:]
+        skip = 0
+
+
+def _direct_stream(raw: Any) -> tuple[Any, Callable[[], None]]:
+    """``(what to readinto from, what returns the connection to the pool once the body is read)`` for urllib3's
+    response ``raw``.
+
+    urllib3's ``readinto`` reads into a new bytes object and copies; the ``http.client`` response beneath it reads
+    from the socket into the buffer itself. That one is used where the body is not content-encoded (objects are
+    stored as they are); urllib3's ``read`` otherwise (one copy more).
+    """
+    fp = getattr(raw, "_fp", None)
+    encoding = (getattr(raw, "headers", None) or {}).get("content-encoding", "identity")
+    release = getattr(raw, "release_conn", None)
+    if fp is None or not hasattr(fp, "readinto") or encoding.lower() not in ("", "identity") or release is None:
+        return _ReadStream(raw), raw.close
+
+    def give_back() -> None:
+        raw.drain_conn()
+        release()
+    return fp, give_back
+
+
+class _ReadStream:
+    """``readinto`` over a response without a direct one (a copy through bytes)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def readinto(self, mv: memoryview) -> int:
+        data = self.raw.read(len(mv))
+        mv[:len(data)] = data
+        return len(data)
+
+
+def _read_exactly(raw: Any, mv: memoryview, progress: list[int], on_fetch: Callable[[int, int], None] | None) -> None:
+    """Fill ``mv`` from ``raw``, adding what arrives to ``progress[0]``; a body that ends early raises a transient
+    stream error."""
+    pos, n = 0, len(mv)
+    try:
+        while pos < n:
+            got = raw.readinto(mv[pos:pos + _STEP])
+            if not got:
+                raise ConnectionError(f"the response body ended after {pos} of {n} bytes")
+            pos += got
+            progress[0] += got
+    finally:
+        if on_fetch is not None and pos:
+            on_fetch(pos, 0)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from mmapckpt import CheckpointError
 from mmapckpt.reading.fetches import FetchReads, placeholder
-from mmapckpt.storage.ranged import Into, RangedReads
+from mmapckpt.storage.ranged import RangedReads
 from mmapckpt.storage.s3.options import MAX_PARTS, MIN_PART, S3Options, parse_url
 from mmapckpt.storage.s3.reads import plan_requests
 from mmapckpt.storage.s3.uploads import part_size_for
@@ -69,9 +69,13 @@ class _Memory(RangedReads):
         super().__init__(len(data), "mem://x", part_size, concurrency)
         self.data, self.lengths = data, []
 
-    def _fetch(self, start: int, length: int, into: Into, entry: str | None) -> None:
+    def _open(self, start: int, length: int, entry: str | None) -> Any:
+        import io
+
+        import urllib3
         self.lengths.append(length)
-        into.write(self.data[start:start + length])
+        return urllib3.HTTPResponse(io.BytesIO(self.data[start:start + length]), preload_content=False,
+                                    headers={"content-length": str(length)})
 
 
 @pytest.mark.parametrize("size, concurrency, lengths", [

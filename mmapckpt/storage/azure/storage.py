@@ -41,7 +41,7 @@ class BlobFile(ObjectFile):
         self.size = size
         self.ident = (etag, modified)
         self._reads = BlobReads(storage.blob(name), etag, size, self.path, storage.opts.part_size,
-                                storage.opts.concurrency, storage.stats.add)
+                                storage.opts.concurrency, storage.stats.add, retries=storage.opts.retries)
 
 
 class AzureStorage(ObjectStorage):

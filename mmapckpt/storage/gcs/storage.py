@@ -42,7 +42,8 @@ class GCSFile(ObjectFile):
         self.ident = (blob.generation, blob.updated)
         self._reads = ObjectReads(storage.bucket, storage.key(name), blob.generation, self.size, self.path,
                                   storage.opts.part_size, storage.opts.concurrency, storage.stats.add,
-                                  retry=storage.retry, timeout=storage.opts.timeout)
+                                  retry=storage.retry, timeout=storage.opts.timeout,
+                                  retries=storage.opts.retries)
 
 
 class GCSStorage(ObjectStorage):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..failures import StoreFailures, as_write_error, failing_or_other
+from ..ranged import TRANSIENT_STREAM_ERRORS
 from ...errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -87,18 +88,7 @@ def _botocore() -> tuple[Any, Any]:
     return boto()
 
 
-def _stream_errors() -> tuple[type[BaseException], ...]:
-    """Errors of a response body's stream that a retry from the bytes already read may cure."""
-    out: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    try:
-        import urllib3.exceptions as u
-        out += [u.ProtocolError, u.ReadTimeoutError, u.IncompleteRead]
-    except ImportError:  # the s3 extra is not installed: nothing streams
-        pass
-    return tuple(out)
 
-
-TRANSIENT_STREAM_ERRORS = _stream_errors()
 
 
 #: the rules of this store for the shared core
