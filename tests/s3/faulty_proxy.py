@@ -5,8 +5,9 @@ Every client connection gets its own connection to the server and two threads co
 (both sockets closed), on at most ``cuts`` connections: a body that breaks off mid-way.
 ``refuse``: the first ``refuse`` requests are answered by the proxy itself with ``503 Slow
 Down`` (S3's throttling answer) and never reach the server. ``strip_date``: every response's ``Date``
-header is renamed (same length, so nothing else moves): a store that sends no clock. The proxy's threads are daemon
-threads, and ``close()`` shuts the listening socket and every connection.
+header is renamed (same length, so nothing else moves): a store that sends no clock. ``ranges``: the byte range of
+every ranged request that passed (``Range:`` or Azure's ``x-ms-range:``), as ``(first, last)``, in arrival order.
+The proxy's threads are daemon threads, and ``close()`` shuts the listening socket and every connection.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ _SLOW_DOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConte
 
 
 _DATE = re.compile(rb"(\r\n)date:", re.IGNORECASE)
+_RANGE = re.compile(rb"\r\n(?:x-ms-)?range: *bytes=(\d+)-(\d+)", re.IGNORECASE)
 
 
 class FaultyProxy:
@@ -31,6 +33,7 @@ class FaultyProxy:
         self.target, self.cut_after, self.cuts_left, self.refuse_left = target, cut_after, cuts, refuse
         self.strip_date = strip_date
         self.cut = self.refused = self.dates_stripped = 0
+        self.ranges: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self._listen = socket.create_server(("127.0.0.1", 0))
@@ -55,7 +58,7 @@ class FaultyProxy:
             with self._lock:
                 self._socks += [client, server]
                 cut = self.cut_after if self.cuts_left > 0 else None
-            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, server, None, False, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, cut, self.strip_date), daemon=True).start()
 
     def _slow_down(self, client: socket.socket) -> None:
@@ -67,13 +70,17 @@ class FaultyProxy:
         finally:
             client.close()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, cut_after: int | None, strip_date: bool = False) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, cut_after: int | None, strip_date: bool = False,
+              requests: bool = False) -> None:
         passed = 0
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if requests:  # a request's headers arrive in one piece here: requests are small
+                    with self._lock:
+                        self.ranges += [(int(a), int(b)) for a, b in _RANGE.findall(data)]
                 if strip_date:  # a header block starts a chunk here: responses are small and read whole
                     data, n = _DATE.subn(rb"\1xdat:", data)
                     with self._lock:

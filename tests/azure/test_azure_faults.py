@@ -1,0 +1,66 @@
+"""Broken connections between mmapckpt and Azurite, injected by a TCP proxy (tests/s3/faulty_proxy.py).
+
+- A response body cut mid-way is asked for again from its first missing byte (storage/ranged.py, the core every
+  store reads through), and the load is bitwise.
+- A service that cuts every body fails with StorageUnavailableError once the retries allowed are spent.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+import emulators
+import pytest
+from faulty_proxy import FaultyProxy
+from s3_data import assert_same, complement, state_dict
+
+import mmapckpt
+
+PART = 1 << 20
+
+
+@pytest.fixture
+def saved(azurite: emulators.Azurite, az_container: str):
+    sd = state_dict(salt=5)
+    url = f"az://{az_container}/faults"
+    mmapckpt.save(sd, url, storage_options=azurite.options())
+    return url, sd
+
+
+@pytest.fixture
+def through_proxy(azurite: emulators.Azurite):
+    made = []
+
+    def make(**faults) -> tuple[FaultyProxy, dict[str, str]]:
+        u = urlparse(azurite.endpoint)
+        p = FaultyProxy((u.hostname, u.port), **faults)
+        made.append(p)
+        conn = azurite.connection_string.replace(f"127.0.0.1:{u.port}", p.endpoint_url.split("//", 1)[1])
+        return p, {"connection_string": conn}
+    yield make
+    for p in made:
+        p.close()
+
+
+def resumed(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The requests that ask for the rest of an earlier one: from a byte inside it to the same last byte."""
+    return [r for i, r in enumerate(ranges) if any(q[0] < r[0] <= q[1] and q[1] == r[1] for q in ranges[:i])]
+
+
+def test_a_blob_body_cut_midway_is_asked_for_again_from_its_first_missing_byte(saved, through_proxy):
+    url, sd = saved
+    proxy, options = through_proxy(cut_after=PART // 2 + 12345, cuts=2)
+    targets = {n: complement(t) for n, t in sd.items()}
+    mmapckpt.load_into(targets, url, storage_options={**options, "part_size": PART, "concurrency": 2})
+    assert_same(targets, sd)
+    assert proxy.cut == 2
+    assert len(resumed(proxy.ranges)) == 2, f"the cut bodies were not resumed where they broke off: {proxy.ranges}"
+
+
+@pytest.mark.timeout(120)
+def test_a_blob_service_that_keeps_cutting_bodies_is_unavailable_after_the_retries(saved, through_proxy):
+    url, sd = saved
+    _, options = through_proxy(cut_after=200_000, cuts=10_000)
+    targets = {n: complement(t) for n, t in sd.items()}
+    with pytest.raises(mmapckpt.StorageUnavailableError, match="unreachable or stopped answering.*BlobEndpoint"):
+        mmapckpt.load_into(targets, url, storage_options={**options, "part_size": PART, "retries": 2})
