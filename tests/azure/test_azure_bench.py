@@ -24,3 +24,16 @@ def test_bench_storage_quick_on_azure(az_env, az_container, azurite, tmp_path, c
     assert not list(azurite.service().get_container_client(az_container).list_blobs())
     assert not list(tmp_path.glob("objstore-bench-*"))  # its local checkpoint and cache removed
     assert "limits: limit: GET" in capsys.readouterr().out
+
+
+def test_bench_loads_only_on_azure(az_container, az_env, tmp_path):
+    """``--loads-only``: the loads and the GET limits timed, no save row and no PUT limit; the fsspec load reads the
+    checkpoint FsspecWriter saved once, untimed, and every load is bitwise."""
+    assert objstore.main([f"az://{az_container}/bench", "--loads-only", "--quick", "--out", str(tmp_path / "out"),
+                          "--dir", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "out" / "bench_az.json").read_text())
+    assert not [n for n in doc["rows"] if n.startswith(("save", "limit: PUT"))]
+    assert doc["limits"]["put"] is None and doc["limits"]["get"]
+    assert doc["rows"]["load: mmapckpt.load_into"]["of_limit"] > 0
+    assert doc["rows"]["load: dcp.load + FsspecReader (adlfs)"]["gb_per_s"] > 0
+    assert all(doc["correct"].values())
