@@ -3,8 +3,8 @@
 An entry is the directory ``ROOT/KK/KEY/`` (``KEY`` a hash of the remote file's URL) holding
 
 - the copy, under the file's own base name (``__0_0.distcp``), written only by a fetch that holds
-  ``#lock``: fetched into ``NAME.tmp-PID`` through a shared writable mapping (each byte lands in the
-  page cache as it arrives, one copy), checked (check.py), then renamed to ``NAME``; the load that
+  ``#lock``: fetched into ``NAME.tmp-PID`` window by window (each window read into a buffer, checked
+  there (check.py), written with ``O_DIRECT``: windows.py), then renamed to ``NAME``; the load that
   fetches it reads each range once it is in and checked, while the rest arrives (filling.py);
 - ``#record``: JSON naming the URL, the remote version the copy is of (its size and the medium's
   identity of it, the ETag on S3), how the copy was checked, the boot it was written in, and the
@@ -47,9 +47,11 @@ LOCK, RECORD = "#lock", "#record"
 #: A file's first 64 KiB are read on their own, in two small reads: the S3 medium serves reads shorter than
 #: that from the GET that opened the object (it keeps its first 64 KiB), so a fetch asks for each byte once.
 _FIRST = 64 << 10
-#: The file is fetched in windows of this many bytes (a multiple of O_DIRECT's block), this many in flight; each
-#: window is checked when it is in, then written; this many more windows stay in memory for the load's reads.
-_WINDOW, _AHEAD, _KEEP = 64 << 20, 3, 2
+#: The file is fetched in windows of this many bytes (a multiple of O_DIRECT's block; two GETs of the S3 medium's
+#: 16 MiB parts), this many in flight; each window is checked when it is in, then written; this many more windows
+#: stay in memory for the load's reads (windows.py). Memory: (_AHEAD + _KEEP) * _WINDOW, 192 MiB, per file being
+#: fetched, for as long as the fetch goes on.
+_WINDOW, _AHEAD, _KEEP = 32 << 20, 4, 2
 
 
 def ident_of(size: int, ident: Any) -> list[Any]:

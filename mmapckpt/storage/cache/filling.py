@@ -102,11 +102,10 @@ class Filling:
 
     def copy_out(self, offset: int, buf: Any) -> None:
         """Copy the bytes at ``offset`` (in and checked: :meth:`wait`) into ``buf``: from the buffer of the window
-        they arrived in, where the fetch still holds it (windows.py), else from the copy (``preadv``)."""
+        they arrived in, where the fetch still holds it, else from the copy (windows.py)."""
         windows = self.windows
-        if windows is None or not memoryview(buf).nbytes:
-            return
-        windows.read(offset, buf, lambda at, mv: pread_into(self.file.fd, mv, at, path=self.entry.data))
+        if windows is None or not windows.read(offset, buf):
+            pread_into(self.file.fd, buf, offset, path=self.entry.data)  # the fetch over: the copy complete
 
     def release(self) -> None:
         """Free the window buffers (the fetch over and no read copying out of them)."""

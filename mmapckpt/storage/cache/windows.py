@@ -23,10 +23,9 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
-from ...io.files import pwrite_all
+from ...io.files import pread_into, pwrite_all
 from ...io.odirect import BLOCK
 
 __all__ = ["Windows"]
@@ -48,8 +47,22 @@ class Windows:
         self._free = list(range(self.count))  # buffer slots not holding a window
         self._held: dict[int, int] = {}  # window -> slot, for windows written (the load reads them there)
         self._readers = [0] * self.count  # reads copying out of each slot now
+        self._reading = 0  # reads in progress (the buffers are released once there are none)
+        self._released = False
+        #: bytes the load read from the copy, their window no longer held
+        self.read_back = 0
         self._head = b""  # the file's first bytes, served from here until their window is written
         self._direct = _open_direct(path)
+        self._refused = False  # O_DIRECT refused at a write: the rest written through the page cache
+        # the load's reads of windows no longer held: no readahead, which could put pages of a window not yet
+        # written in the page cache, racing with its O_DIRECT write (zeros served later)
+        try:
+            self._reader = os.open(path, os.O_RDONLY)
+        except BaseException:
+            self._close_direct()
+            raise
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._reader, 0, 0, os.POSIX_FADV_RANDOM)
 
     def hold_head(self, head: bytes) -> None:
         """Serve the file's first bytes ``head`` (in and checked) from memory until their window is written."""
@@ -101,59 +114,78 @@ class Windows:
 
     def _write(self, buf: memoryview, start: int, end: int) -> None:
         n = end - start
-        if self._direct is not None:
+        if self._direct is not None and not self._refused:
             try:  # the tail rounded up to a block: the bytes past the end are cut off by finish()
                 pwrite_all(self._direct, buf[:-(-n // BLOCK) * BLOCK], start)
                 return
             except OSError as e:
                 if e.errno not in _REFUSALS:
                     raise
-                self._close_direct()  # refused after all: the rest through the page cache
+                self._refused = True  # refused after all (the descriptor closed once no window is written)
         pwrite_all(self.fd, buf[:n], start)
 
     def finish(self) -> None:
         """Every window written: the copy cut to its size (an ``O_DIRECT`` tail was written rounded up)."""
-        self._close_direct()
         os.ftruncate(self.fd, self.size)
 
     # ------------------------------------------------------------------ the load
-    def read(self, offset: int, buf: Any, fallback: Callable[[int, memoryview], None]) -> None:
-        """Copy the bytes at ``offset`` (written and checked) into ``buf``: from the buffers of the windows held,
-        ``fallback(offset, view)`` for the rest (a read of the copy). The GIL released while copying."""
-        mv = memoryview(buf).cast("B")
-        pos, end = 0, len(mv)
-        while pos < end:
-            at = offset + pos
-            k = at // self.window
-            n = min(end - pos, (k + 1) * self.window - at)
+    def read(self, offset: int, buf: Any) -> bool:
+        """Copy the bytes at ``offset`` (written and checked) into ``buf``: from the buffers of the windows held, the
+        rest read from the copy (``preadv``, without readahead); the GIL released while copying. False, having read
+        nothing, once the buffers are released (the fetch over: the caller reads the copy itself)."""
+        with self._cond:
+            if self._released:
+                return False
+            self._reading += 1
+        try:
+            mv = memoryview(buf).cast("B")
+            pos = 0
+            while pos < len(mv):
+                pos += self._piece(offset + pos, mv[pos:])
+        finally:
             with self._cond:
-                slot = self._held.get(k) if self._memory is not None else None
-                if slot is not None:
-                    self._readers[slot] += 1
-                head = self._head if slot is None else b""
+                self._reading -= 1
+                self._cond.notify_all()
+        return True
+
+    def _piece(self, at: int, mv: memoryview) -> int:
+        """Copy the bytes at ``at`` into ``mv`` up to the end of their window (or of the head held); how many."""
+        k = at // self.window
+        n = min(len(mv), (k + 1) * self.window - at)
+        with self._cond:
+            slot = self._held.get(k)
+            if slot is not None:
+                self._readers[slot] += 1
+        if slot is None:
+            head = self._head
             if at < len(head):
                 n = min(n, len(head) - at)
-                mv[pos:pos + n] = head[at:at + n]
-            elif slot is None:
-                fallback(at, mv[pos:pos + n])
+                mv[:n] = head[at:at + n]
             else:
-                try:
-                    dst = (ctypes.c_char * n).from_buffer(mv[pos:pos + n])  # read-only: TypeError, as a read into one
-                    ctypes.memmove(dst, self._base + slot * self.window + at - k * self.window, n)
-                finally:
-                    with self._cond:
-                        self._readers[slot] -= 1
-                        self._cond.notify_all()
-            pos += n
+                pread_into(self._reader, mv[:n], at, path=self.path)
+                self.read_back += n
+            return n
+        try:
+            dst = (ctypes.c_char * n).from_buffer(mv[:n])  # a read-only buffer: TypeError, as a read into one
+            ctypes.memmove(dst, self._base + slot * self.window + at - k * self.window, n)
+        finally:
+            with self._cond:
+                self._readers[slot] -= 1
+                self._cond.notify_all()
+        return n
 
     def release(self) -> None:
         """Free the buffers (no read copying from them any more: later reads read the copy)."""
         with self._cond:
-            while any(self._readers):
+            while self._reading or any(self._readers):
                 self._cond.wait()
             memory, self._memory = self._memory, None
             self._held.clear()
+            self._released = True
+            reader, self._reader = self._reader, -1
         self._close_direct()
+        if reader >= 0:
+            os.close(reader)
         if memory is not None:
             try:
                 memory.close()
