@@ -12,7 +12,7 @@ from unmapped import medium, url  # noqa: F401  (medium: the unmapped:// fixture
 
 import mmapckpt
 from mmapckpt.errors import ChecksumError
-from mmapckpt.storage.cache import entry, filling
+from mmapckpt.storage.cache import entry, filling, windows
 from mmapckpt.storage.cache.entry import Entry
 
 
@@ -121,3 +121,111 @@ def test_a_fetch_that_fails_midway_raises_checkpoint_error_naming_the_url_and_ca
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.EIO
     e = Entry(cache, url(shard))
     assert e.read_record() is None and sorted(os.listdir(e.dir)) == ["#lock"]
+
+
+def _loaded_through(cache: str, ck, sd) -> None:  # noqa: ANN001
+    targets = {k: torch.zeros_like(v) for k, v in sd.items()}
+    mmapckpt.load_into(targets, url(ck), storage_options={"cache_dir": cache})
+    _same(targets, sd)
+
+
+def test_the_copy_has_the_file_s_size_and_bytes(medium, tmp_path):  # noqa: F811
+    """The fetch writes whole O_DIRECT blocks (the tail rounded up, windows.py): the copies of a shard and of the
+    1272-byte ``.metadata`` are cut back to their files' sizes, byte for byte."""
+    sd = _sd()
+    mmapckpt.save(sd, tmp_path / "ck")
+    cache = str(tmp_path / "cache")
+    _loaded_through(cache, tmp_path / "ck", sd)
+    for name in ("__0_0.distcp", ".metadata"):
+        e = Entry(cache, url(tmp_path / "ck" / name))
+        with open(tmp_path / "ck" / name, "rb") as f, open(e.data, "rb") as g:
+            assert g.read() == f.read()
+        assert e.read_record() is not None
+    assert os.path.getsize(tmp_path / "ck" / ".metadata") % 4096  # (a file whose tail is not a whole block)
+
+
+def test_a_cache_on_a_file_system_without_o_direct_takes_copies_through_the_page_cache(medium, tmp_path,  # noqa: F811
+                                                                                       monkeypatch):
+    """A file system that refuses O_DIRECT at the open (tmpfs before Linux 6.6, some FUSE mounts; EINVAL here): the
+    windows are written with ``pwrite`` instead, and the copy is cached (not read uncached, as a cache that cannot
+    take a file is), then served."""
+    import errno
+
+    real = os.open
+
+    def refusing(path, flags, *a, **kw):  # noqa: ANN001, ANN002, ANN003
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real(path, flags, *a, **kw)
+    monkeypatch.setattr(os, "open", refusing)
+    sd = _sd()
+    mmapckpt.save(sd, tmp_path / "ck")
+    cache = str(tmp_path / "cache")
+    _loaded_through(cache, tmp_path / "ck", sd)
+    e = Entry(cache, url(tmp_path / "ck" / "__0_0.distcp"))
+    assert e.read_record() is not None
+    fetched = medium[0]
+    _loaded_through(cache, tmp_path / "ck", sd)
+    assert medium[0] == fetched  # served from the copy
+
+
+def test_a_file_system_refusing_an_o_direct_write_gets_the_rest_through_the_page_cache(medium, tmp_path,  # noqa: F811
+                                                                                         monkeypatch):
+    """Some file systems take the O_DIRECT open and refuse the write (EINVAL): that window and the rest are written
+    with ``pwrite``; the copy is cached and bitwise."""
+    import errno
+    import fcntl
+
+    monkeypatch.setattr(entry, "_WINDOW", 256 << 10)
+    real, refused = windows.pwrite_all, []
+
+    def pwrite_all(fd, data, offset):  # noqa: ANN001
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and offset >= 1 << 20:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        real(fd, data, offset)
+    monkeypatch.setattr(windows, "pwrite_all", pwrite_all)
+    sd = _sd()
+    mmapckpt.save(sd, tmp_path / "ck")
+    cache = str(tmp_path / "cache")
+    _loaded_through(cache, tmp_path / "ck", sd)
+    assert refused
+    e = Entry(cache, url(tmp_path / "ck" / "__0_0.distcp"))
+    assert e.read_record() is not None
+    with open(tmp_path / "ck" / "__0_0.distcp", "rb") as f, open(e.data, "rb") as g:
+        assert g.read() == f.read()
+
+
+def test_a_window_taken_back_is_read_from_the_copy(tmp_path):
+    """The windows a fetch no longer holds (their buffer taken for a later window) are read from the copy, as
+    written; the ones held are copied from their buffer; a read into a read-only buffer raises TypeError."""
+    w, size = 8192, 3 * 8192 - 100
+    data = os.urandom(size)
+    path = str(tmp_path / "copy")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        ws = windows.Windows(path, fd, size, w, 1)
+        for k in range(3):
+            slot = ws.take()
+            with ws.view(slot) as buf:
+                buf[:min(w, size - k * w)] = data[k * w:(k + 1) * w]
+            ws.put(k, slot, min(size, (k + 1) * w))
+            got = bytearray(min(size, (k + 1) * w))
+            assert ws.read(0, got)
+            assert bytes(got) == data[:len(got)]
+            assert ws.read_back == w * k * (k + 1) // 2  # windows 0..k-1, each read back at each later k
+        before = ws.read_back
+        got = bytearray(w)
+        assert ws.read(2 * w - 4096, memoryview(got)[:4096 + 100])
+        assert bytes(got[:4196]) == data[2 * w - 4096:2 * w + 100] and ws.read_back == before + 4096
+        with pytest.raises(TypeError):
+            ws.read(0, bytes(10))
+        ws.finish()
+        ws.release()
+        assert not ws.read(0, bytearray(10))  # released: the caller reads the copy itself
+        assert os.path.getsize(path) == size
+        with open(path, "rb") as f:
+            assert f.read() == data
+    finally:
+        os.close(fd)

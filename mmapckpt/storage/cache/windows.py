@@ -133,12 +133,14 @@ class Windows:
         """Copy the bytes at ``offset`` (written and checked) into ``buf``: from the buffers of the windows held, the
         rest read from the copy (``preadv``, without readahead); the GIL released while copying. False, having read
         nothing, once the buffers are released (the fetch over: the caller reads the copy itself)."""
+        mv = memoryview(buf).cast("B")
+        if mv.readonly:
+            raise TypeError("a read into a read-only buffer")
         with self._cond:
             if self._released:
                 return False
             self._reading += 1
         try:
-            mv = memoryview(buf).cast("B")
             pos = 0
             while pos < len(mv):
                 pos += self._piece(offset + pos, mv[pos:])
