@@ -1,13 +1,13 @@
 """A file fetched into its cache entry while the load that asked for it reads it: one fetch, one write, overlapped.
 
 The first load of a remote file through the cache (storage.py, on a miss) starts :class:`Filling`: a thread
-of this process fetches the file into ``NAME.tmp-PID`` (entry.py ``fill``: ranged GETs into a buffer per window,
-each window's CRC-32s computed as it arrives, then written into the copy with ``O_DIRECT``: windows.py) while the
-load reads the copy through :class:`FillingFile`. A read of a range waits until the fetch has brought in every byte before the range's
-end and compared every entry those bytes belong to with the shard's header (``Checker.checked_to``): the
-load is served only bytes fetched and checked, as from a published copy, and a range that fails its check
-fails the read that waits for it (``ChecksumError``). So the load's copy into its targets runs while the
-next windows arrive, instead of after the whole file.
+of this process fetches the file into ``NAME.tmp-PID`` (entry.py ``fill``: ranged GETs into a buffer per
+window, each window's CRC-32s computed as it arrives, then written into the copy with ``O_DIRECT``:
+windows.py) while the load reads the copy through :class:`FillingFile`. A read of a range waits until the
+fetch has brought in every byte before the range's end and compared every entry those bytes belong to with
+the shard's header (``Checker.checked_to``): the load is served only bytes fetched and checked, as from a
+published copy, and a range that fails its check fails the read that waits for it (``ChecksumError``). So
+the load's copy into its targets runs while the next windows arrive, instead of after the whole file.
 
 The entry's rules stay: ``#lock`` is held from before the fetch until the copy is renamed into place and
 its record written (other processes wait, then map it: one fetch per byte), the copy becomes visible only

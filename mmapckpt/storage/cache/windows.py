@@ -41,6 +41,7 @@ class Windows:
     def __init__(self, path: str, fd: int, size: int, window: int, count: int) -> None:
         self.path, self.fd, self.size, self.window = path, fd, size, window
         self.count = max(1, min(count, -(-size // window)))
+        self._room = min(window, -(-size // BLOCK) * BLOCK) or BLOCK  # one buffer's bytes (a small file: its own)
         self._cond = threading.Condition()
         self._memory: mmap.mmap | None = None  # made on the first window (its pages touched as they are used)
         self._base = 0
@@ -74,7 +75,7 @@ class Windows:
         no read is copying from."""
         with self._cond:
             if self._memory is None:
-                self._memory = _anonymous(self.count * self.window)
+                self._memory = _anonymous(self.count * self._room)
                 self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
             while True:
                 if self._free:
@@ -90,7 +91,7 @@ class Windows:
     def view(self, slot: int) -> memoryview:
         """The buffer ``slot`` (:meth:`take`)."""
         assert self._memory is not None
-        return memoryview(self._memory)[slot * self.window:(slot + 1) * self.window]
+        return memoryview(self._memory)[slot * self._room:(slot + 1) * self._room]
 
     def put(self, k: int, slot: int, end: int) -> None:
         """Write window ``k``, its bytes before ``end`` in buffer ``slot`` (:meth:`take`), into the copy, and hold it
@@ -169,7 +170,7 @@ class Windows:
             return n
         try:
             dst = (ctypes.c_char * n).from_buffer(mv[:n])  # a read-only buffer: TypeError, as a read into one
-            ctypes.memmove(dst, self._base + slot * self.window + at - k * self.window, n)
+            ctypes.memmove(dst, self._base + slot * self._room + at - k * self.window, n)
         finally:
             with self._cond:
                 self._readers[slot] -= 1
