@@ -1,13 +1,13 @@
 """A file fetched into its cache entry while the load that asked for it reads it: one fetch, one write, overlapped.
 
 The first load of a remote file through the cache (storage.py, on a miss) starts :class:`Filling`: a thread
-of this process fetches the file into ``NAME.tmp-PID`` (entry.py ``fill``: ranged GETs into a buffer per
-window, each window's CRC-32s computed as it arrives, then written into the copy with ``O_DIRECT``:
-windows.py) while the load reads the copy through :class:`FillingFile`. A read of a range waits until the
-fetch has brought in every byte before the range's end and compared every entry those bytes belong to with
-the shard's header (``Checker.checked_to``): the load is served only bytes fetched and checked, as from a
-published copy, and a range that fails its check fails the read that waits for it (``ChecksumError``). So
-the load's copy into its targets runs while the next windows arrive, instead of after the whole file.
+of this process fetches the file into ``NAME.tmp-PID`` (entry.py ``fill``: ranged GETs straight into the
+copy's shared mapping, each window's CRC-32s computed as it arrives) while the load reads the copy through
+:class:`FillingFile`. A read of a range waits until the fetch has brought in every byte before the range's
+end and compared every entry those bytes belong to with the shard's header (``Checker.checked_to``): the
+load is served only bytes fetched and checked, as from a published copy, and a range that fails its check
+fails the read that waits for it (``ChecksumError``). So the load's copy into its targets runs while the
+next windows arrive, instead of after the whole file.
 
 The entry's rules stay: ``#lock`` is held from before the fetch until the copy is renamed into place and
 its record written (other processes wait, then map it: one fetch per byte), the copy becomes visible only
@@ -18,17 +18,19 @@ whole fetch. A fetch that fails removes its temporary file; a killed one leaves 
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import mmap
 import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from ...errors import CheckpointError
-from ...io.files import pread_into, unlink_quietly
+from ...io.files import unlink_quietly
 from ...io.mapped import MappedFile
 from ..base import CheckpointStorage, StoredFile
-from .entry import CachedFile, Entry, fill, windows_for
+from .entry import CachedFile, Entry, fill
 
 __all__ = ["Filling", "FillingFile"]
 
@@ -44,7 +46,7 @@ class Filling:
         self.entry, self.after = entry, after
         self._cond = threading.Condition()
         self._ready, self._done, self._error = 0, False, None  # bytes before _ready: in and checked
-        self.windows = None
+        self._served = 0  # reads copying out of the mapping now (it is closed once there are none)
         entry.clear_leftovers()
         self._rf = remote.open_file(name)
         fd = rfd = -1
@@ -53,9 +55,11 @@ class Filling:
             self.version = version_of(self._rf)
             self.size = self._rf.size
             fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            if self.size:  # no room: an OSError here, before anything is fetched
+            if self.size:  # no room: an OSError here, never a SIGBUS on a write into the mapping
                 os.posix_fallocate(fd, 0, self.size)
-            self.windows = windows_for(self.tmp, fd, self.size)
+            self._mm = None if not self.size else mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED,
+                                                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._at = 0 if self._mm is None else ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
             rfd = os.open(self.tmp, os.O_RDONLY)
             fcntl.flock(rfd, fcntl.LOCK_SH)  # what the copy will be: in use by this process (evict.py)
             self.file = FillingFile(rfd, entry.data, self.size, entry.url, self)
@@ -63,7 +67,7 @@ class Filling:
             for d in (fd, rfd):
                 if d >= 0:
                     os.close(d)
-            self.release()
+            self.close_mapping()
             unlink_quietly(self.tmp)
             self._rf.close()
             raise
@@ -79,13 +83,12 @@ class Filling:
     def _run(self) -> None:
         ok = False
         try:
-            check = fill(self.windows, self._rf, self.entry.url, self._progress)
+            check = fill(self._mm, self._rf, self.entry.url, self._progress)
             self.entry.publish(self.tmp, self._fd, self.version, check)
             ok = True
         except BaseException as e:  # noqa: BLE001 - handed to the reads that wait for it
             self._error = e
             unlink_quietly(self.tmp)
-            self.release()
         finally:
             self._rf.close()
             os.close(self._fd)
@@ -101,17 +104,38 @@ class Filling:
                 pass
 
     def copy_out(self, offset: int, buf: Any) -> None:
-        """Copy the bytes at ``offset`` (in and checked: :meth:`wait`) into ``buf``: from the buffer of the window
-        they arrived in, where the fetch still holds it, else from the copy (windows.py)."""
-        windows = self.windows
-        if windows is None or not windows.read(offset, buf):
-            pread_into(self.file.fd, buf, offset, path=self.entry.data)  # the fetch over: the copy complete
+        """Copy the bytes at ``offset`` (in and checked: :meth:`wait`) into ``buf`` from the fetch's own mapping of
+        the copy (its pages already mapped: no page-cache lookups), the GIL released (``ctypes.memmove``)."""
+        mv = memoryview(buf).cast("B")
+        n = len(mv)
+        if not n:
+            return
+        dst = (ctypes.c_char * n).from_buffer(mv)  # a read-only buffer: TypeError, as a read into one is
+        with self._cond:
+            if self._mm is None:
+                raise ValueError(f"read of a closed file ({self.entry.data})")
+            self._served += 1
+        try:
+            ctypes.memmove(dst, self._at + offset, n)
+        finally:
+            with self._cond:
+                self._served -= 1
+                self._cond.notify_all()
 
-    def release(self) -> None:
-        """Free the window buffers (the fetch over and no read copying out of them)."""
-        windows = getattr(self, "windows", None)
-        if windows is not None:
-            windows.release()
+    def close_mapping(self) -> None:
+        """Unmap the fetch's mapping (the fetch over and no read copying out of it)."""
+        cond = getattr(self, "_cond", None)
+        if cond is None:
+            return
+        with cond:
+            while getattr(self, "_served", 0):
+                cond.wait()
+            mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # still exported (ctypes): unmapped when collected
+                pass
 
     def wait(self, end: int, *, whole: bool = False) -> None:
         """Return once the bytes before ``end`` are in and checked (``whole``: once the copy is in place).
@@ -175,4 +199,4 @@ class FillingFile(CachedFile):
         leaves its files cached)."""
         super().close()
         self.filling.join()
-        self.filling.release()
+        self.filling.close_mapping()
