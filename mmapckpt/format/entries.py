@@ -12,16 +12,17 @@ import gc
 import os
 import re
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from ..errors import UnsafePathError
+from ..records import Record
 from .dtypes import _TORCH, ITEMSIZES, torch_dtype
 
 __all__ = ["ChunkInfo", "EntryInfo", "numel", "paused_gc", "safe_relative_path", "SaveId", "REFERENCE",
            "reference_parts", "ROOT_MARKER"]
 
 
-class ChunkInfo(NamedTuple):
+class ChunkInfo(Record):
     """One stored chunk of a tensor: its place in the global tensor and in its file.
 
     Attributes:
@@ -32,14 +33,20 @@ class ChunkInfo(NamedTuple):
         length: its length in bytes.
     """
 
+    __slots__ = ()
+
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     file: str  # relative to the checkpoint directory
     file_offset: int  # negative, and unique per tensor, in a torch.save file (torch owns its layout)
     length: int
 
+    def __new__(cls, offsets: tuple[int, ...], sizes: tuple[int, ...], file: str, file_offset: int,
+                length: int) -> ChunkInfo:
+        return tuple.__new__(cls, (offsets, sizes, file, file_offset, length))
 
-class EntryInfo(NamedTuple):
+
+class EntryInfo(Record):
     """What a checkpoint holds under one name.
 
     ``kind`` is ``"tensor"`` or ``"object"`` (a pickled non-tensor value); ``dtype``
@@ -55,11 +62,17 @@ class EntryInfo(NamedTuple):
         chunks: the stored chunks, with their files and offsets.
     """
 
+    __slots__ = ()
+
     name: str
     kind: str
     dtype_name: Optional[str]
     shape: Optional[tuple[int, ...]]
     chunks: tuple[ChunkInfo, ...]
+
+    def __new__(cls, name: str, kind: str, dtype_name: Optional[str], shape: Optional[tuple[int, ...]],
+                chunks: tuple[ChunkInfo, ...]) -> EntryInfo:
+        return tuple.__new__(cls, (name, kind, dtype_name, shape, chunks))
 
     @property
     def dtype(self) -> Any:

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Collection, Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (BadMagicError, CheckpointError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError,
                       TruncatedFileError)
 from ..format.metadata import MAX_METADATA_SIZE, METADATA_NAME, metadata_kind
 from ..io.mapped import MappedFile
+from ..records import Record
 
 if TYPE_CHECKING:
     from .replacement import Replacement
@@ -158,13 +159,18 @@ class Lock(abc.ABC):
         """Let the next save in (removing only this save's own hold, never another's)."""
 
 
-class CommitFile(NamedTuple):
+class CommitFile(Record):
     """A commit file as read; ``kind`` is ``"mmapckpt"`` or ``"dcp"``."""
+
+    __slots__ = ()
 
     name: str
     full: str
     kind: str
     data: bytes
+
+    def __new__(cls, name: str, full: str, kind: str, data: bytes) -> CommitFile:
+        return tuple.__new__(cls, (name, full, kind, data))
 
 
 class CheckpointStorage(abc.ABC):
