@@ -125,14 +125,15 @@ def paused_gc() -> Iterator[None]:
 
 #: The file that makes a directory (or prefix) a managed root: its steps may refer to each other's shards.
 ROOT_MARKER = ".mmapckpt-root"
-#: A cross-step reference (docs/format.md 3.4): one ``..``, a sibling step directory, one shard file name.
-REFERENCE = re.compile(r"\.\./(step-(?:0|[1-9][0-9]{0,18}))/([^/\\\x00]+)")
+#: A cross-step reference (docs/format.md 3.4): one ``..``, a sibling step directory, one shard file name. The
+#: pattern's text: ``re`` compiles it on first use (a managed root's load), not every new process at import.
+REFERENCE = r"\.\./(step-(?:0|[1-9][0-9]{0,18}))/([^/\\\x00]+)"
 
 
 def reference_parts(rel: str) -> tuple[str, str] | None:
     """(sibling step directory, file name) of a cross-step reference ``../step-{M}/{name}``; None for any other
     name (which :func:`safe_relative_path` judges)."""
-    m = REFERENCE.fullmatch(rel)
+    m = re.fullmatch(REFERENCE, rel)
     if m is None or m.group(2) in (".", ".."):
         return None
     return m.group(1), m.group(2)
