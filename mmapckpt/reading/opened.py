@@ -69,7 +69,7 @@ def open_dcp(place: Place, files: Files | None, verify: bool, commit: CommitFile
     (entries, save id), where the caller has decoded them (``inspect``: with the version)."""
     storage = place.storage
     if commit is None:
-        commit = storage.read_metadata(storage.find_metadata())
+        commit = storage.read_commit()
     entries, save_id = decode_index_file(commit.kind, commit.data, commit.full) if index is None else index
     read: list[dict[str, str] | None] = []
 

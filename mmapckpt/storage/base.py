@@ -281,6 +281,19 @@ class CheckpointStorage(abc.ABC):
         data = self.read_file(name, MAX_METADATA_SIZE)
         return CommitFile(name, self.full(name), self._kind(name, bytes(data[:8])), data)
 
+    def read_commit(self) -> CommitFile:
+        """The committed ``.metadata`` read whole (:meth:`read_metadata` of :meth:`find_metadata`'s name), opened
+        once: the open that reads it is the check that it does not leave the location.
+
+        Raises:
+            CheckpointNotFoundError: no checkpoint here.
+            IncompleteCheckpointError: shard files but no commit (a save that did not finish).
+            BadMagicError: neither mmapckpt nor stock DCP metadata.
+        """
+        if self.exists(METADATA_NAME):
+            return self.read_metadata(METADATA_NAME)
+        return self.read_metadata(self.find_metadata())  # raises the error that says why it is not there
+
     def commit_kind(self, name: str = METADATA_NAME) -> str:
         """The kind of commit file ``name`` (``"mmapckpt"`` or ``"dcp"``) from its first bytes, reading no more.
 
