@@ -71,7 +71,7 @@ class Record(tuple):  # type: ignore[type-arg]  # each subclass's fields give it
 
     def _replace(self: R, **changes: Any) -> R:
         """A copy with the named fields replaced by new values."""
-        result = self._make(map(changes.pop, self._fields, self))
+        result = tuple.__new__(type(self), map(changes.pop, self._fields, self))
         if changes:
             raise ValueError(f"{type(self).__name__} has no fields {list(changes)!r}")
         return result
