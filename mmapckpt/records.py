@@ -45,6 +45,8 @@ class Record(tuple):  # type: ignore[type-arg]  # each subclass's fields give it
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         fields = tuple(cls.__dict__.get("__annotations__", ()))
+        if not fields and "__new__" not in cls.__dict__ and cls._fields:  # a record's subclass adding no fields
+            return  # (a named tuple's subclass keeps its fields, as here)
         new = cls.__dict__.get("__new__")
         params: tuple[str, ...] = ()
         if new is not None:
