@@ -25,7 +25,7 @@ handled here:
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -35,19 +35,25 @@ from .format.aliases import shared_names
 from .format.casts import check_cast
 from .io.staging_options import check_device
 from .lazy import LazyCheckpoint, read_tensors
+from .records import Record
 
 __all__ = ["load_model"]
 
 _CAST_FIX = "build the model with the checkpoint's dtype, or pass allow_cast=True to cast anyway"
 
 
-class _Slot(NamedTuple):
+class _Slot(Record):
     """Where a model keeps the tensor of one name."""
+
+    __slots__ = ()
 
     module: nn.Module
     attr: str
     is_param: bool
     persistent: bool
+
+    def __new__(cls, module: nn.Module, attr: str, is_param: bool, persistent: bool) -> _Slot:
+        return tuple.__new__(cls, (module, attr, is_param, persistent))
 
     def get(self) -> torch.Tensor:
         return (self.module._parameters if self.is_param else self.module._buffers)[self.attr]  # type: ignore[return-value]

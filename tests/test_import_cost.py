@@ -23,7 +23,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -240,3 +242,61 @@ def test_save_imports_no_torch_distributed(tmp_path: Path) -> None:
     dcp.load(out, storage_reader=mmapckpt.MmapReader(tmp_path / "ck"), no_dist=True)
     assert torch.equal(out["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
     assert torch.equal(out["tied"], out["w"]) and torch.equal(out["b"], torch.ones(5, dtype=torch.bfloat16))
+
+
+_BUILT_CHILD = r"""
+import json, re, sys, torch
+import mmapckpt
+from mmapckpt.records import Record
+
+path = sys.argv[1]
+mmapckpt.load_into({"weight": torch.empty(3, 4), "bias": torch.empty(3)}, path)
+mmapckpt.load(path)
+with mmapckpt.open(path) as f:
+    f.keys(), f.get_tensor("weight"), f.info("bias")
+named, patterns = [], []
+for name, module in sorted(sys.modules.items()):
+    if not name.startswith("mmapckpt"):
+        continue
+    for attr, value in vars(module).items():
+        if isinstance(value, re.Pattern):
+            patterns.append(f"{name}.{attr}")
+        elif isinstance(value, type) and value.__module__ == name and issubclass(value, tuple) \
+                and hasattr(value, "_fields") and not issubclass(value, Record):
+            named.append(f"{name}.{attr}")
+print(json.dumps([named, patterns]))
+"""
+
+
+def test_the_local_load_path_compiles_no_code_at_import(tmp_path: Path) -> None:
+    """The modules a new process imports to open and load a local mmapckpt checkpoint build their named tuples as
+    ``records.Record``s, not ``typing.NamedTuple``s (which compile each class's ``__new__`` and each field's annotation
+    string: about 0.13 ms a class, against 0.01), and compile no regular expression at import (``re`` compiles a
+    pattern on its first use: a load that does not use one does not pay for it)."""
+    torch.manual_seed(0)
+    mmapckpt.save(torch.nn.Linear(4, 3).state_dict(), tmp_path / "mm")
+    p = subprocess.run([sys.executable, "-c", _BUILT_CHILD, str(tmp_path / "mm")], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    named, patterns = json.loads(p.stdout.strip().splitlines()[-1])
+    assert named == [], f"named tuples made by typing.NamedTuple on the local load path: {named}"
+    assert patterns == [], f"regular expressions compiled at import on the local load path: {patterns}"
+
+
+def test_a_local_load_reads_its_commit_with_one_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``open_dcp`` finds and reads the committed ``.metadata`` with one open (``read_commit``): with the format's
+    recognition (its first 8 bytes), a local load opens it twice; each open resolves the path and checks the
+    descriptor (4 ``realpath``s, a ``readlink``)."""
+    from mmapckpt.storage.local import LocalStorage
+
+    mmapckpt.save({"w": torch.arange(6.0)}, tmp_path / "mm")
+    opened: list[str] = []
+    real = LocalStorage.open_file
+
+    def counted(self: LocalStorage, name: str) -> Any:
+        opened.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(LocalStorage, "open_file", counted)
+    assert torch.equal(mmapckpt.load(tmp_path / "mm")["w"], torch.arange(6.0))
+    assert opened.count(".metadata") == 2, opened

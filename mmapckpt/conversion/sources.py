@@ -36,7 +36,7 @@ class DcpSource(Source):
 
     def __init__(self, place: Place) -> None:
         storage = place.storage
-        commit = storage.read_metadata(storage.find_metadata())
+        commit = storage.read_commit()
         self.metadata = md = decode_metadata_file(commit.kind, commit.data, commit.full)
         if md.storage_data is None:
             raise FormatError("metadata has no storage data", path=commit.full)

@@ -12,16 +12,17 @@ import gc
 import os
 import re
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from ..errors import UnsafePathError
+from ..records import Record
 from .dtypes import _TORCH, ITEMSIZES, torch_dtype
 
 __all__ = ["ChunkInfo", "EntryInfo", "numel", "paused_gc", "safe_relative_path", "SaveId", "REFERENCE",
            "reference_parts", "ROOT_MARKER"]
 
 
-class ChunkInfo(NamedTuple):
+class ChunkInfo(Record):
     """One stored chunk of a tensor: its place in the global tensor and in its file.
 
     Attributes:
@@ -32,14 +33,20 @@ class ChunkInfo(NamedTuple):
         length: its length in bytes.
     """
 
+    __slots__ = ()
+
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     file: str  # relative to the checkpoint directory
     file_offset: int  # negative, and unique per tensor, in a torch.save file (torch owns its layout)
     length: int
 
+    def __new__(cls, offsets: tuple[int, ...], sizes: tuple[int, ...], file: str, file_offset: int,
+                length: int) -> ChunkInfo:
+        return tuple.__new__(cls, (offsets, sizes, file, file_offset, length))
 
-class EntryInfo(NamedTuple):
+
+class EntryInfo(Record):
     """What a checkpoint holds under one name.
 
     ``kind`` is ``"tensor"`` or ``"object"`` (a pickled non-tensor value); ``dtype``
@@ -55,11 +62,17 @@ class EntryInfo(NamedTuple):
         chunks: the stored chunks, with their files and offsets.
     """
 
+    __slots__ = ()
+
     name: str
     kind: str
     dtype_name: Optional[str]
     shape: Optional[tuple[int, ...]]
     chunks: tuple[ChunkInfo, ...]
+
+    def __new__(cls, name: str, kind: str, dtype_name: Optional[str], shape: Optional[tuple[int, ...]],
+                chunks: tuple[ChunkInfo, ...]) -> EntryInfo:
+        return tuple.__new__(cls, (name, kind, dtype_name, shape, chunks))
 
     @property
     def dtype(self) -> Any:
@@ -112,14 +125,15 @@ def paused_gc() -> Iterator[None]:
 
 #: The file that makes a directory (or prefix) a managed root: its steps may refer to each other's shards.
 ROOT_MARKER = ".mmapckpt-root"
-#: A cross-step reference (docs/format.md 3.4): one ``..``, a sibling step directory, one shard file name.
-REFERENCE = re.compile(r"\.\./(step-(?:0|[1-9][0-9]{0,18}))/([^/\\\x00]+)")
+#: A cross-step reference (docs/format.md 3.4): one ``..``, a sibling step directory, one shard file name. The
+#: pattern's text: ``re`` compiles it on first use (a managed root's load), not every new process at import.
+REFERENCE = r"\.\./(step-(?:0|[1-9][0-9]{0,18}))/([^/\\\x00]+)"
 
 
 def reference_parts(rel: str) -> tuple[str, str] | None:
     """(sibling step directory, file name) of a cross-step reference ``../step-{M}/{name}``; None for any other
     name (which :func:`safe_relative_path` judges)."""
-    m = REFERENCE.fullmatch(rel)
+    m = re.fullmatch(REFERENCE, rel)
     if m is None or m.group(2) in (".", ".."):
         return None
     return m.group(1), m.group(2)

@@ -26,12 +26,13 @@ import re
 import struct
 import sys
 from json.encoder import encode_basestring_ascii as _quote
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, Sequence
 
 from .crc import crc32
 from ..errors import (BadMagicError, ByteOrderError, EntryBoundsError, FormatError, TruncatedFileError,
                       UnsupportedVersionError)
 from .dtypes import _DTYPE_TABLE, ITEMSIZES, NAMED, check_dtype_name, dtype_from_name, dtype_name  # noqa: F401 - the format's names
+from ..records import Record
 from .tiling import shape_problem
 
 DTYPES: dict[str, tuple[Any, int]]  # name -> (torch.dtype, itemsize), made on first use: see __getattr__
@@ -77,8 +78,10 @@ def host_byte_order() -> int:
     return BYTE_ORDER_LITTLE if sys.byteorder == "little" else BYTE_ORDER_BIG
 
 
-class EntrySpec(NamedTuple):
+class EntrySpec(Record):
     """What the writer knows of an entry before laying it out."""
+
+    __slots__ = ()
 
     fqn: str
     chunk_offsets: tuple[int, ...] | None  # None for non-tensor (bytes) entries
@@ -87,9 +90,15 @@ class EntrySpec(NamedTuple):
     shape: tuple[int, ...]
     length: int
 
+    def __new__(cls, fqn: str, chunk_offsets: tuple[int, ...] | None, kind: str, dtype: str | None,
+                shape: tuple[int, ...], length: int) -> EntrySpec:
+        return tuple.__new__(cls, (fqn, chunk_offsets, kind, dtype, shape, length))
 
-class Entry(NamedTuple):
+
+class Entry(Record):
     """One entry of a shard header: where its bytes are and what they are (``_replace`` gives a changed copy)."""
+
+    __slots__ = ()
 
     fqn: str
     chunk_offsets: tuple[int, ...] | None
@@ -100,7 +109,12 @@ class Entry(NamedTuple):
     length: int
     crc32: int
     #: for KIND_ENCODED: the stream-transform descriptors, in the order DCP's ``_StorageInfo`` keeps them
-    transforms: tuple[str, ...] = ()
+    transforms: tuple[str, ...]
+
+    def __new__(cls, fqn: str, chunk_offsets: tuple[int, ...] | None, kind: str, dtype: str | None,
+                shape: tuple[int, ...], offset: int, length: int, crc32: int,
+                transforms: tuple[str, ...] = ()) -> Entry:
+        return tuple.__new__(cls, (fqn, chunk_offsets, kind, dtype, shape, offset, length, crc32, transforms))
 
     @property
     def key(self) -> tuple[str, tuple[int, ...] | None]:
@@ -163,13 +177,18 @@ def entry_alignment(length: int, alignment: int) -> int:
     return alignment if length >= alignment else MIN_ALIGNMENT
 
 
-class ShardPlan(NamedTuple):
+class ShardPlan(Record):
     """A shard file laid out: its entries (CRC-32s still 0), its size, and its header's text but the checksums."""
+
+    __slots__ = ()
 
     entries: list[Entry]
     file_size: int
     save_id: str | None
     heads: list[str]  # per entry: its header object up to the crc32 value
+
+    def __new__(cls, entries: list[Entry], file_size: int, save_id: str | None, heads: list[str]) -> ShardPlan:
+        return tuple.__new__(cls, (entries, file_size, save_id, heads))
 
     def header(self, crcs: Sequence[int]) -> bytes:
         """The preamble and JSON header with each entry's CRC-32 (what :func:`encode_header` gives)."""

@@ -26,9 +26,10 @@ copied into a new, aligned tensor, because torch cannot view misaligned elements
 from __future__ import annotations
 
 import json
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..errors import FormatError, TruncatedFileError, UnknownDtypeError
+from ..records import Record
 from .dtypes import ITEMSIZES, torch_dtype
 from .entries import ChunkInfo, EntryInfo, numel
 from .tiling import shape_problem
@@ -71,9 +72,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-class SafetensorsEntry(NamedTuple):
+class SafetensorsEntry(Record):
     """One tensor of a safetensors header; ``begin``/``end`` are relative to the data section; ``dtype_name``: the
     format's name of its dtype (:attr:`dtype`: the torch dtype)."""
+
+    __slots__ = ()
 
     name: str
     dtype_name: str
@@ -81,19 +84,28 @@ class SafetensorsEntry(NamedTuple):
     begin: int
     end: int
 
+    def __new__(cls, name: str, dtype_name: str, shape: tuple[int, ...], begin: int, end: int) -> SafetensorsEntry:
+        return tuple.__new__(cls, (name, dtype_name, shape, begin, end))
+
     @property
     def dtype(self) -> Any:
         return torch_dtype(self.dtype_name)
 
 
-class SafetensorsHeader(NamedTuple):
+class SafetensorsHeader(Record):
     """A checked header: the entries in the header's order, the user metadata, where the data starts."""
+
+    __slots__ = ()
 
     path: str
     entries: dict[str, SafetensorsEntry]
     metadata: dict[str, str] | None
     data_start: int
     file_size: int
+
+    def __new__(cls, path: str, entries: dict[str, SafetensorsEntry], metadata: dict[str, str] | None,
+                data_start: int, file_size: int) -> SafetensorsHeader:
+        return tuple.__new__(cls, (path, entries, metadata, data_start, file_size))
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

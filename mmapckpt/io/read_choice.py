@@ -34,21 +34,26 @@ import os
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
+from ..records import Record
 from .files import available_memory
 
 __all__ = ["Strategy", "STREAM", "CANDIDATES", "TRIALS", "MARGIN", "TRIAL_BYTES", "RETRY", "KEEP", "choose", "parse",
            "Segment", "segments", "plan", "record", "unsupported", "forget", "candidates", "cache_room", "state_path"]
 
 
-class Strategy(NamedTuple):
+class Strategy(Record):
     """A way of reading a cold file's regions: ``kind`` ``stream`` (one buffered stream in file order, the
     kernel reading ahead), ``buffered`` or ``direct`` (O_DIRECT into aligned buffers), over ``streams``
     contiguous runs read at once, each through its own descriptor."""
 
+    __slots__ = ()
+
     kind: str
-    streams: int = 1
+    streams: int
+
+    def __new__(cls, kind: str, streams: int = 1) -> Strategy:
+        return tuple.__new__(cls, (kind, streams))
 
     @property
     def name(self) -> str:
@@ -107,13 +112,18 @@ def choose(samples: Mapping[Strategy, Sequence[float]], *, margin: float = MARGI
     return best
 
 
-class Segment(NamedTuple):
+class Segment(Record):
     """File offsets ``[lo, hi)`` read by ``strategy``; ``trial``: timed and recorded for the device."""
+
+    __slots__ = ()
 
     strategy: Strategy
     lo: int
     hi: int
     trial: bool
+
+    def __new__(cls, strategy: Strategy, lo: int, hi: int, trial: bool) -> Segment:
+        return tuple.__new__(cls, (strategy, lo, hi, trial))
 
 
 def segments(ranges: Sequence[tuple[int, int]], trials: Sequence[Strategy], rest: Strategy,

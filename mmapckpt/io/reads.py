@@ -9,20 +9,26 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
+from ..records import Record
 from .files import pread_into
 
 __all__ = ["ReadJob", "submit_reads", "pread_all", "wait_all", "byte_runs", "pieces", "nbytes", "reader_pool",
            "READ_PIECE"]
 
 
-class ReadJob(NamedTuple):
+class ReadJob(Record):
     """Read ``len(buf)`` bytes at ``offset`` into ``buf``; ``entry`` names it in errors."""
+
+    __slots__ = ()
 
     buf: Any
     offset: int
     entry: str | None
+
+    def __new__(cls, buf: Any, offset: int, entry: str | None) -> ReadJob:
+        return tuple.__new__(cls, (buf, offset, entry))
 
 
 #: Reads are split into pieces of at most this size, so that threads share long entries.

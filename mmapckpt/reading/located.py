@@ -18,10 +18,11 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..errors import CheckpointNotFoundError
 from ..io.files import open_inside
+from ..records import Record
 from ..storage.base import CheckpointStorage, StoredFile
 from ..storage.hub import hub_blobs
 from ..storage.local import LocalFile
@@ -42,7 +43,7 @@ def split_url(url: str) -> tuple[str, str]:
     return f"{scheme}://{head}", name
 
 
-class Place(NamedTuple):
+class Place(Record):
     """A checkpoint's location: a directory, or file ``name`` of the directory ``storage``.
 
     Attributes:
@@ -53,11 +54,16 @@ class Place(NamedTuple):
         parent: for a file, its directory as named (``"."`` for a bare local file name).
     """
 
+    __slots__ = ()
+
     path: str
     storage: CheckpointStorage
     name: str | None
     local: bool
-    parent: str = ""
+    parent: str
+
+    def __new__(cls, path: str, storage: CheckpointStorage, name: str | None, local: bool, parent: str = "") -> Place:
+        return tuple.__new__(cls, (path, storage, name, local, parent))
 
     @property
     def is_dir(self) -> bool:

@@ -8,12 +8,13 @@ One opener per kind of backend, named by the format table (reading/formats.py): 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from ..errors import FormatError
 from ..format.entries import EntryInfo
 from ..format.metadata import KIND_MMAPCKPT, decode_index_file, decode_user_metadata
 from ..format.tiling import tiling_problem
+from ..records import Record
 from ..storage.base import CommitFile
 from .hf_dirs import Files
 from .located import Place
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # each backend is imported by its opener: the index of a DCP 
 __all__ = ["Opened", "open_dcp", "open_safetensors", "open_torch", "safetensors_union"]
 
 
-class Opened(NamedTuple):
+class Opened(Record):
     """A checkpoint opened for lazy reading.
 
     Attributes:
@@ -40,14 +41,21 @@ class Opened(NamedTuple):
         save_id: the commit's save id (DCP directories; None elsewhere).
     """
 
+    __slots__ = ()
+
     kind: str
     root: str
     entries: dict[str, EntryInfo]
     files: ChunkBackend
     user_metadata: Callable[[], dict[str, str] | None]
-    place: Place | None = None
-    layout: tuple[str, ...] | None = None
-    save_id: str | None = None
+    place: Place | None
+    layout: tuple[str, ...] | None
+    save_id: str | None
+
+    def __new__(cls, kind: str, root: str, entries: dict[str, EntryInfo], files: ChunkBackend,
+                user_metadata: Callable[[], dict[str, str] | None], place: Place | None = None,
+                layout: tuple[str, ...] | None = None, save_id: str | None = None) -> Opened:
+        return tuple.__new__(cls, (kind, root, entries, files, user_metadata, place, layout, save_id))
 
 
 def _no_metadata() -> None:
@@ -61,7 +69,7 @@ def open_dcp(place: Place, files: Files | None, verify: bool, commit: CommitFile
     (entries, save id), where the caller has decoded them (``inspect``: with the version)."""
     storage = place.storage
     if commit is None:
-        commit = storage.read_metadata(storage.find_metadata())
+        commit = storage.read_commit()
     entries, save_id = decode_index_file(commit.kind, commit.data, commit.full) if index is None else index
     read: list[dict[str, str] | None] = []
 

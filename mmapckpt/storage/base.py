@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Collection, Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (BadMagicError, CheckpointError, CheckpointNotFoundError, FormatError, IncompleteCheckpointError,
                       TruncatedFileError)
 from ..format.metadata import MAX_METADATA_SIZE, METADATA_NAME, metadata_kind
 from ..io.mapped import MappedFile
+from ..records import Record
 
 if TYPE_CHECKING:
     from .replacement import Replacement
@@ -158,13 +159,18 @@ class Lock(abc.ABC):
         """Let the next save in (removing only this save's own hold, never another's)."""
 
 
-class CommitFile(NamedTuple):
+class CommitFile(Record):
     """A commit file as read; ``kind`` is ``"mmapckpt"`` or ``"dcp"``."""
+
+    __slots__ = ()
 
     name: str
     full: str
     kind: str
     data: bytes
+
+    def __new__(cls, name: str, full: str, kind: str, data: bytes) -> CommitFile:
+        return tuple.__new__(cls, (name, full, kind, data))
 
 
 class CheckpointStorage(abc.ABC):
@@ -274,6 +280,19 @@ class CheckpointStorage(abc.ABC):
         """
         data = self.read_file(name, MAX_METADATA_SIZE)
         return CommitFile(name, self.full(name), self._kind(name, bytes(data[:8])), data)
+
+    def read_commit(self) -> CommitFile:
+        """The committed ``.metadata`` read whole (:meth:`read_metadata` of :meth:`find_metadata`'s name), opened
+        once: the open that reads it is the check that it does not leave the location.
+
+        Raises:
+            CheckpointNotFoundError: no checkpoint here.
+            IncompleteCheckpointError: shard files but no commit (a save that did not finish).
+            BadMagicError: neither mmapckpt nor stock DCP metadata.
+        """
+        if self.exists(METADATA_NAME):
+            return self.read_metadata(METADATA_NAME)
+        return self.read_metadata(self.find_metadata())  # raises the error that says why it is not there
 
     def commit_kind(self, name: str = METADATA_NAME) -> str:
         """The kind of commit file ``name`` (``"mmapckpt"`` or ``"dcp"``) from its first bytes, reading no more.

@@ -17,8 +17,14 @@ from ..io.files import within
 
 __all__ = ["hub_blobs", "hub_snapshot", "is_hub_repository"]
 
-#: A repository of a Hugging Face hub cache: models--ORG--NAME (also datasets--, spaces--).
-_HUB_REPO = re.compile(r"(?:models|datasets|spaces)--.+")
+#: The kinds of repository of a Hugging Face hub cache: models--ORG--NAME (also datasets--, spaces--).
+_HUB_KINDS = ("models", "datasets", "spaces")
+
+
+def _is_repo_name(name: str) -> bool:
+    """Whether ``name`` is a hub cache repository's: a kind, ``--``, then at least one character (no newline)."""
+    kind, dashes, rest = name.partition("--")
+    return bool(dashes) and kind in _HUB_KINDS and rest != "" and "\n" not in rest
 
 
 def hub_blobs(root: str) -> str | None:
@@ -37,7 +43,7 @@ def hub_blobs(root: str) -> str | None:
         if os.path.basename(parent) == "snapshots":
             repo = os.path.dirname(parent)
             blobs = os.path.join(repo, "blobs")
-            return blobs if _HUB_REPO.fullmatch(os.path.basename(repo)) and os.path.isdir(blobs) else None
+            return blobs if _is_repo_name(os.path.basename(repo)) and os.path.isdir(blobs) else None
         p = parent
 
 
@@ -48,7 +54,7 @@ _HUB_REVISION = r"[0-9A-Za-z][0-9A-Za-z._-]{0,254}"  # compiled by re on first u
 def is_hub_repository(path: str) -> bool:
     """Whether ``path`` is the root of a repository of a Hugging Face hub cache (``models--ORG--NAME`` holding
     ``snapshots/``)."""
-    return bool(_HUB_REPO.fullmatch(os.path.basename(os.path.normpath(path)))) and \
+    return _is_repo_name(os.path.basename(os.path.normpath(path))) and \
         os.path.isdir(os.path.join(path, "snapshots"))
 
 

@@ -137,7 +137,7 @@ def _opened(place: Place, record: Format) -> tuple[Opened, str]:
         opened = record.opener(place, files, False)  # type: ignore[misc]
         return opened, record.version(opened, index)  # type: ignore[misc]
     storage = place.storage
-    commit = storage.read_metadata(storage.find_metadata())
+    commit = storage.read_commit()
     if commit.kind == KIND_MMAPCKPT:
         ix = decode_index(commit.data, commit.full)  # read once: the index and the version
         opened = open_dcp(place, None, False, commit, index=(ix.entries, ix.save_id))

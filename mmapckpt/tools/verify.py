@@ -117,7 +117,7 @@ def verify_mmapckpt(place: Place, record: Format | None, report: VerifyReport, p
 
 def _check_metadata(storage: CheckpointStorage, report: VerifyReport) -> MetaIndex | None:
     try:
-        commit = storage.read_metadata(storage.find_metadata())
+        commit = storage.read_commit()
         if commit.kind != KIND_MMAPCKPT:  # the table recognised none: a commit it does not know
             raise FormatError("not an mmapckpt commit", path=commit.full)
         ix = decode_index(commit.data, commit.full)  # shapes, chunk tiling, records and stored ranges checked

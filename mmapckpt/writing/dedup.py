@@ -33,11 +33,12 @@ from __future__ import annotations
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import CheckpointWriteError
 from ..format.crc import crc32
 from ..format import layout as fmt
+from ..records import Record
 from ..storage.base import CheckpointStorage, FileOutput
 from .tags import Tagger
 from .tensors import entry_bytes
@@ -45,17 +46,24 @@ from .tensors import entry_bytes
 __all__ = ["Reference", "Reusable", "ReuseIndex", "chunk_hash", "require_hasher", "write_deduplicated"]
 
 
-class Reference(NamedTuple):
+class Reference(Record):
     """A chunk not written: its bytes are ``length`` bytes at ``offset`` of ``file`` (``../step-M/FILE``)."""
+
+    __slots__ = ()
 
     file: str
     offset: int
     length: int
 
+    def __new__(cls, file: str, offset: int, length: int) -> Reference:
+        return tuple.__new__(cls, (file, offset, length))
 
-class Reusable(NamedTuple):
+
+class Reusable(Record):
     """A chunk a reused step holds: its content hash, where its bytes are (relative to the step being
     written: ``../step-M/FILE``) and what they are."""
+
+    __slots__ = ()
 
     hash: str | None  # None: not recorded (compared byte for byte with the chunk, then hashed: ReuseIndex.confirm)
     file: str
@@ -63,8 +71,12 @@ class Reusable(NamedTuple):
     length: int
     dtype: str
     shape: tuple[int, ...]
-    head: int | None = None  # CRC-32 of the first HEAD_BYTES, where the header records it
-    tag: bytes | None = None  # the manager's equality tag of the stored bytes, where it knows it (writing/tags.py)
+    head: int | None  # CRC-32 of the first HEAD_BYTES, where the header records it
+    tag: bytes | None  # the manager's equality tag of the stored bytes, where it knows it (writing/tags.py)
+
+    def __new__(cls, hash: str | None, file: str, offset: int, length: int, dtype: str, shape: tuple[int, ...],
+                head: int | None = None, tag: bytes | None = None) -> Reusable:
+        return tuple.__new__(cls, (hash, file, offset, length, dtype, shape, head, tag))
 
 
 class ReuseIndex:

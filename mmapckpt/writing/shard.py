@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import CheckpointError, CheckpointWriteError
 from ..format.crc import crc32
 from ..format import layout as fmt
 from ..format.transforms import StreamTransforms
+from ..records import Record
 from ..storage.base import CheckpointStorage, FileOutput
 from .dedup import ReuseIndex, write_deduplicated
 from .encoded import write_encoded_entries
@@ -40,7 +41,7 @@ from .tensors import entry_bytes
 __all__ = ["ShardEntry", "ShardOptions", "write_shard", "shard_error"]
 
 
-class ShardEntry(NamedTuple):
+class ShardEntry(Record):
     """One entry to write. Its first six fields are ``format/layout.py`` ``EntrySpec``'s (the shard is laid
     out from the entries as they are).
 
@@ -49,6 +50,8 @@ class ShardEntry(NamedTuple):
     (``chunk_offsets`` None, ``dtype`` None, ``shape`` (); ``data``: the payload's bytes).
     """
 
+    __slots__ = ()
+
     fqn: str
     chunk_offsets: tuple[int, ...] | None
     kind: str
@@ -56,6 +59,10 @@ class ShardEntry(NamedTuple):
     shape: tuple[int, ...]
     length: int
     data: Any
+
+    def __new__(cls, fqn: str, chunk_offsets: tuple[int, ...] | None, kind: str, dtype: str | None,
+                shape: tuple[int, ...], length: int, data: Any) -> ShardEntry:
+        return tuple.__new__(cls, (fqn, chunk_offsets, kind, dtype, shape, length, data))
 
     @property
     def label(self) -> str:

@@ -92,3 +92,43 @@ def test_a_default_load_reads_the_selection_ahead_without_a_touch_and_prefetch_f
     assert cached_fraction(shards) == 1.0
     for k, v in sd.items():
         assert torch.equal(out[k].view(torch.int32), v.view(torch.int32))
+
+
+class _AdviceSpy:
+    """A mapping's stand-in that records ``madvise`` calls and passes them on."""
+
+    def __init__(self, m: object) -> None:
+        self.m, self.calls = m, []
+
+    def madvise(self, *args: int) -> None:
+        self.calls.append(args)
+        self.m.madvise(*args)  # type: ignore[attr-defined]
+
+
+def test_read_ahead_advice_is_not_given_for_bytes_found_cached(tmp_path: Path) -> None:
+    """``MappedFile.advise(MADV_WILLNEED)`` of a range whose pages are cached gives no advice (the kernel would look
+    up every page only to find it there: a warm load's cost); of one whose pages are not, it does."""
+    import mmap
+
+    from mmapckpt.io.files import is_cached
+    from mmapckpt.io.mapped import MappedFile
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(4 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        f = MappedFile(fd, str(path))
+    finally:
+        os.close(fd)
+    with open(path, "rb") as r:
+        r.read()
+    if not is_cached(f.dup(), [0, (4 << 20) - 1]):
+        pytest.skip("no RWF_NOWAIT probe here: every range counts as not cached")
+    spy = f._mmap = _AdviceSpy(f._mmap)  # type: ignore[assignment]
+    f.advise(mmap.MADV_WILLNEED, 0, 4 << 20, sequential=True)
+    assert spy.calls == []
+    evict([str(path)])
+    if cached_fraction([str(path)]) != 0.0:
+        pytest.skip("the page cache cannot be dropped for this file here (tmpfs?)")
+    f.advise(mmap.MADV_WILLNEED, 4096, 8192)
+    assert spy.calls == [(mmap.MADV_WILLNEED, 4096, 8192)]

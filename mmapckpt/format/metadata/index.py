@@ -9,8 +9,9 @@ JSON parser.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
+from ...records import Record
 from ..entries import EntryInfo, SaveId
 
 __all__ = ["InvalidMetadata", "MetaIndex", "need", "opt_str", "top_fields"]
@@ -56,8 +57,10 @@ def references_of(raw: Any) -> dict[str, str]:
     return raw
 
 
-class MetaIndex(NamedTuple):
+class MetaIndex(Record):
     """A validated mmapckpt ``.metadata``: the entries, and what DCP's ``Metadata`` also carries."""
+
+    __slots__ = ()
 
     entries: dict[str, EntryInfo]
     save_id: str | None
@@ -65,4 +68,9 @@ class MetaIndex(NamedTuple):
     requires_grad: set[str]
     record_index: dict[tuple[str, tuple[int, ...] | None], int]  # MetadataIndex.index hints
     #: the stream-transform descriptors of items stored encoded (MmapWriter(_extensions=...)), by key
-    transforms: dict[tuple[str, tuple[int, ...] | None], tuple[str, ...]] = {}
+    transforms: dict[tuple[str, tuple[int, ...] | None], tuple[str, ...]]
+
+    def __new__(cls, entries: dict[str, EntryInfo], save_id: str | None, doc: dict[str, Any],
+                requires_grad: set[str], record_index: dict[tuple[str, tuple[int, ...] | None], int],
+                transforms: dict[tuple[str, tuple[int, ...] | None], tuple[str, ...]] = {}) -> MetaIndex:
+        return tuple.__new__(cls, (entries, save_id, doc, requires_grad, record_index, transforms))
