@@ -42,11 +42,6 @@ def through_proxy(azurite: emulators.Azurite):
         p.close()
 
 
-def resumed(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The requests that ask for the rest of an earlier one: from a byte inside it to the same last byte."""
-    return [r for i, r in enumerate(ranges) if any(q[0] < r[0] <= q[1] and q[1] == r[1] for q in ranges[:i])]
-
-
 def test_a_blob_body_cut_midway_is_asked_for_again_from_its_first_missing_byte(saved, through_proxy):
     url, sd = saved
     proxy, options = through_proxy(cut_after=PART // 2 + 12345, cuts=2)
@@ -54,7 +49,7 @@ def test_a_blob_body_cut_midway_is_asked_for_again_from_its_first_missing_byte(s
     mmapckpt.load_into(targets, url, storage_options={**options, "part_size": PART, "concurrency": 2})
     assert_same(targets, sd)
     assert proxy.cut == 2
-    assert len(resumed(proxy.ranges)) == 2, f"the cut bodies were not resumed where they broke off: {proxy.ranges}"
+    assert len(proxy.resumed()) == 2, f"the cut bodies were not resumed where they broke off: {proxy.ranges}"
 
 
 @pytest.mark.timeout(120)

@@ -104,6 +104,12 @@ class FaultyProxy:
                     pass
                 s.close()
 
+    def resumed(self) -> list[tuple[int, int]]:
+        """The ranged requests that ask for the rest of an earlier one: from a byte inside it to the same last byte."""
+        with self._lock:
+            ranges = list(self.ranges)
+        return [r for i, r in enumerate(ranges) if any(q[0] < r[0] <= q[1] and q[1] == r[1] for q in ranges[:i])]
+
     def close(self) -> None:
         self._listen.close()
         with self._lock:
