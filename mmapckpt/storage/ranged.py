@@ -21,9 +21,12 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import CheckpointError, IncompleteCheckpointError, StorageUnavailableError, TruncatedFileError
+
+if TYPE_CHECKING:
+    from .failures import StoreFailures
 
 __all__ = ["RangedReads", "Fetch", "plan_requests", "replaced_while_read", "TRANSIENT_STREAM_ERRORS"]
 
@@ -108,8 +111,9 @@ class RangedReads:
     is asked for again at most ``retries`` times."""
 
     pool_name = "ranged"
-    #: what a broken body's error tells the user to check
-    endpoint_hint = "check the store's endpoint and the network"
+    #: the store's rules (``storage/failures.py``): its ``storage_error`` says what a body broken past the retries
+    #: means, naming the settings to check; None: a generic StorageUnavailableError
+    failures: StoreFailures | None = None
 
     def __init__(self, size: int, url: str, part_size: int, concurrency: int,
                  on_fetch: Callable[[int, int], None] | None = None, *, retries: int = 5) -> None:
@@ -172,9 +176,11 @@ class RangedReads:
             except TRANSIENT_STREAM_ERRORS as e:
                 attempt += 1
                 if attempt > self.retries:
-                    raise StorageUnavailableError(
-                        f"reading bytes [{start}, +{total}): the object store is unreachable or stopped answering "
-                        f"({type(e).__name__}: {e}); {self.endpoint_hint}", path=self.url, entry=entry) from e
+                    what = f"reading bytes [{start}, +{total})"
+                    if self.failures is not None:
+                        raise self.failures.storage_error(e, self.url, what=what, entry=entry) from e
+                    raise StorageUnavailableError(f"{what}: the object store is unreachable or stopped answering "
+                                                  f"({type(e).__name__}: {e})", path=self.url, entry=entry) from e
                 time.sleep(min(5.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
 
     def _stream(self, start: int, total: int, segments: list[Any], progress: list[int], entry: str | None) -> None:

@@ -10,6 +10,7 @@ the URL and what to do.
 from __future__ import annotations
 
 from ..failures import StoreFailures, as_write_error, failing_or_other
+from ..ranged import TRANSIENT_STREAM_ERRORS
 from ...errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -61,7 +62,7 @@ def storage_error(e: BaseException, url: str, *, what: str, entry: str | None = 
         return StorageAccessError(f"{what}: Azure refused the credentials or the request ({code or st}); check "
                                   "AZURE_STORAGE_CONNECTION_STRING or the account key / SAS token (or "
                                   "storage_options) and the container's permissions", path=url, entry=entry)
-    if isinstance(e, (az.ServiceRequestError, az.ServiceResponseError, ConnectionError, TimeoutError)):
+    if isinstance(e, (az.ServiceRequestError, az.ServiceResponseError, *TRANSIENT_STREAM_ERRORS)):
         return StorageUnavailableError(f"{what}: the blob service is unreachable or stopped answering "
                                        f"({type(e).__name__}); check the account URL / connection string's "
                                        "BlobEndpoint and the network", path=url, entry=entry)

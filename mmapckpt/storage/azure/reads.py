@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..ranged import RangedReads, replaced_while_read
-from .failures import is_missing, status, storage_error
+from .failures import FAILURES, is_missing, status, storage_error
 
 __all__ = ["BlobReads"]
 
@@ -25,7 +25,7 @@ class BlobReads(RangedReads):
     """Ranged reads of one blob version (``etag``) of ``size`` bytes."""
 
     pool_name = "az"
-    endpoint_hint = "check the account URL / connection string's BlobEndpoint and the network"
+    failures = FAILURES
 
     def __init__(self, blob: Any, etag: str | None, size: int, url: str, part_size: int, concurrency: int,
                  on_fetch: Callable[[int, int], None] | None = None, *, retries: int = 5) -> None:

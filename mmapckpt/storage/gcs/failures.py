@@ -10,6 +10,7 @@ service a ``StorageUnavailableError``, each naming the URL and what to do.
 from __future__ import annotations
 
 from ..failures import StoreFailures, as_write_error, failing_or_other
+from ..ranged import TRANSIENT_STREAM_ERRORS
 from ...errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -64,7 +65,7 @@ def storage_error(e: BaseException, url: str, *, what: str, entry: str | None = 
                                   "GOOGLE_APPLICATION_CREDENTIALS (or storage_options token) and the bucket's "
                                   "permissions", path=url, entry=entry)
     if isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, auth.TransportError,
-                      ConnectionError, TimeoutError)):
+                      *TRANSIENT_STREAM_ERRORS)):
         return StorageUnavailableError(f"{what}: GCS is unreachable or stopped answering ({type(e).__name__}); "
                                        "check STORAGE_EMULATOR_HOST / storage_options endpoint_url and the network",
                                        path=url, entry=entry)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..ranged import RangedReads, replaced_while_read
-from .failures import is_missing, is_precondition_failed, storage_error
+from .failures import FAILURES, is_missing, is_precondition_failed, storage_error
 
 __all__ = ["ObjectReads"]
 
@@ -22,7 +22,7 @@ class ObjectReads(RangedReads):
     """Ranged reads of generation ``generation`` of object ``key`` (``size`` bytes)."""
 
     pool_name = "gs"
-    endpoint_hint = "check STORAGE_EMULATOR_HOST / storage_options endpoint_url and the network"
+    failures = FAILURES
 
     def __init__(self, bucket: Any, key: str, generation: int | None, size: int, url: str, part_size: int,
                  concurrency: int, on_fetch: Callable[[int, int], None] | None = None, *, retry: Any = None,

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from ...errors import CheckpointError
 from ..ranged import Fetch, RangedReads, plan_requests, replaced_while_read
-from .failures import is_missing, is_precondition_failed, storage_error
+from .failures import FAILURES, is_missing, is_precondition_failed, storage_error
 from .options import S3Options
 
 __all__ = ["Fetch", "ObjectReads", "plan_requests"]
@@ -21,7 +21,7 @@ class ObjectReads(RangedReads):
     """Ranged reads of one object version (``etag``) of ``size`` bytes (planned and run by ``RangedReads.read``)."""
 
     pool_name = "s3"
-    endpoint_hint = "check AWS_ENDPOINT_URL / storage_options endpoint_url and the network"
+    failures = FAILURES
 
     def __init__(self, client: Any, bucket: str, key: str, etag: str | None, size: int, url: str,
                  opts: S3Options, on_fetch: Callable[[int, int], None] | None = None) -> None:
