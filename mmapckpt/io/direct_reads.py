@@ -17,7 +17,7 @@ import torch
 
 from .files import is_cached, pread_into
 from .mapped import MappedFile
-from .reads import ReadJob, pieces, submit_reads, wait_all
+from .reads import ReadJob, byte_runs, pieces, pread_all, submit_runs, wait_all
 
 if TYPE_CHECKING:
     from .cold_plan import ColdPlan
@@ -90,26 +90,29 @@ class DirectReads:
         cached file, which cost less to copy than to queue (a caller can ask before making a label)."""
         return self.enabled and not (self.cached and src.nbytes < SMALL_CACHED_COPY)
 
-    def take(self, src: torch.Tensor, target: torch.Tensor, token: Any, label: str) -> bool:
-        """Queue the copy of ``src`` (a view of the mapping) into ``target`` if a read can do it.
+    def take(self, src: torch.Tensor, target: torch.Tensor, token: Any, label: Callable[[], str] | str) -> bool:
+        """Queue the copy of ``src`` (a view of the mapping) into ``target`` if a read can do it (and is worth it:
+        :meth:`worth_reading`).
 
-        ``token`` comes back from :meth:`run` with ``target``; ``label`` names the entry in errors.
+        ``token`` comes back from :meth:`run` with ``target``; ``label`` names the entry in errors (or makes the
+        name: called only for a read queued).
         """
-        if not (self.enabled and target.device.type == "cpu" and target.dtype == src.dtype and src.numel()
-                and target.is_contiguous() and src.is_contiguous() and not target.is_conj()
-                and not target.is_neg()):
+        # the cheapest tests first, each asked once: a load calls this for every tensor
+        if not (self.enabled and target.is_cpu and target.dtype == src.dtype and target.is_contiguous()
+                and src.is_contiguous() and not target.is_conj() and not target.is_neg()):
             return False
-        if not self.worth_reading(src):
+        n = src.nbytes
+        if not n or (self.cached and n < SMALL_CACHED_COPY):
             return False
-        if self._base is None:
-            self._base = self.file.address()
-        offset = src.data_ptr() - self._base
-        buf = target.reshape(-1).view(torch.uint8).numpy()
-        job = ReadJob(buf, offset, label)
+        base = self._base
+        if base is None:
+            base = self._base = self.file.address()
+        job = ReadJob(target.reshape(-1).view(torch.uint8).numpy(), src.data_ptr() - base,
+                      label if isinstance(label, str) else label())
         self.jobs.append((job, token, target))
         if self.cached:
             self._pending.append(job)
-            self._pending_bytes += buf.nbytes
+            self._pending_bytes += n
             if self._pending_bytes >= _BATCH:
                 self._start()
         return True
@@ -134,17 +137,24 @@ class DirectReads:
             return
         self._cold.read(sorted(jobs, key=lambda j: j.offset), staged=True)
 
-    def _start(self) -> None:
+    def _start(self, *, here: bool = False) -> None:
+        """Start the pending jobs on the reader threads; ``here``: the last batch, whose last run this thread reads
+        itself once the others are started (it would wait for them anyway; a new process starts one thread
+        fewer). The started reads are kept until waited for, also where this thread's own run raises."""
         if self._pending:
-            self._started += submit_reads(self.fd, self._pending, threads=_CACHED_READ_THREADS, path=self.file.path)
+            runs = byte_runs(pieces(self._pending), _CACHED_READ_THREADS)
             self._pending, self._pending_bytes = [], 0
+            mine = runs.pop() if here else None
+            self._started += submit_runs(self.fd, runs, threads=_CACHED_READ_THREADS, path=self.file.path)
+            if mine:
+                pread_all(self.fd, mine, self.file.path)
 
     def run(self) -> list[tuple[Any, torch.Tensor]]:
         """Read every queued job; return (token, target) of each, now filled."""
         if not self.jobs:
             return []
         if self.cached:
-            self._start()
+            self._start(here=True)
             started, self._started = self._started, []
             wait_all(started)
         elif self._cold is not None:

@@ -77,7 +77,7 @@ class DirectRead:
         self.reads = reads
 
     def take(self, src: torch.Tensor, dst: torch.Tensor, label: Label, done: Done) -> bool:
-        return self.reads.worth_reading(src) and self.reads.take(src, dst, done, label())
+        return self.reads.take(src, dst, done, label)
 
 
 class Fetched:

@@ -171,10 +171,10 @@ def test_cached_reads_started_during_the_walk(tmp_path, monkeypatch, batch):
     from mmapckpt.io import direct_reads as _direct
 
     started = []
-    real = _direct.submit_reads
+    real = _direct.byte_runs  # cut once per batch started
     monkeypatch.setattr(_direct, "_BATCH", batch)
     monkeypatch.setattr(_direct, "SMALL_CACHED_COPY", 0)  # these small tensors too go through reads
-    monkeypatch.setattr(_direct, "submit_reads", lambda *a, **k: started.append(len(a[1])) or real(*a, **k))
+    monkeypatch.setattr(_direct, "byte_runs", lambda *a, **k: started.append(len(a[0])) or real(*a, **k))
     g = torch.Generator().manual_seed(5)
     sd = {f"t{i}": torch.randn(64 + 7 * i, 33, generator=g).to(torch.bfloat16) for i in range(40)}
     path = str(tmp_path / "c")
