@@ -17,6 +17,7 @@ Every way fills the same bytes; a file shorter than a piece raises TruncatedFile
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Sequence
 
 import numpy as np
@@ -24,7 +25,7 @@ import numpy as np
 from ..errors import TruncatedFileError
 from .odirect import BLOCK, BUFFER_SIZE, give_back, take_buffer
 from .read_choice import Strategy
-from .reads import ReadJob, byte_runs, nbytes, pread_all, reader_pool, wait_all
+from .reads import ReadJob, byte_runs, nbytes, pread_all, run_tasks
 
 __all__ = ["read_pieces", "GAP"]
 
@@ -52,13 +53,13 @@ def read_pieces(fd: int, path: str, ident: tuple[int, int], pieces: Sequence[Rea
         if dfd is None:
             return False
         try:
-            wait_all([reader_pool(strategy.streams).submit(_direct_run, dfd, run, path)
-                   for run in _spans_runs(pieces, strategy.streams)])
+            run_tasks([partial(_direct_run, dfd, run, path) for run in _spans_runs(pieces, strategy.streams)],
+                      threads=strategy.streams)
         finally:
             os.close(dfd)
         return True
-    wait_all([reader_pool(strategy.streams).submit(_buffered_run, fd, path, ident, run)
-           for run in byte_runs(pieces, strategy.streams)])
+    run_tasks([partial(_buffered_run, fd, path, ident, run) for run in byte_runs(pieces, strategy.streams)],
+              threads=strategy.streams)
     return True
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 from ..records import Record
 from .files import pread_into
 
-__all__ = ["ReadJob", "submit_reads", "submit_runs", "pread_all", "wait_all", "byte_runs", "pieces", "nbytes", "reader_pool",
-           "READ_PIECE", "GATHER_GAP"]
+__all__ = ["ReadJob", "submit_reads", "submit_runs", "submit_tasks", "run_tasks", "pread_all", "wait_all", "byte_runs",
+           "pieces", "nbytes", "reader_pool", "READ_PIECE", "GATHER_GAP"]
 
 
 class ReadJob(Record):
@@ -46,10 +47,30 @@ def submit_reads(fd: int, jobs: list[ReadJob], *, threads: int, path: str) -> li
 
 def submit_runs(fd: int, runs: list[list[ReadJob]], *, threads: int, path: str) -> list[Future[None]]:
     """Start each run (pieces in file order) as one task on the process's reader threads (``threads`` of them)."""
-    if not runs:
+    return submit_tasks([partial(pread_all, fd, g, path) for g in runs], threads=threads)
+
+
+def run_tasks(tasks: list[Callable[[], None]], *, threads: int) -> None:
+    """Run every task, all but the last on the reader threads (``threads`` of them) and the last on this thread,
+    which would wait for them anyway (a new process starts one thread fewer); return once all are done, then
+    raise the first error (this thread's before the others')."""
+    futures = submit_tasks(tasks[:-1], threads=threads)
+    try:
+        if tasks:
+            tasks[-1]()
+    except BaseException:
+        for fut in futures:
+            fut.exception()  # every read done before the caller closes what they read from
+        raise
+    wait_all(futures)
+
+
+def submit_tasks(tasks: list[Callable[[], None]], *, threads: int) -> list[Future[None]]:
+    """Start each task on the process's reader threads (``threads`` of them)."""
+    if not tasks:
         return []
     pool = reader_pool(threads)
-    return [pool.submit(pread_all, fd, g, path) for g in runs]
+    return [pool.submit(t) for t in tasks]
 
 
 def byte_runs(jobs: list[ReadJob], runs: int) -> list[list[ReadJob]]:

@@ -100,8 +100,29 @@ def test_plan_trials_each_candidate_then_uses_the_choice():
         for s, rate in ((STREAM, 1.0), (B4, 0.7), (D8, 2.0)):
             read_choice.record(dev, s, int(rate * 1e9), 1.0)
     chosen = read_choice.plan(dev, _big())
-    assert chosen == [Segment(D8, 0, 1 << 63, False)]
+    assert chosen == [Segment(Strategy("direct", 6), 0, 1 << 63, False)]  # fitted: 6 streams of 64 MiB in 384 MiB
+    assert read_choice.plan(dev, _big(n_ranges=16) * 2) == [Segment(D8, 0, 1 << 63, False)]  # 768 MiB: all 8
     assert read_choice.plan(99, _big())[0].trial  # another device measures for itself
+
+
+def test_a_parallel_way_gets_a_trials_bytes_a_stream_and_a_short_read_one_stream(monkeypatch):
+    """Each stream of a parallel way reads at least TRIAL_BYTES: fewer streams for a shorter read, one stream below
+    twice that, without reading the device's kept samples (no parallel way could be used)."""
+    mib = 1 << 20
+    assert read_choice.fitted(B4, 1 << 30) == B4
+    assert read_choice.fitted(B4, 200 * mib) == Strategy("buffered", 3)
+    assert read_choice.fitted(B4, 128 * mib) == Strategy("buffered", 2)
+    assert read_choice.fitted(B4, 127 * mib) == STREAM
+    assert read_choice.fitted(STREAM, 1) == STREAM
+    dev = 4321
+    for _ in range(read_choice.TRIALS):
+        for s, rate in ((STREAM, 1.0), (B4, 3.0), (D8, 0.5)):
+            read_choice.record(dev, s, int(rate * 1e9), 1.0)
+    assert read_choice.plan(dev, [(0, 200 * mib)]) == [Segment(Strategy("buffered", 3), 0, 1 << 63, False)]
+    looked = []
+    monkeypatch.setattr(read_choice, "_load", lambda device: looked.append(device))
+    assert read_choice.plan(dev, [(0, 50 * mib), (60 * mib, 50 * mib)]) == [Segment(STREAM, 0, 1 << 63, False)]
+    assert looked == []
 
 
 def test_plan_tries_again_every_retry_reads_and_follows_the_newest_samples():

@@ -2,7 +2,8 @@
 
 Every piece must hold the file's bytes at its offset, whatever the layout (gaps up to and beyond the gathered gap,
 overlaps, long runs past the buffer limit); a file that ends early must raise TruncatedFileError naming the piece it
-ends in; and neighbours must be read by one call each run (counted at ``os.preadv``, the real call).
+ends in; and neighbours must be read by one call each run (counted at ``os.preadv``, the real call). Also
+``run_tasks``, which runs the last of a load's parallel runs on the calling thread.
 """
 
 from __future__ import annotations
@@ -86,3 +87,33 @@ def test_a_file_ending_inside_a_run_names_the_piece(tmp_path):
         _read(path, layout)
     assert info.value.entry == "e5"
     assert path in str(info.value)
+
+
+
+def test_the_last_task_runs_here_and_an_error_waits_for_the_others():
+    """``run_tasks``: the calling thread runs the last task (only that one); where it raises, the tasks on the reader
+    threads have finished before the error leaves (the caller then closes the descriptors they read from)."""
+    import threading
+    import time
+
+    from mmapckpt.io.reads import run_tasks
+
+    here = threading.get_ident()
+    where, finished = [], []
+
+    def note():
+        where.append(threading.get_ident())
+
+    run_tasks([note, note, note], threads=3)
+    assert len(where) == 3 and where.count(here) == 1
+
+    def slow():
+        time.sleep(0.2)
+        finished.append(threading.get_ident())
+
+    def fails():
+        raise TruncatedFileError("ends early", path="p", entry="e")
+
+    with pytest.raises(TruncatedFileError):
+        run_tasks([slow, slow, fails], threads=3)
+    assert len(finished) == 2 and here not in finished
