@@ -9,6 +9,7 @@ accelerator (:meth:`DirectReads.read_many`, a buffer at a time). Used by MmapRea
 
 from __future__ import annotations
 
+import ctypes
 import os
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable
@@ -107,8 +108,7 @@ class DirectReads:
         base = self._base
         if base is None:
             base = self._base = self.file.address()
-        job = ReadJob(target.reshape(-1).view(torch.uint8).numpy(), src.data_ptr() - base,
-                      label if isinstance(label, str) else label())
+        job = ReadJob(_bytes_of(target, n), src.data_ptr() - base, label if isinstance(label, str) else label())
         self.jobs.append((job, token, target))
         if self.cached:
             self._pending.append(job)
@@ -174,6 +174,13 @@ class DirectReads:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _bytes_of(target: torch.Tensor, nbytes: int) -> memoryview:
+    """The ``nbytes`` bytes of the contiguous CPU tensor ``target`` as a writable byte view, no copy (a ctypes array
+    over its data: 0.5 us, where ``reshape(-1).view(torch.uint8).numpy()`` makes three objects in 2.5 us). It does
+    not keep ``target`` alive: the job's caller does (``DirectReads.jobs`` holds every target until it is read)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(target.data_ptr())).cast("B")
 
 
 class _FileRead:
