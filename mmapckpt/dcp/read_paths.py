@@ -263,7 +263,7 @@ def _read_items(reads: FileReads, shard: Shard, reqs: list[Job], planner: LoadPl
             continue
         idx = req.storage_index
         dtype, sizes = layout
-        src = view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes, lazy=lazy)
+        src = view((idx.fqn, idx.offset), info.offset, info.length, dtype, sizes, lazy=lazy)  # Size keys as tuple
         taken.append((info.offset, info.length, _region_bytes(req, dtype)))
         if req.lengths != sizes or any(req.storage_offsets):
             reads.copy_region(src, req, planner, path, moves, True)  # a region of the chunk
