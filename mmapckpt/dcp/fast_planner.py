@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor
 
 from ..format.entries import paused_gc
 from .flatten import flatten_plain, fresh_lists
-from .plan_items import metadata_index, read_item, tensor_write_item, write_item, zeros
+from .plan_items import metadata_index, read_item, tensor_write_item, whole_read_item, write_item
 from .records import StateDictRecords
 from .storable import check_storable
 
@@ -90,19 +90,18 @@ def _dtensor_item(fqn: str, obj: DTensor, md: TensorStorageMetadata) -> ReadItem
 def _load_items(state_dict: dict[str, Any], metadata: Metadata, strict: bool) -> list[ReadItem]:
     """``create_default_local_load_plan``'s items, with the common cases built directly."""
     sdm = metadata.state_dict_metadata
-    entry_of = sdm.entry if type(sdm) is StateDictRecords else None  # MmapReader's: the index, no DCP records
+    entries = sdm.entries if type(sdm) is StateDictRecords else None  # MmapReader's: the index, no DCP records
     items: list[ReadItem] = []
     for fqn, obj in state_dict.items():
         cls = type(obj)
-        if entry_of is not None and cls in _PLAIN:
-            e = entry_of(fqn)
+        if entries is not None and cls in _PLAIN:
+            e = entries.get(fqn)
             if e is not None and e.kind == "tensor" and len(e.chunks) == 1:
                 size = obj.size()
                 c = e.chunks[0]
                 if e.shape == size and c.sizes == size and not any(c.offsets):
                     if 0 not in size:  # a zero-size dim overlaps nothing: DCP plans no read
-                        z = zeros(len(size))
-                        items.append(read_item(fqn, z, z, 0, size))
+                        items.append(whole_read_item(fqn, size))
                     continue
         md = sdm.get(fqn)
         if md is None and fqn not in sdm:
@@ -115,7 +114,7 @@ def _load_items(state_dict: dict[str, Any], metadata: Metadata, strict: bool) ->
                 chunks = md.chunks
                 if md.size == size and len(chunks) == 1 and chunks[0].sizes == size and not any(chunks[0].offsets):
                     if 0 not in size:  # a zero-size dim overlaps nothing: DCP plans no read
-                        items.append(read_item(fqn, zeros(len(size)), chunks[0].offsets, 0, size))
+                        items.append(whole_read_item(fqn, size))
                     continue
             elif cls is DTensor and md.size == obj.size():
                 if obj.device_mesh.get_coordinate() is None:

@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-__all__ = ["DIRECT", "metadata_index", "read_item", "tensor_write_item", "write_item", "write_result", "zeros"]
+__all__ = ["DIRECT", "metadata_index", "read_item", "tensor_write_item", "whole_read_item", "write_item", "write_result",
+           "zeros"]
 
 
 def _fields_in_dict(cls: type, names: tuple[str, ...]) -> bool:
@@ -83,6 +84,32 @@ def read_item(fqn: str, local_offsets: torch.Size, stored_offsets: torch.Size, s
     d["dest_index"] = metadata_index(fqn, local_offsets, 0)
     d["dest_offsets"] = z
     d["storage_index"] = metadata_index(fqn, stored_offsets, stored_idx)
+    d["storage_offsets"] = z
+    d["lengths"] = sizes
+    return r
+
+
+def whole_read_item(fqn: str, sizes: torch.Size) -> ReadItem:
+    """``read_item(fqn, z, z, 0, sizes)`` (``z`` all zeros): a whole tensor stored as one chunk at offset zero.
+
+    Its ``dest_index`` and ``storage_index`` are equal values, so one ``MetadataIndex`` object
+    (frozen, as immutable as the ``torch.Size`` objects shared here) serves as both: two
+    objects built for the item, not three.
+    """
+    z = zeros(len(sizes))
+    if not DIRECT:
+        return read_item(fqn, z, z, 0, sizes)
+    mi = _new(MetadataIndex)
+    d = mi.__dict__
+    d["fqn"] = fqn
+    d["offset"] = z
+    d["index"] = 0
+    r = _new(ReadItem)
+    d = r.__dict__
+    d["type"] = _TENSOR
+    d["dest_index"] = mi
+    d["dest_offsets"] = z
+    d["storage_index"] = mi
     d["storage_offsets"] = z
     d["lengths"] = sizes
     return r

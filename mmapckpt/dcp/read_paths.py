@@ -10,7 +10,9 @@ memory first. A stock shard holds one ``torch.save`` item per record, loaded wit
 from __future__ import annotations
 
 import io
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -42,8 +44,10 @@ from .safetensors_reads import read_safetensors, safetensors_in
 
 __all__ = ["FileReads", "Job", "label", "load_bytes", "read_plan"]
 
-#: An item of a plan with its storage record.
-Job = tuple[ReadItem, _StorageInfo]
+#: A tensor chunk's (dtype, sizes), as the metadata gives them.
+Layout = tuple[torch.dtype, tuple[int, ...]]
+#: An item of a plan with its storage record and, where the lookup of the record gave it, its chunk's layout.
+Job = tuple[ReadItem, _StorageInfo, "Layout | None"]
 
 
 def label(idx: MetadataIndex) -> str:
@@ -67,6 +71,18 @@ class FileReads:
         self.transforms = transforms or StreamTransforms()
         self.save_id, self.metadata_kind, self.verify, self.direct_reads = save_id, metadata_kind, verify, direct_reads
         self.pool_for, self.stage_cpu = pool_for, stage_cpu  # the reader's staging pool, one per device
+        #: MmapReader's index: per shard file its entries as placed (Shard.agrees), made for the first shard opened
+        self._placed: dict[str, list[tuple[Any, ...]]] | None = None
+        self._placed_lock = threading.Lock()
+
+    def job(self, req: ReadItem) -> Job:
+        """``req`` with its storage record and, from MmapReader's index, its chunk's layout (one lookup)."""
+        sd = self.storage_data
+        if type(sd) is StorageRecords:
+            found = sd.located(req.storage_index)
+            if found is not None:
+                return req, found[0], found[1]
+        return req, self.info(req.storage_index), None
 
     def info(self, idx: MetadataIndex) -> _StorageInfo:
         sd = self.storage_data
@@ -86,7 +102,23 @@ class FileReads:
         for it), or None for a stock file (reading/shard.py ``shard_of``)."""
         ref = rel.startswith("../")
         return shard_of(f, file_save_id(self.save_id, rel), stock=self.metadata_kind != KIND_MMAPCKPT and not ref,
-                        referenced=ref)
+                        referenced=ref, records=self._records_of(rel))
+
+    def _records_of(self, rel: str) -> list[tuple[Any, ...]] | None:
+        """The entries of file ``rel`` as MmapReader's index places them, or None for other metadata.
+
+        A shard whose header is exactly what was written for them (its checksum holding) is then not
+        decoded, and the views of its chunks check only their bounds (reading/shard.py ``Shard.agrees``,
+        as ``load_into`` opens shards): on 10,000 entries that is less than the header's decode and a
+        check of each entry against it. A header that does not agree is decoded and checked as before.
+        """
+        sd = self.storage_data
+        if type(sd) is not StorageRecords:
+            return None
+        with self._placed_lock:  # files may be opened on several threads (thread_count)
+            if self._placed is None:
+                self._placed = sd.records_by_file()
+        return self._placed.get(rel)
 
     def read_file(self, rel: str, reqs: list[Job], planner: LoadPlanner) -> None:
         """Read the items of one shard file, each with its storage record (resolved once, by read_plan)."""
@@ -110,8 +142,8 @@ class FileReads:
     def _read_mmapckpt(self, shard: Shard, reqs: list[Job], planner: LoadPlanner, memory: Moves) -> None:
         """Every chunk is placed by the metadata, agreeing with the shard header (Shard.view)."""
         path = shard.path
-        ranges = [(info.offset, info.length) for r, info in reqs
-                  if r.type != LoadItemType.BYTE_IO and not getattr(info, "transform_descriptors", None)]
+        ranges = [(info.offset, info.length) for r, info, _ in reqs
+                  if r.type != _BYTE_IO and not getattr(info, "transform_descriptors", None)]
         # Reads straight into the targets (CPU; gathered and run at the end of the file) or into
         # the staging buffers (accelerators) instead of copying out of the mapping. Only for
         # planners whose commit_tensor does nothing: a planner of its own keeps the mapped path.
@@ -122,8 +154,7 @@ class FileReads:
         ok = False
         taken: list[tuple[int, int, int | None]] = []  # for the byte counter, under one lock at the end
         try:
-            for req, info in reqs:
-                self._read_one(shard, req, info, planner, moves, memory, defer, accept_view, taken)
+            _read_items(self, shard, reqs, planner, moves, memory, defer, accept_view, taken)
             moves.finish()
             ok = True
         finally:
@@ -131,21 +162,24 @@ class FileReads:
             self.counter.take_all(path, taken)
         check_size_unchanged(shard)
 
-    def _read_one(self, shard: Shard, req: ReadItem, info: _StorageInfo, planner: LoadPlanner, moves: Moves,
-                  memory: Moves, defer: bool, accept_view: Any, taken: list[tuple[int, int, int | None]]) -> None:
+    def _read_one(self, shard: Shard, req: ReadItem, info: _StorageInfo, layout: Layout | None, planner: LoadPlanner,
+                  moves: Moves, memory: Moves, defer: bool, accept_view: Any,
+                  taken: list[tuple[int, int, int | None]]) -> None:
         """One item of an mmapckpt shard: checked, then copied (or queued, or staged, or kept as a view)."""
-        idx, path = req.storage_index, shard.path
+        idx = req.storage_index
         if self.verify:
             shard.verify(_header_entry(shard, req, info))
             taken.append((info.offset, info.length, None))
-        if getattr(info, "transform_descriptors", None):
-            taken.append((info.offset, info.length, None))
-            return _read_encoded(self, shard, req, info, planner, memory)
-        if req.type == LoadItemType.BYTE_IO:
-            load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), path)
-            taken.append((info.offset, info.length, None))
-            return None
-        dtype, sizes = self.chunk_layout(idx, path)
+        if layout is None or req.type == _BYTE_IO:  # not a tensor chunk whose layout came with its record
+            if getattr(info, "transform_descriptors", None):
+                taken.append((info.offset, info.length, None))
+                return _read_encoded(self, shard, req, info, planner, memory)
+            if req.type == _BYTE_IO:
+                load_bytes(planner, req, shard.object_bytes(idx.fqn, info.offset, info.length), shard.path)
+                taken.append((info.offset, info.length, None))
+                return None
+            layout = self.chunk_layout(idx, shard.path)
+        dtype, sizes = layout
         # Unmapped (an object): a placeholder the moves read from the file (reading/fetches.py).
         lazy = shard.file is None and defer
         view = shard.view((idx.fqn, tuple(idx.offset)), info.offset, info.length, dtype, sizes, lazy=lazy)
@@ -157,7 +191,7 @@ class FileReads:
             if accept_view(req, view):
                 return None  # not read here: the planner keeps the mapped view
         taken.append((info.offset, info.length, _region_bytes(req, dtype)))
-        self.copy_region(view, req, planner, path, moves, defer)
+        self.copy_region(view, req, planner, shard.path, moves, defer)
 
     def chunk_layout(self, idx: MetadataIndex, path: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """dtype and shape of the stored chunk ``idx`` names, from the metadata."""
@@ -193,12 +227,12 @@ class FileReads:
         safetensors data (a Hugging Face file, a SAFETENSORS-format shard) are mapped (dcp/safetensors_reads.py)."""
         path = f.path
         whole = self.metadata_kind == KIND_SAFETENSORS
-        tensors = [j for j in reqs if j[0].type != LoadItemType.BYTE_IO]
+        tensors = [(r, info) for r, info, _ in reqs if r.type != _BYTE_IO]
         st = safetensors_in(self, f, (tensors[0][0].storage_index, tensors[0][1]) if tensors else None, whole)
         if st is not None:
             read_safetensors(self, st, tensors, planner, memory, defer=_defers_safely(planner), whole_file=whole)
-            reqs = [j for j in reqs if j[0].type == LoadItemType.BYTE_IO]
-        for req, info in reqs:
+            reqs = [j for j in reqs if j[0].type == _BYTE_IO]
+        for req, info, _ in reqs:
             name = label(req.storage_index)
             buf = f.read(info.offset, info.length, entry=name)
             self.counter.take(path, info.offset, info.length)
@@ -209,6 +243,37 @@ class FileReads:
                 load_bytes(planner, req, buf, path)
                 continue
             self.copy_region(load_tensor(buf, path=path, entry=name), req, planner, path, memory)
+
+
+def _read_items(reads: FileReads, shard: Shard, reqs: list[Job], planner: LoadPlanner, moves: Moves, memory: Moves,
+                defer: bool, accept_view: Any, taken: list[tuple[int, int, int | None]]) -> None:
+    """The walk of one mmapckpt shard's items (``FileReads._read_mmapckpt``).
+
+    The items most loads are made of are walked here without ``_read_one``'s other cases: a tensor
+    chunk whose layout came with its record (MmapReader's index), for a planner that resolves as
+    DCP's and commits nothing, whole into a target of its shape. The rest, and every error, take
+    the general path.
+    """
+    plain = defer and accept_view is None and not reads.verify
+    lazy, path = shard.file is None, shard.path
+    view, move, resolve, commit = shard.view, moves.move, planner.resolve_tensor, planner.commit_tensor
+    for req, info, layout in reqs:
+        if layout is None or not plain or req.type is _BYTE_IO:
+            reads._read_one(shard, req, info, layout, planner, moves, memory, defer, accept_view, taken)
+            continue
+        idx = req.storage_index
+        dtype, sizes = layout
+        src = view((idx.fqn, idx.offset), info.offset, info.length, dtype, sizes, lazy=lazy)  # Size keys as tuple
+        taken.append((info.offset, info.length, _region_bytes(req, dtype)))
+        if req.lengths != sizes or any(req.storage_offsets):
+            reads.copy_region(src, req, planner, path, moves, True)  # a region of the chunk
+            continue
+        target = resolve(req)
+        if target.requires_grad:
+            target = target.detach()
+        if target.size() != sizes:
+            reads.copy_region(src, req, planner, path, moves, True, target)  # raises SizeMismatchError
+        move(src, target, partial(label, idx), partial(commit, req, target))
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -276,10 +341,14 @@ def _stored_chunk(storage_data: Any, sdm: Any, idx: MetadataIndex) -> tuple[torc
 def read_plan(reads: FileReads, plan: LoadPlan, planner: LoadPlanner, thread_count: int) -> None:
     """Read every item of ``plan``, file by file in offset order (``thread_count`` files at a time)."""
     per_file: dict[str, list[Job]] = {}
-    info = reads.info
+    job = reads.job
     for req in plan.items:  # each record looked up once: hashing a MetadataIndex is not free
-        rec = info(req.storage_index)
-        per_file.setdefault(rec.relative_path, []).append((req, rec))
+        j = job(req)
+        rel = j[1].relative_path
+        group = per_file.get(rel)
+        if group is None:
+            group = per_file[rel] = []
+        group.append(j)
     jobs = [(rel, sorted(reqs, key=_offset)) for rel, reqs in per_file.items()]
     if thread_count > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(thread_count, thread_name_prefix="mmapckpt-read") as threads:
@@ -297,6 +366,9 @@ def _header_entry(shard: Shard, req: ReadItem, info: _StorageInfo) -> fmt.Entry:
         raise FormatError(f"metadata says bytes [{info.offset}, +{info.length}) but the shard header says "
                           f"[{e.offset}, +{e.length})", path=shard.path, entry=e.label)
     return e
+
+
+_BYTE_IO = LoadItemType.BYTE_IO
 
 
 def _offset(job: Job) -> int:

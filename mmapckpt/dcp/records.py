@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..format.entries import ChunkInfo, EntryInfo, paused_gc
 from ..format.metadata.index import MetaIndex, need, opt_str
+from ..reading.chunks import records_by_file
 
 __all__ = ["StateDictRecords", "StorageRecords", "dcp_record", "lazy_dcp", "to_dcp"]
 
@@ -153,6 +154,11 @@ class StateDictRecords(Mapping[str, Any]):
         """The validated index entry behind ``name`` (no DCP object is built), or None."""
         return self._r.ix.entries.get(name)
 
+    @property
+    def entries(self) -> Mapping[str, EntryInfo]:
+        """The validated index entries by name (no DCP object is built): :meth:`entry` for many names."""
+        return self._r.ix.entries
+
     def __getitem__(self, name: str) -> Any:
         return self._r.all()[0][name]
 
@@ -206,6 +212,27 @@ class StorageRecords(Mapping[MetadataIndex, _StorageInfo]):
             if c.offsets == idx.offset:
                 return e, c
         return None
+
+    def located(self, idx: MetadataIndex) -> tuple[_StorageInfo, tuple[torch.dtype, torch.Size] | None] | None:
+        """:meth:`info` and, for a tensor chunk, its (dtype, sizes), from one lookup of the index; None: no record.
+
+        What the reader asks for each item of a plan (dcp/read_paths.py ``read_plan``); where the records
+        carry transform descriptors, the built record and no layout (the reader then asks the index again).
+        """
+        r = self._r
+        if r.built or r.ix.transforms:
+            found = r.all()[1].get(idx)
+            return None if found is None else (found, None)
+        c = self.chunk(idx)
+        if c is None:
+            return None
+        e, ch = c
+        return (_StorageInfo(ch.file, ch.file_offset, ch.length, None),
+                (e.dtype, ch.sizes) if e.kind == "tensor" else None)
+
+    def records_by_file(self) -> dict[str, list[tuple[Any, ...]]]:
+        """Per shard file, its entries as the index places them (what ``Shard.agrees`` compares: reading/shard.py)."""
+        return records_by_file(self._r.ix.entries)
 
     def info(self, idx: MetadataIndex) -> _StorageInfo | None:
         """The record ``idx`` names, built alone (not kept), or None: what the reader asks for each item."""

@@ -23,10 +23,10 @@ if TYPE_CHECKING:  # stock items' readers are imported by the first stock item r
 
     from .dcp_safetensors import SafetensorsChunks
 
-__all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles"]
+__all__ = ["ChunkInfo", "EntryInfo", "ChunkFiles", "records_by_file"]
 
 
-def _records_by_file(entries: Mapping[str, EntryInfo]) -> dict[str, list[tuple[Any, ...]]]:
+def records_by_file(entries: Mapping[str, EntryInfo]) -> dict[str, list[tuple[Any, ...]]]:
     """Per file, its entries as the metadata places them, in its order (what ``Shard.agrees`` compares)."""
     out: dict[str, list[tuple[Any, ...]]] = {}
     for e in entries.values():
@@ -63,7 +63,7 @@ class ChunkFiles:
         self.stock: dict[str, StoredFile] = {}
         #: (stock file, offset) -> its safetensors data there, or None for torch.save items
         self._safetensors: dict[tuple[str, int], SafetensorsChunks | None] = {}
-        files = _records_by_file(entries)
+        files = records_by_file(entries)
         try:
             for rel in sorted(files):
                 self._open(rel, files[rel], save_id, stock)

@@ -158,11 +158,13 @@ class Moves:
             self.direct = DirectRead(self.reads) if self.reads.enabled else None
         self.staged = Staged(pool_for, self.reads or self.fetches) if pool_for is not None else None
         self.stage_all = stage_all
+        # CPU targets staged too: the tests' switches, set before a load, asked once a file (not once a target)
+        self._stage_cpu = stage_all or (self.staged is not None and stage_cpu_targets())
 
     def strategy(self, dst: torch.Tensor) -> Move:
         """The strategy for a target: staged for accelerators, else a direct read where reads are on, else a copy."""
         # needs_staging(dst), without the device object dst.device makes (0.8 us)
-        if self.staged is not None and (self.stage_all or not dst.is_cpu or stage_cpu_targets()):
+        if self.staged is not None and (self._stage_cpu or not dst.is_cpu):
             return self.staged
         return self.direct if self.direct is not None else self.copy
 

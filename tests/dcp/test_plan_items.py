@@ -88,3 +88,19 @@ def test_write_result_is_dcps(direct: bool) -> None:
     got = plan_items.write_result(MetadataIndex("w", torch.Size([0])), 64, info)
     assert _fields(got) == _fields(want) and got == want
     assert _fields(pickle.loads(pickle.dumps(got))) == _fields(want)
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (5,), ()])
+def test_whole_read_item_is_dcps(direct: bool, shape: tuple[int, ...]) -> None:
+    sizes, z = torch.Size(shape), torch.Size([0] * len(shape))
+    want = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("w", z, 0), dest_offsets=z,
+                    storage_index=MetadataIndex("w", z, 0), storage_offsets=z, lengths=sizes)
+    got = plan_items.whole_read_item("w", sizes)
+    assert _fields(got) == _fields(want)
+    assert (got.dest_index.index, got.storage_index.index) == (0, 0)
+    assert hash(got.dest_index) == hash(want.storage_index) and got == want
+    assert _fields(pickle.loads(pickle.dumps(got))) == _fields(want)
+    if direct:  # equal values, one frozen object
+        assert got.dest_index is got.storage_index
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.storage_index.fqn = "y"  # type: ignore[misc]
