@@ -78,15 +78,8 @@ def read_item(fqn: str, local_offsets: torch.Size, stored_offsets: torch.Size, s
         return ReadItem(type=_TENSOR, dest_index=MetadataIndex(fqn, local_offsets, 0), dest_offsets=z,
                         storage_index=MetadataIndex(fqn, stored_offsets, stored_idx), storage_offsets=z,
                         lengths=torch.Size(sizes))
-    r = _new(ReadItem)
-    d = r.__dict__
-    d["type"] = _TENSOR
-    d["dest_index"] = metadata_index(fqn, local_offsets, 0)
-    d["dest_offsets"] = z
-    d["storage_index"] = metadata_index(fqn, stored_offsets, stored_idx)
-    d["storage_offsets"] = z
-    d["lengths"] = sizes
-    return r
+    return _tensor_read_item(metadata_index(fqn, local_offsets, 0), metadata_index(fqn, stored_offsets, stored_idx),
+                             z, sizes)
 
 
 def whole_read_item(fqn: str, sizes: torch.Size) -> ReadItem:
@@ -99,18 +92,19 @@ def whole_read_item(fqn: str, sizes: torch.Size) -> ReadItem:
     z = zeros(len(sizes))
     if not DIRECT:
         return read_item(fqn, z, z, 0, sizes)
-    mi = _new(MetadataIndex)
-    d = mi.__dict__
-    d["fqn"] = fqn
-    d["offset"] = z
-    d["index"] = 0
+    index = metadata_index(fqn, z, 0)
+    return _tensor_read_item(index, index, z, sizes)
+
+
+def _tensor_read_item(dest: MetadataIndex, storage: MetadataIndex, zero: torch.Size, sizes: torch.Size) -> ReadItem:
+    """A tensor ``ReadItem`` from ``dest`` to ``storage``, both at offsets ``zero`` within them, built directly."""
     r = _new(ReadItem)
     d = r.__dict__
     d["type"] = _TENSOR
-    d["dest_index"] = mi
-    d["dest_offsets"] = z
-    d["storage_index"] = mi
-    d["storage_offsets"] = z
+    d["dest_index"] = dest
+    d["dest_offsets"] = zero
+    d["storage_index"] = storage
+    d["storage_offsets"] = zero
     d["lengths"] = sizes
     return r
 
