@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-__all__ = ["DIRECT", "metadata_index", "read_item", "tensor_write_item", "whole_read_item", "write_item", "write_result",
-           "zeros"]
+__all__ = ["DIRECT", "metadata_index", "read_item", "tensor_write_item", "whole_read_item", "write_item",
+           "write_result", "zeros"]
 
 
 def _fields_in_dict(cls: type, names: tuple[str, ...]) -> bool:

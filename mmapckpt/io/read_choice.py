@@ -39,7 +39,8 @@ from ..records import Record
 from .files import available_memory
 
 __all__ = ["Strategy", "STREAM", "CANDIDATES", "TRIALS", "MARGIN", "TRIAL_BYTES", "RETRY", "KEEP", "choose", "parse",
-           "Segment", "segments", "plan", "fitted", "record", "unsupported", "forget", "candidates", "cache_room", "state_path"]
+           "Segment", "segments", "plan", "fitted", "record", "unsupported", "forget", "candidates", "cache_room",
+           "state_path"]
 
 
 class Strategy(Record):
