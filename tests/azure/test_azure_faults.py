@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 import emulators
 import pytest
-from faulty_proxy import FaultyProxy
+from faulty_proxy import FaultyProxy, proxies_to
 from s3_data import assert_same, complement, state_dict
 
 import mmapckpt
@@ -29,17 +29,13 @@ def saved(azurite: emulators.Azurite, az_container: str):
 
 @pytest.fixture
 def through_proxy(azurite: emulators.Azurite):
-    made = []
-
-    def make(**faults) -> tuple[FaultyProxy, dict[str, str]]:
-        u = urlparse(azurite.endpoint)
-        p = FaultyProxy((u.hostname, u.port), **faults)
-        made.append(p)
-        conn = azurite.connection_string.replace(f"127.0.0.1:{u.port}", p.endpoint_url.split("//", 1)[1])
-        return p, {"connection_string": conn}
-    yield make
-    for p in made:
-        p.close()
+    port = urlparse(azurite.endpoint).port
+    with proxies_to(azurite.endpoint) as proxy:
+        def make(**faults) -> tuple[FaultyProxy, dict[str, str]]:
+            p = proxy(**faults)
+            conn = azurite.connection_string.replace(f"127.0.0.1:{port}", p.endpoint_url.split("//", 1)[1])
+            return p, {"connection_string": conn}
+        yield make
 
 
 def test_a_blob_body_cut_midway_is_asked_for_again_from_its_first_missing_byte(saved, through_proxy):

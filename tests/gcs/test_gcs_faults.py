@@ -7,11 +7,10 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlparse
 
 import emulators
 import pytest
-from faulty_proxy import FaultyProxy
+from faulty_proxy import FaultyProxy, proxies_to
 from s3_data import assert_same, complement, state_dict
 
 import mmapckpt
@@ -30,16 +29,11 @@ def saved(gs_bucket: str):
 
 @pytest.fixture
 def through_proxy(gcs_emulator: emulators.GCSEmulator):
-    made = []
-
-    def make(**faults) -> tuple[FaultyProxy, dict[str, object]]:
-        u = urlparse(gcs_emulator.endpoint)
-        p = FaultyProxy((u.hostname, u.port), **faults)
-        made.append(p)
-        return p, {**OPTIONS, "endpoint_url": p.endpoint_url}
-    yield make
-    for p in made:
-        p.close()
+    with proxies_to(gcs_emulator.endpoint) as proxy:
+        def make(**faults) -> tuple[FaultyProxy, dict[str, object]]:
+            p = proxy(**faults)
+            return p, {**OPTIONS, "endpoint_url": p.endpoint_url}
+        yield make
 
 
 def test_an_object_body_cut_midway_is_asked_for_again_from_its_first_missing_byte(saved, through_proxy):

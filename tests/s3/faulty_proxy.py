@@ -15,6 +15,9 @@ from __future__ import annotations
 import re
 import socket
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from urllib.parse import urlparse
 
 _SLOW_DOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: 95\r\n"
               b"Connection: close\r\n\r\n<Error><Code>SlowDown</Code><Message>Please reduce your request rate."
@@ -119,3 +122,21 @@ class FaultyProxy:
                 s.close()
             except OSError:
                 pass
+
+
+@contextmanager
+def proxies_to(endpoint: str) -> Iterator[Callable[..., FaultyProxy]]:
+    """A maker of :class:`FaultyProxy` instances in front of ``endpoint`` (``http://host:port``), called with the faults
+    of each; every proxy made is closed on leaving (a test's fixture yields inside it)."""
+    made: list[FaultyProxy] = []
+    u = urlparse(endpoint)
+
+    def make(**faults: object) -> FaultyProxy:
+        p = FaultyProxy((u.hostname, u.port), **faults)
+        made.append(p)
+        return p
+    try:
+        yield make
+    finally:
+        for p in made:
+            p.close()

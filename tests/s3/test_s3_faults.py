@@ -9,11 +9,10 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlparse
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from faulty_proxy import FaultyProxy
+from faulty_proxy import FaultyProxy, proxies_to
 from s3_data import GetCounter, assert_same, complement, state_dict
 
 import mmapckpt
@@ -32,17 +31,12 @@ def saved(s3_env, s3_bucket):
 
 @pytest.fixture
 def proxy_for(s3_server, monkeypatch):
-    made = []
-
-    def make(**faults) -> FaultyProxy:
-        u = urlparse(s3_server.endpoint_url)
-        p = FaultyProxy((u.hostname, u.port), **faults)
-        made.append(p)
-        monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint_url)
-        return p
-    yield make
-    for p in made:
-        p.close()
+    with proxies_to(s3_server.endpoint_url) as proxy:
+        def make(**faults) -> FaultyProxy:
+            p = proxy(**faults)
+            monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint_url)
+            return p
+        yield make
 
 
 def _load(url, sd, options):
