@@ -86,14 +86,9 @@ class DirectReads:
                 lo = inside[0][0]
                 os.posix_fadvise(fd, lo, max(o + n for o, n in inside) - lo, os.POSIX_FADV_WILLNEED)
 
-    def worth_reading(self, src: torch.Tensor) -> bool:
-        """Whether a read may stand in for a copy of ``src`` out of the mapping: not for a few pages of a
-        cached file, which cost less to copy than to queue (a caller can ask before making a label)."""
-        return self.enabled and not (self.cached and src.nbytes < SMALL_CACHED_COPY)
-
     def take(self, src: torch.Tensor, target: torch.Tensor, token: Any, label: Callable[[], str] | str) -> bool:
-        """Queue the copy of ``src`` (a view of the mapping) into ``target`` if a read can do it (and is worth it:
-        :meth:`worth_reading`).
+        """Queue the copy of ``src`` (a view of the mapping) into ``target`` if a read can do it and is worth it: not
+        for a few pages of a cached file (below ``SMALL_CACHED_COPY``), which cost less to copy than to queue.
 
         ``token`` comes back from :meth:`run` with ``target``; ``label`` names the entry in errors (or makes the
         name: called only for a read queued).
