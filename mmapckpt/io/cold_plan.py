@@ -51,7 +51,7 @@ class ColdPlan:
         if staged and way.kind == "buffered":
             part = _cut(part, way)
         t0 = time.perf_counter()
-        if read_pieces(self.fd, self.path, self.ident, part, way, advise=seg.trial):
+        if read_pieces(self.fd, self.path, self.ident, part, way):
             if seg.trial and way == seg.strategy:
                 seconds = time.perf_counter() - t0
                 with self._lock:

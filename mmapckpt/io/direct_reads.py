@@ -74,17 +74,10 @@ class DirectReads:
         # a cold file only: the choice of a way to read it and the ways themselves (a cached one needs neither)
         from . import read_choice
         from .cold_plan import ColdPlan
-        from .read_choice import STREAM
 
-        ranges = sorted(ranges)
-        self.segments = read_choice.plan(st.st_dev, ranges)
+        self.segments = read_choice.plan(st.st_dev, sorted(ranges))
+        # no posix_fadvise for one stream: the kernel's own readahead (see io/cold_reads.py)
         self._cold = ColdPlan(fd, self.file.path, self.file.ident, self.segments)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        for seg in self.segments:  # one stream: let the kernel read its whole range ahead now
-            inside = [(o, n) for o, n in ranges if seg.lo <= o < seg.hi]
-            if seg.strategy == STREAM and not seg.trial and inside:
-                lo = inside[0][0]
-                os.posix_fadvise(fd, lo, max(o + n for o, n in inside) - lo, os.POSIX_FADV_WILLNEED)
 
     def take(self, src: torch.Tensor, target: torch.Tensor, token: Any, label: Callable[[], str] | str) -> bool:
         """Queue the copy of ``src`` (a view of the mapping) into ``target`` if a read can do it and is worth it: not

@@ -38,9 +38,9 @@ from collections.abc import Mapping, Sequence
 from ..records import Record
 from .files import available_memory
 
-__all__ = ["Strategy", "STREAM", "CANDIDATES", "TRIALS", "MARGIN", "TRIAL_BYTES", "RETRY", "KEEP", "choose", "parse",
-           "Segment", "segments", "plan", "fitted", "record", "unsupported", "forget", "candidates", "cache_room",
-           "state_path"]
+__all__ = ["Strategy", "STREAM", "CANDIDATES", "TRIALS", "MARGIN", "TRIAL_BYTES", "PARALLEL_BYTES", "RETRY", "KEEP",
+           "choose", "parse", "Segment", "segments", "plan", "fitted", "record", "unsupported", "forget", "candidates",
+           "cache_room", "state_path"]
 
 
 class Strategy(Record):
@@ -74,14 +74,15 @@ KEEP = 5
 #: How much faster (median throughput) a parallel way must be than one stream to be chosen.
 MARGIN = 1.1
 #: Bytes of a cold read given to each candidate on trial; reads shorter than
-#: ``2 * len(CANDIDATES) * TRIAL_BYTES`` are not used for trials. Also the least a stream of a parallel way
-#: reads (:func:`fitted`): a shorter cold read is read by fewer streams, and by one below twice this. Each
-#: stream of a parallel way starts its own readahead (and a new process its own threads), where one stream's
-#: range is read ahead whole at once (its ``WILLNEED``). Fresh processes, cold ``load_into`` of 323 tensors on
-#: the development VM (medians of 8-10, load average 2-2.6): 50 MB, one stream 68 ms, ``buffered-2`` 68,
-#: ``buffered-4`` 79; 128 MB, 110, 103, 138; 256 MB, 182, 198, 180; at 1 GB ``buffered-4``, chosen there, read in
-#: 0.43 s what one stream read in 0.72 s.
+#: ``2 * len(CANDIDATES) * TRIAL_BYTES`` are not used for trials.
 TRIAL_BYTES = 64 << 20
+#: Cold reads shorter than this are read by one stream, whatever was chosen (:func:`fitted`); a longer one is
+#: read by at most one stream of a parallel way per :data:`TRIAL_BYTES`. Each stream of a parallel way ramps up
+#: its own readahead (and a new process starts its threads). Fresh processes, cold ``load_into`` of 323 tensors
+#: on the development VM, the ways alternately (medians of 6-8 pairs, load average 1.1-1.5): 256 MB, one stream
+#: 110-118 ms against ``buffered-2`` 206 and ``buffered-4`` 160 (one stream faster in 7 and 8 of 8 pairs);
+#: 512 MB, 328-413 ms against 254 and 256; 1 GB, 514 against ``buffered-4`` 429 (parallel faster in 5 of 6).
+PARALLEL_BYTES = 512 << 20
 
 _ENV = "MMAPCKPT_COLD_READS"
 
@@ -257,7 +258,7 @@ def plan(device: int, ranges: Sequence[tuple[int, int]]) -> list[Segment]:
     if forced:
         return segments(ranges, (), parse(forced))
     total = sum(n for _, n in ranges)
-    if total < 2 * TRIAL_BYTES:  # no parallel way would be used, and no trials made: the kept samples unread
+    if total < min(PARALLEL_BYTES, 4 * TRIAL_BYTES):  # no parallel way used, no trials: the samples unread
         return segments(ranges, (), STREAM)
     ways = candidates(total)
     large = total >= 2 * len(ways) * TRIAL_BYTES
@@ -274,10 +275,10 @@ def plan(device: int, ranges: Sequence[tuple[int, int]]) -> list[Segment]:
 
 
 def fitted(way: Strategy, nbytes: int) -> Strategy:
-    """``way`` for a read of ``nbytes``: its streams cut to those that get :data:`TRIAL_BYTES` each (one stream,
-    where fewer than two do)."""
-    if way.kind == "stream":
-        return way
+    """``way`` for a read of ``nbytes``: one stream below :data:`PARALLEL_BYTES`, else its streams cut to those that
+    get :data:`TRIAL_BYTES` each."""
+    if way.kind == "stream" or nbytes < PARALLEL_BYTES:
+        return STREAM
     n = min(way.streams, nbytes // TRIAL_BYTES)
     return STREAM if n <= 1 else Strategy(way.kind, n)
 

@@ -99,29 +99,31 @@ def test_plan_trials_each_candidate_then_uses_the_choice():
     for _ in range(read_choice.TRIALS):
         for s, rate in ((STREAM, 1.0), (B4, 0.7), (D8, 2.0)):
             read_choice.record(dev, s, int(rate * 1e9), 1.0)
-    chosen = read_choice.plan(dev, _big())
-    assert chosen == [Segment(Strategy("direct", 6), 0, 1 << 63, False)]  # fitted: 6 streams of 64 MiB in 384 MiB
+    # fitted: one stream below PARALLEL_BYTES (512 MiB), then a stream per TRIAL_BYTES (64 MiB) at most
+    assert read_choice.plan(dev, _big()) == [Segment(STREAM, 0, 1 << 63, False)]  # 384 MiB
     assert read_choice.plan(dev, _big(n_ranges=16) * 2) == [Segment(D8, 0, 1 << 63, False)]  # 768 MiB: all 8
+    assert read_choice.fitted(D8, 576 << 20) == Strategy("direct", 8)
     assert read_choice.plan(99, _big())[0].trial  # another device measures for itself
 
 
 def test_a_parallel_way_gets_a_trials_bytes_a_stream_and_a_short_read_one_stream(monkeypatch):
-    """Each stream of a parallel way reads at least TRIAL_BYTES: fewer streams for a shorter read, one stream below
-    twice that, without reading the device's kept samples (no parallel way could be used)."""
+    """A cold read shorter than PARALLEL_BYTES is read by one stream (below 256 MiB, where no trials are made either,
+    without reading the device's kept samples); a longer one by at most a stream per TRIAL_BYTES."""
     mib = 1 << 20
     assert read_choice.fitted(B4, 1 << 30) == B4
-    assert read_choice.fitted(B4, 200 * mib) == Strategy("buffered", 3)
-    assert read_choice.fitted(B4, 128 * mib) == Strategy("buffered", 2)
-    assert read_choice.fitted(B4, 127 * mib) == STREAM
+    assert read_choice.fitted(Strategy("direct", 16), 800 * mib) == Strategy("direct", 12)
+    assert read_choice.fitted(B4, 512 * mib) == B4
+    assert read_choice.fitted(B4, 511 * mib) == STREAM
     assert read_choice.fitted(STREAM, 1) == STREAM
     dev = 4321
     for _ in range(read_choice.TRIALS):
         for s, rate in ((STREAM, 1.0), (B4, 3.0), (D8, 0.5)):
             read_choice.record(dev, s, int(rate * 1e9), 1.0)
-    assert read_choice.plan(dev, [(0, 200 * mib)]) == [Segment(Strategy("buffered", 3), 0, 1 << 63, False)]
+    assert read_choice.plan(dev, [(0, 800 * mib)]) == [Segment(B4, 0, 1 << 63, False)]
+    assert read_choice.plan(dev, [(0, 300 * mib)]) == [Segment(STREAM, 0, 1 << 63, False)]
     looked = []
     monkeypatch.setattr(read_choice, "_load", lambda device: looked.append(device))
-    assert read_choice.plan(dev, [(0, 50 * mib), (60 * mib, 50 * mib)]) == [Segment(STREAM, 0, 1 << 63, False)]
+    assert read_choice.plan(dev, [(0, 120 * mib), (130 * mib, 120 * mib)]) == [Segment(STREAM, 0, 1 << 63, False)]
     assert looked == []
 
 
@@ -180,7 +182,7 @@ def test_every_way_reads_the_file_bytes(tmp_path, size, data):
                 arr = np.full(n, 0xAB, np.uint8)
                 buf = memoryview(arr) if n % 2 else arr  # both kinds of buffer the readers hand out
                 jobs.append((ReadJob(buf, off, f"e{off}"), arr))
-            assert cold_reads.read_pieces(fd, path, ident, pieces([j for j, _ in jobs]), way, advise=True)
+            assert cold_reads.read_pieces(fd, path, ident, pieces([j for j, _ in jobs]), way)
             for (j, arr) in jobs:
                 assert arr.tobytes() == content[j.offset:j.offset + arr.size], (way, j.offset, arr.size)
     finally:
@@ -282,6 +284,24 @@ def test_load_into_cold_by_each_way_is_bitwise(tmp_path, monkeypatch, way):
     if way == "auto":
         samples = read_choice._samples[os.stat(tmp_path).st_dev]
         assert set(samples) == set(CANDIDATES)
+
+
+@pytest.mark.parametrize("way, advice", [("stream", set()), ("buffered-3", {os.POSIX_FADV_SEQUENTIAL})])
+def test_one_stream_reads_with_the_kernels_own_readahead(tmp_path, monkeypatch, way, advice):
+    """One stream gives the kernel no advice (SEQUENTIAL and WILLNEED each made it slower: io/cold_reads.py);
+    each stream of ``buffered-N`` asks for sequential readahead on its own open file."""
+    sd = _state_dict()
+    mmapckpt.save(sd, str(tmp_path / "ck"))
+    monkeypatch.setenv("MMAPCKPT_COLD_READS", way)
+    monkeypatch.setattr(direct_reads, "is_cached", lambda fd, offsets: False)
+    given: list[int] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: (given.append(how), real(fd, off, n, how))[1])
+    targets = {k: torch.full_like(v, 3) for k, v in sd.items()}
+    mmapckpt.load_into(targets, str(tmp_path / "ck"))
+    for k in sd:
+        assert_bitwise_equal(targets[k], sd[k], k)
+    assert set(given) == advice
 
 
 def test_load_into_where_o_direct_is_refused_reads_one_stream(tmp_path, monkeypatch):

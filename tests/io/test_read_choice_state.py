@@ -41,7 +41,8 @@ def _state_file(tmp_path, monkeypatch):
 
 def _big() -> list[tuple[int, int]]:
     n = 64
-    size = 2 * len(read_choice.CANDIDATES) * read_choice.TRIAL_BYTES // n + 1
+    # long enough for trials and for a parallel way
+    size = max(2 * len(read_choice.CANDIDATES) * read_choice.TRIAL_BYTES, read_choice.PARALLEL_BYTES) // n + 1
     return [(i * size, size) for i in range(n)]
 
 
