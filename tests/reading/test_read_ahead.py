@@ -51,6 +51,7 @@ def test_read_ahead_advises_each_run_in_order_only_where_the_selection_fits_in_h
 
     infos = [_info("a", ("f1", 0, 4096)), _info("b", ("f1", 4096, 4096)), _info("c", ("f2", 0, 4096))]
     spy = _Spy()
+    monkeypatch.setattr(ra, "LEAST", 12288)
     monkeypatch.setattr(ra, "available_memory", lambda: 2 * 12288)  # exactly fits in half
     assert ra.read_ahead(spy, infos)
     assert spy.calls == [(ChunkInfo((), (), "f1", 0, 8192), mmap.MADV_WILLNEED, True),
@@ -62,6 +63,18 @@ def test_read_ahead_advises_each_run_in_order_only_where_the_selection_fits_in_h
         assert spy.calls == []
 
 
+def test_a_selection_shorter_than_least_gets_no_advice(monkeypatch) -> None:
+    infos = [_info("a", ("f1", 0, 4096)), _info("b", ("f2", 0, 4096))]
+    monkeypatch.setattr(ra, "available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(ra, "LEAST", 8193)
+    spy = _Spy()
+    assert not ra.read_ahead(spy, infos)
+    assert spy.calls == []
+    monkeypatch.setattr(ra, "LEAST", 8192)
+    assert ra.read_ahead(spy, infos)
+    assert len(spy.calls) == 2
+
+
 def test_available_memory_is_read_from_meminfo_on_linux() -> None:
     avail = ra.available_memory()
     if not os.path.exists("/proc/meminfo"):
@@ -70,7 +83,9 @@ def test_available_memory_is_read_from_meminfo_on_linux() -> None:
         assert avail is not None and avail > 0
 
 
-def test_a_default_load_reads_the_selection_ahead_without_a_touch_and_prefetch_false_does_not(tmp_path: Path) -> None:
+def test_a_default_load_reads_the_selection_ahead_without_a_touch_and_prefetch_false_does_not(tmp_path: Path,
+                                                                                              monkeypatch) -> None:
+    monkeypatch.setattr(ra, "LEAST", 1 << 20)  # 16 MiB here: read ahead as a larger selection would be
     sd = _state()
     path = tmp_path / "ckpt"
     mmapckpt.save(sd, path)
