@@ -29,8 +29,8 @@ __all__ = ["file_runs", "read_ahead", "LEAST"]
 
 #: Selections shorter than this get no advice: their pages faulted in by the touch come in sooner, and a file
 #: read ahead this way leaves the page cache slower to map for every warm load after it. Fresh processes,
-#: cold ``load`` + touch of 323 tensors then a warm one, with and without the advice alternately (8 pairs,
-#: medians, development VM): 50 MB cold 52.0 against 43.0 ms, 80 MB 69.1 against 58.4 ms, 128 MB 92.8 against
+#: cold ``load`` + touch of 323 tensors then a warm one, with and without the advice alternately (medians of
+#: 6-8 pairs, development VM): 50 MB cold 52.0 against 43.0 ms, 80 MB 69.1 against 58.4 ms, 128 MB 92.8 against
 #: 123.4 ms, 1 GB 384 against 428 ms (4 pairs); the warm loads after 23.5-29.5 against 17.9-23.5 ms at
 #: every size.
 LEAST = 96 << 20
