@@ -2,9 +2,9 @@
 
 - ``stream``: every piece in file order on this thread through the caller's descriptor, the
   kernel reading ahead by its own window, without advice: ``POSIX_FADV_SEQUENTIAL`` (twice the
-  window) and ``POSIX_FADV_WILLNEED`` over the range (the first window read before the copying
-  starts) each made one stream slower. Fresh processes, cold ``load_into`` of 323 tensors on the
-  development VM (readahead 8 MiB), alternately with and without both: 50 MB 65.0 -> 47.0 ms
+  window) and ``POSIX_FADV_WILLNEED`` over the range (the kernel starts reading one window of it,
+  at most 16 MiB, inside the call) each made one stream slower. Fresh processes, cold ``load_into``
+  of 323 tensors on the development VM (readahead 8 MiB), alternately with and without both: 50 MB 65.0 -> 47.0 ms
   (faster in 15 of 16 pairs), 128 MB 103.4 -> 86.4 ms (9 of 10); with the disk's readahead set
   to 128 KiB, 46.5 -> 43.8 ms (10 of 10) and 77.8 -> 77.3 ms (5 of 8);
 - ``buffered-N``: N contiguous runs of about equal bytes at once, each on a reader thread
