@@ -8,9 +8,9 @@ order (``POSIX_FADV_SEQUENTIAL``) and asks the kernel to read the selected bytes
 one call per run of adjacent chunks; the kernel reads them while the caller goes on, and a touch waits
 only for pages not yet in. On a cached file the advice finds every page there and reads nothing. It is
 given only where the selection fits in half of the memory available, so that reading ahead never pushes
-out pages it has just read (which the touch would then read a second time), and is at least
-:data:`LEAST`; and it is advice: where a call fails, the load goes on as it did without it (each page read
-when touched).
+out pages it has just read (which the touch would then read a second time), and where it comes to at
+least :data:`LEAST`; and it is advice: where a call fails, the load goes on as it did without it (each
+page read when touched).
 """
 
 from __future__ import annotations
