@@ -369,12 +369,12 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dt
         allow_unpickle: also load non-tensor entries (pickles; only for trusted files).
             Without it they are left out, and naming one in ``keys`` raises CheckpointError
             (a torch.save file's values too, so that every format gives the same dict).
-        prefetch: None (the default): on the CPU, ask the kernel to read the selected tensors'
-            bytes now, in file order (POSIX_FADV_SEQUENTIAL, then MADV_WILLNEED on each run of
-            adjacent chunks), where they fit in half of the available memory; the call returns
-            without waiting and a touch waits only for pages not yet read. True: MADV_WILLNEED on
-            every chunk, on any device. False: no hint, every page is read when first touched.
-            See docs/lazy.md for the measurements.
+        prefetch: None (the default): on the CPU, ask the kernel to read the selected tensors' bytes now, in
+            file order (POSIX_FADV_SEQUENTIAL, then MADV_WILLNEED on each run of adjacent chunks), where they
+            come to at least 96 MiB (reading/read_ahead.LEAST) and fit in half of the available memory; the call
+            returns without waiting and a touch waits only for pages not yet read. True: MADV_WILLNEED on every
+            chunk, on any device. False: no hint, every page is read when first touched. See docs/lazy.md for the
+            measurements.
         verify: check the CRC-32 of every mmapckpt entry loaded (reads every byte, so a CPU
             load is no longer free of I/O; ChecksumError on a mismatch). Stock DCP, safetensors
             and torch.save files have no checksums: for them it checks nothing more.
@@ -444,7 +444,7 @@ def read_tensors(ckpt: LazyCheckpoint, names: list[str], device: torch.device, *
     object in the result. On the CPU, views over the mappings where the format allows; on an accelerator,
     through a staging pool of ``staging_buffers`` pinned buffers of ``staging_bytes`` made for this call.
     ``prefetch``: True, MADV_WILLNEED on every chunk; None, on the CPU, the files advised to be read in order and
-    the selection's runs of chunks read ahead where they fit in memory (reading/read_ahead.py); False, neither."""
+    the selection's runs read ahead where they fit in memory and reach ``read_ahead.LEAST``; False, neither."""
     from .format.aliases import shared_names
     from .reading.regions import read_tensor
     out: dict[str, torch.Tensor] = {}

@@ -42,13 +42,14 @@ class DirectReads:
     synchronous reads, and even on a cached one the page-table work costs more than a read.
     A read moves each byte once. On opening, a few RWF_NOWAIT probes tell whether the
     ranges to be read are cached; if not, the jobs gathered during the walk run at its end,
-    in file order on this thread (the kernel advised to read ahead, which it does up to its
-    readahead window: 8-16 MB of a 1 GB file here, not the whole range); or, where this device reads faster with several
-    streams at once, by the way io/read_choice.py chose for it (io/cold_reads.py), which the first
-    large cold reads on a device measure. If they are cached, every ``_BATCH`` bytes of jobs start
-    on the reader threads while the walk goes on. Staging buffers bound for an accelerator are
-    filled the same way (:meth:`reader_for`, :meth:`read_many`), and a trial's reads may then span
-    several buffers: each trial's bytes and seconds add up until :meth:`close` records them.
+    in file order on this thread (the kernel reading ahead by its own window, unadvised:
+    io/cold_reads.py); or, where this device reads faster with several streams at once and the read
+    is long enough (``read_choice.PARALLEL_BYTES``), by the way io/read_choice.py chose for it
+    (io/cold_reads.py), which the first large cold reads on a device measure. If they are cached, every
+    ``_BATCH`` bytes of jobs start on the reader threads while the walk goes on. Staging buffers bound
+    for an accelerator are filled the same way (:meth:`reader_for`, :meth:`read_many`), and a trial's
+    reads may then span several buffers: each trial's bytes and seconds add up until :meth:`close`
+    records them.
     """
 
     def __init__(self, file: MappedFile, *, enabled: bool = True, ranges: list[tuple[int, int]] = ()) -> None:

@@ -258,7 +258,8 @@ def plan(device: int, ranges: Sequence[tuple[int, int]]) -> list[Segment]:
     if forced:
         return segments(ranges, (), parse(forced))
     total = sum(n for _, n in ranges)
-    if total < min(PARALLEL_BYTES, 4 * TRIAL_BYTES):  # no parallel way used, no trials: the samples unread
+    # shorter than a read with trials of the fewest candidates (two) and than a parallel read: the samples unread
+    if total < min(PARALLEL_BYTES, 2 * 2 * TRIAL_BYTES):
         return segments(ranges, (), STREAM)
     ways = candidates(total)
     large = total >= 2 * len(ways) * TRIAL_BYTES

@@ -106,7 +106,7 @@ def test_plan_trials_each_candidate_then_uses_the_choice():
     assert read_choice.plan(99, _big())[0].trial  # another device measures for itself
 
 
-def test_a_parallel_way_gets_a_trials_bytes_a_stream_and_a_short_read_one_stream(monkeypatch):
+def test_one_stream_below_parallel_bytes_and_at_most_a_stream_per_trial_bytes_above(monkeypatch):
     """A cold read shorter than PARALLEL_BYTES is read by one stream (below 256 MiB, where no trials are made either,
     without reading the device's kept samples); a longer one by at most a stream per TRIAL_BYTES."""
     mib = 1 << 20
