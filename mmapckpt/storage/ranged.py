@@ -1,10 +1,11 @@
 """Ranged reads of one object version into the callers' buffers, for every object store.
 
 A batch of reads (``(offset, buffer)`` pairs: target tensors, staging buffers, broadcast buffers) becomes requests of
-at most ``part_size`` bytes (:func:`plan_requests`; a batch of more than ``concurrency`` parts gets longer requests,
-one per thread, up to ``_MAX_PARTS`` parts: :meth:`RangedReads.request_size`): a long read is split, short reads of
-neighbouring ranges are joined into one request whose body is scattered into their buffers (gaps of at most
-``_GAP`` bytes are read and dropped). The requests run on a shared pool of ``concurrency`` threads per medium.
+``part_size`` bytes (:func:`plan_requests`; a batch of more than ``concurrency`` parts gets longer requests,
+one per thread, up to ``_MAX_PARTS`` parts: :meth:`RangedReads.request_size`): neighbouring reads are joined into
+runs (gaps of at most ``_GAP`` bytes are read and dropped), each run cut into requests of that size whose bodies are
+scattered into the buffers, a read split where a cut falls in it. The requests run on a shared pool of
+``concurrency`` threads per medium.
 
 A medium supplies :meth:`RangedReads._open`, one GET of a byte range of the version opened, answered by its
 client's HTTP response (urllib3 beneath boto3, azure-core and google-auth's session alike). Every medium's body is
@@ -28,7 +29,8 @@ from ..errors import CheckpointError, IncompleteCheckpointError, StorageUnavaila
 if TYPE_CHECKING:
     from .failures import StoreFailures
 
-__all__ = ["RangedReads", "Fetch", "plan_requests", "replaced_while_read", "TRANSIENT_STREAM_ERRORS"]
+__all__ = ["RangedReads", "Fetch", "plan_requests", "requested_bytes", "replaced_while_read",
+           "TRANSIENT_STREAM_ERRORS"]
 
 #: Neighbouring reads at most this far apart are joined into one request (the gap is read and dropped).
 _GAP = 256 << 10
@@ -48,26 +50,52 @@ Request = tuple[int, list[Any]]
 
 
 def plan_requests(fetches: list[Fetch], part_size: int, gap: int = _GAP) -> list[Request]:
-    """The requests of a batch: reads in offset order, long ones split at ``part_size``, neighbours
-    (no more than ``gap`` bytes apart, together at most ``part_size``) joined. Overlapping reads are
-    each requested on their own."""
-    pieces: list[tuple[int, memoryview]] = []
-    for offset, buf in fetches:
-        mv = memoryview(buf).cast("B")
-        for start in range(0, len(mv), part_size):
-            pieces.append((offset + start, mv[start:start + part_size]))
-    pieces.sort(key=lambda p: p[0])
+    """The requests of a batch: the reads in offset order, neighbours (at most ``gap`` bytes apart) joined into runs,
+    each run cut into requests of ``part_size`` bytes, the last one shorter; a read is split where a cut falls in it,
+    and a gap where one falls in it is not asked for. Overlapping reads are each requested on their own.
+
+    Cut at bytes, not at reads: joining only whole reads of at most ``part_size`` left requests part empty, one more
+    GET (a round trip, and a charge on the clouds) for every few tensors: the bench's 512 MB transformer over 16
+    threads, requests of 30 MiB, was 19 requests of 10-26 MiB where 16 carry it (a whole load 22 GETs, now 19).
+    """
     out: list[Request] = []
-    end = -1
-    for offset, mv in pieces:
-        if out and end <= offset <= end + gap and offset + len(mv) - out[-1][0] <= part_size:
+    end, room = -1, 0  # the end of the last read placed; the bytes the last request can still take
+    for offset, buf in sorted(fetches, key=lambda f: f[0]):
+        mv = memoryview(buf).cast("B")
+        if not len(mv):
+            continue
+        if out and end <= offset <= end + gap and offset - end < room:  # a neighbour: joins the last request
             if offset > end:
                 out[-1][1].append(offset - end)
-            out[-1][1].append(mv)
+                room -= offset - end
         else:
-            out.append((offset, [mv]))
-        end = offset + len(mv)
+            out.append((offset, []))
+            room = part_size
+        pos = offset
+        while True:
+            take = mv[:room]
+            out[-1][1].append(take)
+            room -= len(take)
+            pos += len(take)
+            mv = mv[len(take):]
+            if not len(mv):
+                break
+            out.append((pos, []))  # the request is full: the rest of the read starts the next one
+            room = part_size
+        end = offset + len(memoryview(buf).cast("B"))
     return out
+
+
+def requested_bytes(fetches: list[Fetch], gap: int = _GAP) -> int:
+    """The bytes :func:`plan_requests` asks for: every read's, and the gaps it joins (so that a batch cut into one
+    request per thread is not one more for the alignment padding between its tensors)."""
+    total, end = 0, None  # the end of the reads so far
+    for offset, buf in sorted(fetches, key=lambda f: f[0]):
+        n = memoryview(buf).nbytes
+        if n:
+            total += n + (offset - end if end is not None and end < offset <= end + gap else 0)
+            end = offset + n if end is None else max(end, offset + n)
+    return total
 
 
 def replaced_while_read(noun: str, url: str, entry: str | None, how: str = "changed") -> IncompleteCheckpointError:
@@ -138,7 +166,7 @@ class RangedReads:
                 raise TruncatedFileError(f"data [{offset}, +{n}) runs past the end of the {self.size}-byte object",
                                          path=self.url, entry=entry)
         wanted = [(o, b) for o, b in fetches if memoryview(b).nbytes]
-        requests = plan_requests(wanted, self.request_size(sum(memoryview(b).nbytes for _, b in wanted)))
+        requests = plan_requests(wanted, self.request_size(requested_bytes(wanted)))
         if len(requests) <= 1:
             for start, segments in requests:
                 self._get(start, segments, entry)

@@ -2,7 +2,8 @@
 
 - ``plan_requests`` (storage/s3/reads.py): every byte of every read is covered exactly once by the
   requests, in the right buffer; no request is longer than the part size; neighbours are joined
-  (property test over random batches); a batch of more parts than threads is one request per thread.
+  (property test over random batches); a run is cut at bytes into full requests; a batch of more parts than
+  threads is one request per thread, the padding between its tensors adding none.
 - ``part_size_for`` (storage/s3/uploads.py): at least 5 MiB, at most 10,000 parts for any size.
 - ``S3Options.of``: s3fs's names and aliases, unknown keys refused, S3's 5 MiB part minimum.
 - ``FetchReads.materialize`` (reading/fetches.py): any basic-indexing view of a placeholder reads
@@ -62,6 +63,19 @@ def test_neighbours_join_and_long_reads_split() -> None:
     assert len(plan_requests([(0, a), (300, b)], part_size=1000, gap=64)) == 2  # too far apart
 
 
+def test_a_run_is_cut_at_bytes_into_full_requests() -> None:
+    """A run of neighbouring reads becomes requests of exactly the part size (the last shorter), a read split where a
+    cut falls in it and a gap where one falls in it not asked for. Joining only whole reads made three 600-byte
+    neighbours three requests of a 1000-byte part."""
+    bufs = [bytearray(600) for _ in range(3)]
+    requests = plan_requests([(i * 600, b) for i, b in enumerate(bufs)], part_size=1000, gap=64)
+    assert [(s, [len(x) for x in segs]) for s, segs in requests] == [(0, [600, 400]), (1000, [200, 600])]
+    a, b = bytearray(990), bytearray(500)  # the cut falls in the 30-byte gap between them: the gap is dropped
+    requests = plan_requests([(0, a), (1020, b)], part_size=1000, gap=64)
+    assert [(s, [x if isinstance(x, int) else len(x) for x in segs]) for s, segs in requests] == [(0, [990]),
+                                                                                                (1020, [500])]
+
+
 class _Memory(RangedReads):
     """Ranged reads of an object held in memory, each request's length recorded."""
 
@@ -93,6 +107,17 @@ def test_a_large_batch_is_one_request_per_thread(size: int, concurrency: int, le
     reads.read([(100, bufs[0]), (100 + size // 2, bufs[1])])
     assert sorted(reads.lengths, reverse=True) == lengths
     assert bytes(bufs[0] + bufs[1]) == data[100:100 + size]
+
+
+def test_padding_between_tensors_does_not_add_a_request() -> None:
+    """A batch's request size counts the gaps it joins (``requested_bytes``): 16 tensors of 1000 bytes 24 bytes apart
+    (alignment padding) over 4 threads are 4 requests, not 4 and a short fifth for the padding's bytes."""
+    data = bytes((i * 13 + 5) % 251 for i in range(20_000))
+    reads = _Memory(data, part_size=2000, concurrency=4)  # a thread's share: 4090 bytes, about 2 parts
+    bufs = [bytearray(1000) for _ in range(16)]
+    reads.read([(i * 1024, b) for i, b in enumerate(bufs)])
+    assert len(reads.lengths) == 4
+    assert all(bytes(b) == data[i * 1024:i * 1024 + 1000] for i, b in enumerate(bufs))
 
 
 # ---------------------------------------------------------------------------- uploads and options
