@@ -76,6 +76,17 @@ class StoredFile(abc.ABC):
         for offset, buf in fetches:
             self.read_into(offset, buf, entry=entry)
 
+    def request_shape(self) -> tuple[int, int]:
+        """``(bytes, threads)``: the size of the requests a load of the whole file makes, and how many run at once
+        (an object store's ranged GETs: :meth:`read_request` reads one); a medium without requests of its own: the
+        whole file, one."""
+        return self.size, 1
+
+    def read_request(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
+        """:meth:`read_into` as one request of the medium (where ``read_into`` may split a long read among its
+        threads), for a caller that runs several at once itself: the cache's fetch (storage/cache/entry.py)."""
+        self.read_into(offset, buf, entry=entry)
+
     def read(self, offset: int, length: int, *, entry: str | None = None) -> bytearray:
         """``length`` bytes at ``offset``, in a new buffer; a range past the end raises TruncatedFileError first."""
         if offset < 0 or length < 0 or offset + length > self.size:

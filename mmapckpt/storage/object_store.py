@@ -78,6 +78,12 @@ class ObjectFile(StoredFile):
     def read_batch(self, fetches: list[tuple[int, Any]], *, entry: str | None = None) -> None:
         self._reads.read(fetches, entry)
 
+    def request_shape(self) -> tuple[int, int]:
+        return self._reads.request_size(self.size), self._reads.concurrency
+
+    def read_request(self, offset: int, buf: Any, *, entry: str | None = None) -> None:
+        self._reads.read([(offset, buf)], entry, request_bytes=memoryview(buf).nbytes)
+
 
 class ObjectStorage(CheckpointStorage):
     """A checkpoint at ``SCHEME://BUCKET/PREFIX`` (see the module docstring). A store's class sets ``location``

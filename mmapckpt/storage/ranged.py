@@ -158,15 +158,16 @@ class RangedReads:
         yet read, after a successful status; a CheckpointError otherwise (a version gone: ``replaced_while_read``)."""
         raise NotImplementedError
 
-    def read(self, fetches: list[Fetch], entry: str | None = None) -> None:
-        """Fill every buffer of ``fetches`` with the object's bytes at its offset (requests in parallel)."""
+    def read(self, fetches: list[Fetch], entry: str | None = None, request_bytes: int | None = None) -> None:
+        """Fill every buffer of ``fetches`` with the object's bytes at its offset (requests in parallel, at most
+        ``request_bytes`` long: :meth:`request_size` of the batch when None)."""
         for offset, buf in fetches:
             n = memoryview(buf).nbytes
             if offset < 0 or offset + n > self.size:
                 raise TruncatedFileError(f"data [{offset}, +{n}) runs past the end of the {self.size}-byte object",
                                          path=self.url, entry=entry)
         wanted = [(o, b) for o, b in fetches if memoryview(b).nbytes]
-        requests = plan_requests(wanted, self.request_size(requested_bytes(wanted)))
+        requests = plan_requests(wanted, request_bytes or self.request_size(requested_bytes(wanted)))
         if len(requests) <= 1:
             for start, segments in requests:
                 self._get(start, segments, entry)

@@ -57,13 +57,13 @@ _KILLED_CHILD = textwrap.dedent("""
     import os, signal, sys
     from mmapckpt.storage.s3 import reads
     real = reads.ObjectReads.read
-    def read(self, fetches, entry=None):  # the shard's bulk read: half of it, then killed
+    def read(self, fetches, entry=None, request_bytes=None):  # the shard's bulk read: half of it, then killed
         offset, buf = fetches[0]
         mv = memoryview(buf).cast("B")
         if len(mv) > 1 << 20:
-            real(self, [(offset, mv[:len(mv) // 2])], entry)
+            real(self, [(offset, mv[:len(mv) // 2])], entry, request_bytes)
             os.kill(os.getpid(), signal.SIGKILL)
-        real(self, fetches, entry)
+        real(self, fetches, entry, request_bytes)
     reads.ObjectReads.read = read
     import mmapckpt
     mmapckpt.load(sys.argv[1], storage_options={"cache_dir": sys.argv[2]})

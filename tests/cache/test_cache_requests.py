@@ -65,3 +65,26 @@ def test_a_stock_dcp_commit_and_a_damaged_record_are_listed(env, bucket, cache, 
     with s3_operations() as ops:
         mmapckpt.load(url, storage_options=opts)
     assert ops == ["HeadObject"], ops  # recorded again
+
+
+def test_the_fetch_asks_for_each_window_in_one_request_the_size_a_load_asks_for(env, bucket, cache, monkeypatch):
+    """The first load's fetch into the cache reads the shard in windows, each one GET of the size a load without the
+    cache asks for (``StoredFile.request_shape``; here capped at 4 MiB windows, with 1 MiB parts over 4 threads:
+    a load's requests are 4 MiB). The code before read each window as a batch of its own, cut into 1 MiB parts:
+    four times the GETs, each a quarter of a load's (radosgw, 1 GB: 1.96 s against 1.46 s, docs/benchmarks.md)."""
+    from s3_data import GetCounter
+
+    from mmapckpt.storage.cache import entry
+
+    monkeypatch.setattr(entry, "_WINDOW", 4 << 20)
+    g = torch.Generator().manual_seed(5)
+    sd = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(4)}  # 4 x 4 MiB
+    url = f"s3://{bucket}/windows"
+    mmapckpt.save(sd, url)
+    opts = {"cache_dir": cache, "part_size": 1 << 20, "concurrency": 4}
+    with GetCounter({"part_size": 1 << 20, "concurrency": 4}) as gets:
+        assert_same(mmapckpt.load(url, storage_options=opts), sd, "first: ")
+    bulk = [b - a for key, a, b in gets.ranges if key.endswith("__0_0.distcp") and a >= 64 << 10]
+    size = sum(t.nbytes for t in sd.values())
+    assert sum(bulk) >= size - (64 << 10) and len(bulk) <= -(-size // (4 << 20)) + 1, bulk
+    assert max(bulk) > 2 << 20, bulk  # a window is one request, not cut into 1 MiB parts
