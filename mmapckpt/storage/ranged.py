@@ -62,7 +62,8 @@ def plan_requests(fetches: list[Fetch], part_size: int, gap: int = _GAP) -> list
     end, room = -1, 0  # the end of the last read placed; the bytes the last request can still take
     for offset, buf in sorted(fetches, key=lambda f: f[0]):
         mv = memoryview(buf).cast("B")
-        if not len(mv):
+        n = len(mv)
+        if not n:
             continue
         if out and end <= offset <= end + gap and offset - end < room:  # a neighbour: joins the last request
             if offset > end:
@@ -71,18 +72,16 @@ def plan_requests(fetches: list[Fetch], part_size: int, gap: int = _GAP) -> list
         else:
             out.append((offset, []))
             room = part_size
-        pos = offset
         while True:
             take = mv[:room]
             out[-1][1].append(take)
             room -= len(take)
-            pos += len(take)
             mv = mv[len(take):]
             if not len(mv):
                 break
-            out.append((pos, []))  # the request is full: the rest of the read starts the next one
+            out.append((offset + n - len(mv), []))  # the request is full: the rest of the read starts the next one
             room = part_size
-        end = offset + len(memoryview(buf).cast("B"))
+        end = offset + n
     return out
 
 

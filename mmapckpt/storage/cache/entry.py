@@ -237,8 +237,8 @@ def _fetch_checked(rf: Any, mm: Any, mv: memoryview, start: int, checker: Checke
     each window one 64 MiB request, 8 in flight, 1.460 s (faster in 8 of 10 pairs). In flight (8 rounds): 4,
     1.779 s; 8, 1.538 s; 16, 1.572 s. Half the threads, as fast as all of them, leaves windows to complete in
     order while the last are fetched, for the load to copy out of."""
-    size, threads = rf.request_shape()
-    window = max(1, min(_WINDOW, size))
+    request, threads = rf.request_shape()
+    window = max(1, min(_WINDOW, request))
     windows = [(o, min(o + window, len(mv))) for o in range(start, len(mv), window)]
 
     def one(a: int, b: int) -> list[tuple[int, int, int]]:
