@@ -58,6 +58,21 @@ def test_header_agrees_with_its_own_records_and_with_no_other(specs, save_id, pi
         assert fmt.header_crcs(body, save_id, records[::-1]) is None or records[0][:5] == records[-1][:5]
 
 
+@pytest.mark.parametrize("spelled", ["ABCDEF12", "abcdefg1", "abcdef1", "abcdef12 ", "-bcdef12"])
+def test_a_crc_spelled_otherwise_than_the_writer_spells_it_is_refused(spelled) -> None:
+    """The writer spells each CRC-32 as 8 lower-case hex digits; a header whose CRC-32 text is anything else is not
+    the header written for the records (the per-entry checks then decide), and never a number read loosely."""
+    specs = [fmt.EntrySpec("a", (0, 0), "tensor", "bfloat16", (1, 4), 8), fmt.EntrySpec("b", None, "bytes", None, (), 3)]
+    plan = fmt.plan_shard(specs, 4096, "sid")
+    body = plan.header([0xABCDEF12, 7])[fmt.PREAMBLE_SIZE:]
+    records = _records(plan.entries)
+    assert fmt.header_crcs(body, "sid", records) == [0xABCDEF12, 7]
+    assert b'"crc32":"abcdef12"}' in body
+    tampered = body.replace(b'"crc32":"abcdef12"}', b'"crc32":"' + spelled.encode() + b'"}')
+    assert fmt.header_crcs(tampered, "sid", records) is None
+    assert not fmt.header_agrees(tampered, "sid", records)
+
+
 def _rewrite_compact(path, edit) -> None:
     """Replace the shard's header by ``edit(doc)`` in the writer's own compact spelling, checksum fixed."""
     data = bytearray(path.read_bytes())
