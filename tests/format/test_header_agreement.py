@@ -62,7 +62,8 @@ def test_header_agrees_with_its_own_records_and_with_no_other(specs, save_id, pi
 def test_a_crc_spelled_otherwise_than_the_writer_spells_it_is_refused(spelled) -> None:
     """The writer spells each CRC-32 as 8 lower-case hex digits; a header whose CRC-32 text is anything else is not
     the header written for the records (the per-entry checks then decide), and never a number read loosely."""
-    specs = [fmt.EntrySpec("a", (0, 0), "tensor", "bfloat16", (1, 4), 8), fmt.EntrySpec("b", None, "bytes", None, (), 3)]
+    specs = [fmt.EntrySpec("a", (0, 0), "tensor", "bfloat16", (1, 4), 8),
+             fmt.EntrySpec("b", None, "bytes", None, (), 3)]
     plan = fmt.plan_shard(specs, 4096, "sid")
     body = plan.header([0xABCDEF12, 7])[fmt.PREAMBLE_SIZE:]
     records = _records(plan.entries)
