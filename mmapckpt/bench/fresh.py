@@ -218,7 +218,7 @@ def _process(argv: list[str], env: dict[str, str], check: Callable[[str], bool])
     if proc.returncode != 0:
         return {"error": f"failed: exit status {proc.returncode}: {proc.stderr.strip()[-200:]}"}
     cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
-    return {"s": seconds, "cpu_s": cpu, "ok": check(proc.stdout), "bad": []}
+    return {"s": seconds, "cpu_s": cpu, "sys_s": r1.ru_stime - r0.ru_stime, "ok": check(proc.stdout), "bad": []}
 
 
 class _Fresh:
@@ -228,6 +228,7 @@ class _Fresh:
         self.work, self.threads, self.site = work, threads, site
         self.times: dict[str, dict[str, list[float]]] = {}
         self.cpu: dict[str, dict[str, list[float]]] = {}  # the same repetitions' CPU seconds (process_time)
+        self.sys: dict[str, dict[str, list[float]]] = {}  # and the system part of them
         self.cached: dict[str, list[float]] = {}
         self.ok: dict[str, bool] = {}
         self.skipped: dict[str, str] = {}
@@ -249,6 +250,7 @@ class _Fresh:
                 return
             self.times.setdefault(key, {}).setdefault(phase, []).append(got["s"])
             self.cpu.setdefault(key, {}).setdefault(phase, []).append(got["cpu_s"])
+            self.sys.setdefault(key, {}).setdefault(phase, []).append(got["sys_s"])
             self.ok[key] = self.ok.get(key, True) and bool(got["ok"])
             if not got["ok"]:
                 self.failed.setdefault(key, f"wrong data in {', '.join(got['bad']) or 'the bytes read'}")
@@ -328,7 +330,8 @@ def run_fresh(cfg: dict[str, Any], bench_dir: str, *, threads: int = 0,
                 "load_average_before": list(load_before), "load_average_after": list(os.getloadavg()),
                 "version": _version.__version__, "open_entries": entries, "bytecode": bytecode,
                 "read_choice_state": os.environ.get("MMAPCKPT_READ_CHOICE") or "default (the user's cache directory)"}
-        return fresh_report.document(info=info, times=run.times, cpu=run.cpu, cached=run.cached, ok=run.ok, skipped=run.skipped,
+        return fresh_report.document(info=info, times=run.times, cpu=run.cpu, system=run.sys, cached=run.cached,
+                                     ok=run.ok, skipped=run.skipped,
                                      failed=run.failed, methods=[_LIMIT, *cfg["methods"]], many=MANY_ROWS)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -43,10 +43,12 @@ def _row(m: Any, times: dict[str, list[float]], cpu: dict[str, list[float]], cac
 
 
 def document(*, info: dict[str, Any], times: dict[str, dict[str, list[float]]], cpu: dict[str, dict[str, list[float]]],
-             cached: dict[str, list[float]], ok: dict[str, bool], skipped: dict[str, str], failed: dict[str, str],
+             system: dict[str, dict[str, list[float]]], cached: dict[str, list[float]], ok: dict[str, bool],
+             skipped: dict[str, str], failed: dict[str, str],
              methods: list[Any], many: dict[str, tuple[str, str, bool]]) -> dict[str, Any]:
     """The JSON-ready result: the limit, a row per method that ran, the many-entry rows, what was skipped;
-    ``raw_times`` and ``raw_cpu_times`` hold every repetition's wall and CPU seconds, in the same order."""
+    ``raw_times``, ``raw_cpu_times`` and ``raw_sys_times`` hold every repetition's wall, CPU and system CPU
+    seconds, in the same order (a slow repetition whose extra time is system time was slowed in the kernel)."""
     limit_key = methods[0].key
     rows = [_row(m, times[m.key], cpu.get(m.key, {}), cached.get(m.key), ok.get(m.key, False))
             for m in methods if m.key in times]
@@ -66,7 +68,7 @@ def document(*, info: dict[str, Any], times: dict[str, dict[str, list[float]]], 
                 by[mine][f"{phase}_vs_safetensors"] = _ratio(by[theirs][phase], by[mine][phase])
     all_ok = not failed and all(r["bitwise"] for r in rows + many_rows)
     return {"run": info, "rows": rows, "many": many_rows, "skipped": skipped, "failed": failed,
-            "ok": all_ok, "raw_times": times, "raw_cpu_times": cpu}
+            "ok": all_ok, "raw_times": times, "raw_cpu_times": cpu, "raw_sys_times": system}
 
 
 def _cell(s: dict[str, Any] | None) -> str:

@@ -67,6 +67,12 @@ def test_fresh_quick_cli_gives_every_row_checked_bitwise(tmp_path) -> None:
         assert _stats_ok(r["first_cpu"]) and _stats_ok(r["second_cpu"]), r
     assert {k: {p: len(v) for p, v in t.items()} for k, t in doc["raw_cpu_times"].items()} == \
         {k: {p: len(v) for p, v in t.items()} for k, t in doc["raw_times"].items()}  # per repetition, both
+    # and the system part of each repetition's CPU seconds (getrusage's microseconds beside process_time's clock)
+    assert {k: {p: len(v) for p, v in t.items()} for k, t in doc["raw_sys_times"].items()} == \
+        {k: {p: len(v) for p, v in t.items()} for k, t in doc["raw_times"].items()}
+    for k, t in doc["raw_sys_times"].items():
+        for p, v in t.items():
+            assert all(0 <= s <= c + 0.01 for s, c in zip(v, doc["raw_cpu_times"][k][p])), (k, p)
     by = {r["method"]: r for r in doc["many"]}
     assert by["open_keys"]["first_vs_safetensors"] == (by["safetensors_keys"]["first"]["median_s"]
                                                        / by["open_keys"]["first"]["median_s"])
@@ -91,6 +97,7 @@ def test_a_load_is_checked_bit_for_bit_in_its_child(work) -> None:
     got = _child("load_into", work, env)
     assert got["ok"] is True
     assert 0 < got["cpu_s"] and 0 < got["s"]  # the child's CPU seconds (process_time) beside its wall seconds
+    assert 0 <= got["sys_s"] <= got["cpu_s"] + 0.01  # and their system part (getrusage)
     with open(os.path.join(work, "spec.json")) as f:
         spec = json.load(f)
     spec["tensors"]["b"][2] = "0" * 32  # the saved state dict said other bytes
