@@ -256,8 +256,9 @@ def _document(save_id: str | None, objects: list[str]) -> str:
 # patterns, compiled by ``re`` on first use and kept in its cache (compiling them at import costs every new process)
 _HASH_FIELD = r',"blake3":"[0-9a-f]{64}"(,"crc32_head":"[0-9a-f]{8}")?'
 _HASH_VALUE = r"[0-9a-f]{64}"
-_HEX = frozenset("0123456789abcdef")
 _HEAD_VALUE = r"[0-9a-f]{8}"
+#: the characters of a CRC-32 as the writer spells it
+_HEX = frozenset("0123456789abcdef")
 
 
 def header_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any, ...]]) -> list[int] | None:
@@ -283,7 +284,8 @@ def _agreeing_crcs(body: bytes, save_id: str | None, records: Sequence[tuple[Any
         text = re.sub(_HASH_FIELD, "", text)
     # each entry's CRC-32 follows its '"crc32":"' (a JSON string holds no bare quote); the document rebuilt from
     # them must then equal the text. No regular expression: compiling it was a new process's cost, the open of a
-    # 323-tensor checkpoint 2.93 -> 2.80 ms without it (20 fresh processes, alternating).
+    # 323-tensor checkpoint 2.93 -> 2.80 ms without it (20 fresh processes, alternating). Once compiled, it found
+    # them faster: in a long-lived process this check of a 323-entry header takes 293-297 us against 271-272 us.
     crcs = [p[:8] for p in text.split('"crc32":"')[1:]]
     joined = "".join(crcs)
     if len(crcs) != len(records) or len(joined) != 8 * len(crcs) or not set(joined) <= _HEX:
